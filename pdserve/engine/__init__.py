@@ -1,0 +1,1 @@
+"""The single-process engine: model, paged KV cache, scheduler, sampling (no network, no Ray)."""

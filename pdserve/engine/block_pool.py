@@ -1,0 +1,161 @@
+"""Block accounting for the paged KV cache, with automatic prefix caching.
+
+Every block is in exactly one of three states:
+
+    FREE       ref 0, no hash          -> handed out first by allocate()
+    CACHED     ref 0, hashed           -> reusable by a prefix match; evicted LRU
+    IN USE     ref > 0                 -> held by one or more sequences
+
+    allocate:  FREE/CACHED(evict, LRU first) -> IN USE
+    acquire:   CACHED -> IN USE, or IN USE ref+1 (a prefix hit)
+    release:   ref-1; at 0 -> CACHED if hashed, else FREE
+    commit:    give an IN USE full block its chained hash (BlockStored)
+    evict:     CACHED -> FREE, hash dropped (BlockRemoved)
+
+NOTE: only full blocks are ever hashed (see hashing.py), so partial blocks are
+never shared; a sequence writes into its partial tail block alone.
+
+The pool records BlockStored / BlockRemoved events; a publisher drains them
+(engine/events.py). Pure Python: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+
+from pdserve.engine.events import BlockRemoved, BlockStored, KVEvent
+
+
+class NoFreeBlocksError(RuntimeError):
+    """The pool cannot hand out the requested number of blocks right now."""
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._ref_counts = [0] * num_blocks
+        self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._cached_lru: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._hash_to_block: dict[bytes, int] = {}
+        self._events: deque[KVEvent] = deque()
+
+    # --- queries -------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks allocate() can hand out now (free plus evictable cached)."""
+        return len(self._free) + len(self._cached_lru)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._hash_to_block)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def block_hash(self, block_id: int) -> bytes | None:
+        return self._block_hash[block_id]
+
+    def match_prefix(self, block_hashes: Sequence[bytes]) -> list[int]:
+        """Block ids of the longest run of block_hashes cached here, from the start.
+
+        Takes no references: call acquire() on the result to use it.
+        """
+        matched: list[int] = []
+        for h in block_hashes:
+            block_id = self._hash_to_block.get(h)
+            if block_id is None:
+                break
+            matched.append(block_id)
+        return matched
+
+    def leaked_blocks(self) -> list[int]:
+        """Blocks still referenced; empty when every sequence has let go."""
+        return [b for b, ref in enumerate(self._ref_counts) if ref]
+
+    # --- transitions ---------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """n fresh private blocks (ref 1), evicting least-recently-used cached blocks if needed."""
+        if n > self.num_free_blocks:
+            raise NoFreeBlocksError(f"need {n} KV blocks, {self.num_free_blocks} free")
+        blocks = [self._take_one() for _ in range(n)]
+        for b in blocks:
+            self._ref_counts[b] = 1
+        return blocks
+
+    def acquire(self, block_ids: Iterable[int]) -> None:
+        """Take one more reference on each block (a prefix hit)."""
+        for b in block_ids:
+            if self._ref_counts[b] == 0:
+                del self._cached_lru[b]
+            self._ref_counts[b] += 1
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block.
+
+        NOTE: released tail-first, so a sequence's deepest blocks become the
+        least recently used and are evicted before the prefix others share.
+        """
+        for b in reversed(block_ids):
+            ref = self._ref_counts[b]
+            if ref <= 0:
+                raise RuntimeError(f"block {b} released more often than acquired")
+            self._ref_counts[b] = ref - 1
+            if ref == 1:
+                if self._block_hash[b] is None:
+                    self._free.append(b)
+                else:
+                    self._cached_lru[b] = None
+
+    def commit(self, block_id: int, block_hash: bytes, parent_hash: bytes | None,
+               token_ids: Sequence[int]) -> bool:
+        """Register a full, computed block under its chained hash.
+
+        Returns False (and leaves the block private) when another block already
+        holds that hash: two sequences computed the same prefix at once.
+        """
+        if self._ref_counts[block_id] == 0:
+            raise RuntimeError(f"block {block_id} committed while not in use")
+        if self._block_hash[block_id] is not None:
+            return self._block_hash[block_id] == block_hash
+        if block_hash in self._hash_to_block:
+            return False
+        self._block_hash[block_id] = block_hash
+        self._hash_to_block[block_hash] = block_id
+        self._events.append(BlockStored(block_hash, parent_hash, tuple(token_ids), block_id))
+        return True
+
+    def reset_cache(self) -> int:
+        """Evict every cached, unreferenced block; returns how many."""
+        n = len(self._cached_lru)
+        while self._cached_lru:
+            self._free.append(self._evict_lru())
+        return n
+
+    def drain_events(self) -> list[KVEvent]:
+        events = list(self._events)
+        self._events.clear()
+        return events
+
+    # --- internals -----------------------------------------------------
+    def _take_one(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        return self._evict_lru()
+
+    def _evict_lru(self) -> int:
+        block_id, _ = self._cached_lru.popitem(last=False)
+        block_hash = self._block_hash[block_id]
+        assert block_hash is not None
+        del self._hash_to_block[block_hash]
+        self._block_hash[block_id] = None
+        self._events.append(BlockRemoved(block_hash, block_id))
+        return block_id

@@ -1,0 +1,101 @@
+"""Frozen configuration for the engine, one dataclass per concern.
+
+Each is validated where it is built; the engine composes them and hands each
+component only its own part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+KV_DTYPES = ("float32", "float16", "bfloat16")
+KV_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder (names follow Hugging Face's config.json)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model config: num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})")
+
+    def kv_bytes_per_token(self, kv_dtype: str) -> int:
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, kv_dtype)
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> int:
+    """KV bytes = 2 (K and V) x layers x kv_heads x head_dim x bytes per element, per token."""
+    if kv_dtype not in KV_DTYPE_BYTES:
+        raise ValueError(f"kv dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    return 2 * num_layers * num_kv_heads * head_dim * KV_DTYPE_BYTES[kv_dtype]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size, dtype and how many blocks the pool holds."""
+
+    block_size: int = 16
+    kv_dtype: str = "float32"
+    num_blocks: int | None = None  # None: derived from kv_cache_gib
+    kv_cache_gib: float = 1.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_gib <= 0:
+            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+
+    def resolve_num_blocks(self, model: ModelConfig) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        bytes_per_block = model.kv_bytes_per_token(self.kv_dtype) * self.block_size
+        return max(1, int(self.kv_cache_gib * 2**30) // bytes_per_block)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching: a token budget per step (chunked prefill) and a cap on sequences."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str | None = None  # None: cuda when present, else cpu
+    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default

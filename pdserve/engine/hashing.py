@@ -1,0 +1,50 @@
+"""Chained block hashes: the one hashing module shared by workers and router.
+
+A KV row is valid only while every token before it is unchanged, so a block's
+identity is its own token ids *and* its whole prefix. Each full block's hash
+covers (parent hash, token ids, salt):
+
+    block 0: h0 = H(salt | ROOT | tokens[0:bs])
+    block 1: h1 = H(salt | h0   | tokens[bs:2bs])
+    block 2: h2 = H(salt | h1   | tokens[2bs:3bs])
+
+Editing token i changes the hash of block i // bs and of every block after it.
+The salt fingerprints what makes KV bytes comparable at all: model weights,
+tokenizer, block size and KV dtype. Two engines with different salts never
+share a hash. Partial (trailing) blocks get no hash: they are never shared.
+
+Pure: imports only the standard library, so the router can hash without torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+HASH_BYTES = 16
+ROOT_PARENT = b"\x00" * HASH_BYTES
+
+
+def cache_salt(model_fingerprint: str, block_size: int, kv_dtype: str) -> bytes:
+    """The fingerprint mixed into every block hash (model+tokenizer, block size, dtype)."""
+    text = f"pdserve-kv-v1|{model_fingerprint}|bs={block_size}|dtype={kv_dtype}"
+    return hashlib.sha256(text.encode()).digest()[:HASH_BYTES]
+
+
+def hash_block(parent: bytes, token_ids: Sequence[int], salt: bytes) -> bytes:
+    """Hash one full block given its parent's hash (ROOT_PARENT for the first block)."""
+    h = hashlib.blake2b(digest_size=HASH_BYTES, key=salt)
+    h.update(parent)
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    return h.digest()
+
+
+def hash_blocks(token_ids: Sequence[int], block_size: int, salt: bytes,
+                parent: bytes = ROOT_PARENT) -> list[bytes]:
+    """Hashes of every *full* block of token_ids, chained from parent."""
+    hashes: list[bytes] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start:start + block_size], salt)
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,209 @@
+"""A Llama-family decoder over a paged KV cache.
+
+RMSNorm, RoPE (configurable theta), grouped-query attention, SwiGLU, tied or
+untied embeddings. One forward runs a flat batch of T tokens that mixes
+decode tokens and prefill chunks of several sequences:
+
+    hidden [T, d] --(per layer)--> q,k,v --RoPE--> write k,v at slot_mapping
+        attention: decode tokens  -> one batched SDPA over their block tables
+                   prefill chunks -> one causal SDPA per chunk (fresh K/V when
+                                     the chunk starts at 0, else gathered)
+    --> norm --> lm_head on the sampled rows only
+
+KV cache layout: kv[layer, 0|1, block, offset, kv_head, head_dim], so the K
+(or V) rows of one block of one layer are contiguous bytes, which is what the
+KV wire codec sends. The cache may be stored in float16/bfloat16; compute is
+float32 on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class PrefillSegment:
+    """One prefill chunk: rows [q_start, q_start+q_len) of the batch, at positions from start."""
+
+    q_start: int
+    q_len: int
+    start: int
+    block_table: torch.Tensor  # [num_blocks] long
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each token's K/V goes and what each query attends to.
+
+    Batch rows are ordered: all decode tokens first, then prefill chunks.
+    """
+
+    slot_blocks: torch.Tensor  # [T] block id of each token's KV row
+    slot_offsets: torch.Tensor  # [T] offset inside that block
+    num_decode: int
+    decode_block_tables: torch.Tensor | None  # [B, max_blocks] long, padded
+    decode_context_lens: torch.Tensor | None  # [B] long
+    prefills: tuple[PrefillSegment, ...]
+
+
+LayerDoneCallback = Callable[[int], None]
+
+
+class RotaryEmbedding:
+    def __init__(self, head_dim: int, max_positions: int, theta: float, device: torch.device):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(device)
+        self.sin = emb.sin().to(device)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim]; rotate-half convention, as Hugging Face Llama."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+def sdpa_4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            causal: bool, scale: float) -> torch.Tensor:
+    """Attention of one sequence; q [Tq, H, D], k/v [Tk, KVH, D] -> [Tq, H, D].
+
+    NOTE: inputs go in as 4-D [1, heads, T, D]: with 3-D inputs torch's CPU SDPA
+    falls back to the math kernel, about 8x slower at 2,048 tokens.
+    """
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+class LlamaModel:
+    """Weights plus the forward pass. Stateless apart from the weights."""
+
+    def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor],
+                 device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        c = config
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+        self.scale = c.head_dim ** -0.5
+        sd = {k: v.to(device=device, dtype=torch.float32) for k, v in state_dict.items()}
+        self.embed = sd["model.embed_tokens.weight"]
+        self.lm_head = self.embed if c.tie_word_embeddings else sd["lm_head.weight"]
+        self.final_norm = sd["model.norm.weight"]
+        self.layers = [self._layer_weights(sd, i) for i in range(c.num_layers)]
+        self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, device)
+
+    @staticmethod
+    def _layer_weights(sd: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        return {
+            # NOTE: fused projections: one GEMM for q/k/v and one for gate/up.
+            "qkv": torch.cat([sd[a + "q_proj.weight"], sd[a + "k_proj.weight"], sd[a + "v_proj.weight"]]),
+            "o": sd[a + "o_proj.weight"],
+            "gate_up": torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]]),
+            "down": sd[m + "down_proj.weight"],
+            "ln1": sd[p + "input_layernorm.weight"],
+            "ln2": sd[p + "post_attention_layernorm.weight"],
+        }
+
+    # --- paged forward ---------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor, logit_rows: torch.Tensor,
+                on_layer_done: LayerDoneCallback | None = None) -> torch.Tensor:
+        """Run T tokens through the model; returns float32 logits for logit_rows only."""
+        h = self.embed[input_ids]
+        for i, w in enumerate(self.layers):
+            h = h + self._attention(rms_norm(h, w["ln1"], self.config.rms_norm_eps), positions,
+                                    w, kv_cache[i], meta)
+            h = h + self._mlp(rms_norm(h, w["ln2"], self.config.rms_norm_eps), w)
+            if on_layer_done is not None:
+                on_layer_done(i)
+        h = rms_norm(h[logit_rows], self.final_norm, self.config.rms_norm_eps)
+        return F.linear(h, self.lm_head)
+
+    def _mlp(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        gate, up = F.linear(x, w["gate_up"]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, w["down"])
+
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor, w: dict[str, torch.Tensor]):
+        c = self.config
+        q, k, v = F.linear(x, w["qkv"]).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.rope.apply(q.view(-1, c.num_heads, c.head_dim), positions)
+        k = self.rope.apply(k.view(-1, c.num_kv_heads, c.head_dim), positions)
+        return q, k, v.view(-1, c.num_kv_heads, c.head_dim)
+
+    def _attention(self, x, positions, w, layer_cache: torch.Tensor, meta: AttentionMetadata):
+        q, k, v = self._qkv(x, positions, w)
+        if layer_cache.dtype != k.dtype:
+            # NOTE: round fresh K/V to the cache dtype so every path (fresh prefill, prefix
+            # hit, transferred, decode) attends over the very same values.
+            k, v = k.to(layer_cache.dtype), v.to(layer_cache.dtype)
+        layer_cache[0, meta.slot_blocks, meta.slot_offsets] = k
+        layer_cache[1, meta.slot_blocks, meta.slot_offsets] = v
+        k, v = k.float(), v.float()
+        out = torch.empty_like(q)
+        nd = meta.num_decode
+        if nd:
+            out[:nd] = self._decode_attention(q[:nd], layer_cache, meta)
+        for seg in meta.prefills:
+            rows = slice(seg.q_start, seg.q_start + seg.q_len)
+            out[rows] = self._prefill_attention(q[rows], k[rows], v[rows], seg, layer_cache)
+        return F.linear(out.view(-1, self.q_size), w["o"])
+
+    def _decode_attention(self, q: torch.Tensor, layer_cache: torch.Tensor,
+                          meta: AttentionMetadata) -> torch.Tensor:
+        """q: [B, H, D], one query per sequence, keys gathered from padded block tables."""
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        b = q.shape[0]
+        keys = layer_cache[0][tables].view(b, -1, self.config.num_kv_heads, self.config.head_dim)
+        values = layer_cache[1][tables].view(b, -1, self.config.num_kv_heads, self.config.head_dim)
+        mask = torch.arange(keys.shape[1], device=q.device)[None, :] < lens[:, None]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys.transpose(1, 2).float(), values.transpose(1, 2).float(),
+            attn_mask=mask[:, None, None, :], scale=self.scale, enable_gqa=True)
+        return out.squeeze(2)
+
+    def _prefill_attention(self, q, k, v, seg: PrefillSegment, layer_cache: torch.Tensor):
+        """Causal attention of one chunk; earlier context comes from the cache."""
+        if seg.start == 0:
+            keys, values, mask, causal = k, v, None, True
+        else:
+            ctx = seg.start + seg.q_len
+            keys = layer_cache[0][seg.block_table].flatten(0, 1)[:ctx].float()
+            values = layer_cache[1][seg.block_table].flatten(0, 1)[:ctx].float()
+            q_pos = torch.arange(seg.start, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+            causal = False
+        out = sdpa_4d(q, keys, values, mask, causal, self.scale)
+        return out
+
+    # --- reference -----------------------------------------------------------------
+    def reference_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """No-cache reference: the whole sequence recomputed densely; logits of every position."""
+        ids = torch.tensor(token_ids, device=self.device)
+        pos = torch.arange(len(token_ids), device=self.device)
+        h = self.embed[ids]
+        for w in self.layers:
+            x = rms_norm(h, w["ln1"], self.config.rms_norm_eps)
+            q, k, v = self._qkv(x, pos, w)
+            attn = sdpa_4d(q, k, v, None, True, self.scale)
+            h = h + F.linear(attn.reshape(-1, self.q_size), w["o"])
+            h = h + self._mlp(rms_norm(h, w["ln2"], self.config.rms_norm_eps), w)
+        return F.linear(rms_norm(h, self.final_norm, self.config.rms_norm_eps), self.lm_head)

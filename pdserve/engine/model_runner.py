@@ -1,0 +1,90 @@
+"""Turns a scheduled step into tensors, runs the model, returns logits.
+
+Owns the KV cache tensor: kv[layer, k|v, block, offset, kv_head, head_dim].
+
+Token rows are ordered decode tokens first, then prefill chunks, so decode
+attention is one batched call over a contiguous slice (see model.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.model import AttentionMetadata, LayerDoneCallback, LlamaModel, PrefillSegment
+from pdserve.engine.scheduler import ScheduledChunk
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor
+    sampled: list[ScheduledChunk]  # chunks whose logits come back, in logit_rows order
+
+
+def allocate_kv_cache(model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: str) -> torch.Tensor:
+    c = model.config
+    # NOTE: zeros, not empty: padded decode attention multiplies masked rows by 0,
+    # and 0 * NaN from uninitialised memory would poison the output.
+    return torch.zeros(c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim,
+                       dtype=TORCH_DTYPES[kv_dtype], device=model.device)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = model.device
+
+    @torch.inference_mode()
+    def run(self, chunks: list[ScheduledChunk],
+            on_layer_done: LayerDoneCallback | None = None) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+        inputs = self.prepare(chunks)
+        logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache,
+                                    inputs.logit_rows, on_layer_done)
+        return logits, inputs.sampled
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
+        decodes = [c for c in chunks if c.num_tokens == 1 and c.start > 0]
+        prefills = [c for c in chunks if not (c.num_tokens == 1 and c.start > 0)]
+        ordered = decodes + prefills
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_blocks: list[int] = []
+        logit_rows: list[int] = []
+        sampled: list[ScheduledChunk] = []
+        segments: list[PrefillSegment] = []
+        bs = self.block_size
+        for c in ordered:
+            q_start = len(ids)
+            ids.extend(c.seq.token_ids[c.start:c.end])
+            positions.extend(range(c.start, c.end))
+            table = c.seq.block_ids
+            slot_blocks.extend(table[p // bs] for p in range(c.start, c.end))
+            if c.samples:
+                logit_rows.append(len(ids) - 1)
+                sampled.append(c)
+            if not (c.num_tokens == 1 and c.start > 0):
+                segments.append(PrefillSegment(q_start, c.num_tokens, c.start, self._tensor(table)))
+        pos = self._tensor(positions)
+        meta = AttentionMetadata(
+            slot_blocks=self._tensor(slot_blocks), slot_offsets=pos % bs, num_decode=len(decodes),
+            decode_block_tables=self._padded_tables(decodes) if decodes else None,
+            decode_context_lens=self._tensor([c.end for c in decodes]) if decodes else None,
+            prefills=tuple(segments))
+        return StepInputs(self._tensor(ids), pos, meta, self._tensor(logit_rows), sampled)
+
+    def _padded_tables(self, decodes: list[ScheduledChunk]) -> torch.Tensor:
+        width = max(-(-c.end // self.block_size) for c in decodes)
+        rows = [c.seq.block_ids[:width] + [0] * (width - min(width, len(c.seq.block_ids)))
+                for c in decodes]
+        return self._tensor(rows)
+
+    def _tensor(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -1,0 +1,124 @@
+"""Request state inside one engine.
+
+Lifecycle of a Sequence:
+
+    WAITING --schedule--> RUNNING --last token / stop / max_tokens--> FINISHED_*
+       ^                    |
+       +----- preempt ------+   (blocks released, KV recomputed on resume)
+    any state --abort--> FINISHED_ABORTED (blocks released at once)
+
+A RUNNING sequence is prefilling while num_computed_tokens < len(prompt) and
+decoding afterwards; chunked prefill may take several steps.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.engine.hashing import ROOT_PARENT, hash_block
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. temperature 0 is greedy; top_k 0 and top_p 1 are off."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    computed_tokens: int = 0  # prompt tokens this request had to compute
+    completion_tokens: int = 0
+    preemptions: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "computed_tokens": self.computed_tokens,
+                "completion_tokens": self.completion_tokens}
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival: int
+    token_ids: list[int] = field(init=False)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_committed_blocks: int = 0
+    admitted_once: bool = False
+    usage: Usage = field(default_factory=Usage)
+    generator: Any = None  # the engine's per-request RNG (torch.Generator)
+    text: str = ""
+    _block_hashes: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.usage.prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    def full_block_hashes(self, block_size: int, salt: bytes) -> list[bytes]:
+        """Chained hashes of every full block of token_ids (extended incrementally)."""
+        hashes = self._block_hashes
+        while (len(hashes) + 1) * block_size <= self.num_tokens:
+            start = len(hashes) * block_size
+            parent = hashes[-1] if hashes else ROOT_PARENT
+            hashes.append(hash_block(parent, self.token_ids[start:start + block_size], salt))
+        return hashes

@@ -1,0 +1,45 @@
+"""Chained block hashes: known answers, prefix dependence, salt separation."""
+
+from pdserve.engine.hashing import ROOT_PARENT, cache_salt, hash_block, hash_blocks
+
+
+def test_known_answers():
+    # Pinned values: a change here changes every hash in every running index.
+    salt = cache_salt("abc", 16, "float32")
+    assert salt.hex() == "fd01100642c1392e63ed596ae4987425"
+    assert hash_block(ROOT_PARENT, [1, 2, 3, 4], salt).hex() == "aab4016c90dbcd954793d9428e1d3780"
+    assert [h.hex() for h in hash_blocks([1, 7, 7, 3, 9, 4, 2, 8], 4, b"k" * 16)] == [
+        "15df246c5db7af9df12582f4ee1f95fc", "abdf66c2fb22d7732dacd20e67a11023"]
+
+
+def test_only_full_blocks_are_hashed():
+    salt = cache_salt("m", 4, "float32")
+    assert len(hash_blocks(list(range(7)), 4, salt)) == 1
+    assert len(hash_blocks(list(range(8)), 4, salt)) == 2
+    assert hash_blocks([1, 2, 3], 4, salt) == []
+
+
+def test_edit_invalidates_its_block_and_everything_after():
+    salt = cache_salt("m", 4, "float32")
+    base = hash_blocks(list(range(16)), 4, salt)
+    edited_ids = list(range(16))
+    edited_ids[5] = 99  # block 1
+    edited = hash_blocks(edited_ids, 4, salt)
+    assert edited[0] == base[0]
+    assert all(a != b for a, b in zip(edited[1:], base[1:]))
+
+
+def test_same_tokens_under_another_prefix_hash_differently():
+    salt = cache_salt("m", 2, "float32")
+    a = hash_blocks([1, 2, 3, 4], 2, salt)
+    b = hash_blocks([9, 9, 3, 4], 2, salt)
+    assert a[1] != b[1]  # block [3, 4] is tied to its whole prefix
+
+
+def test_salt_separates_models_block_sizes_and_dtypes():
+    ids = list(range(32))
+    salts = [cache_salt("m1", 16, "float32"), cache_salt("m2", 16, "float32"),
+             cache_salt("m1", 16, "float16")]
+    first_hashes = {hash_blocks(ids, 16, s)[0] for s in salts}
+    assert len(first_hashes) == 3
+    assert cache_salt("m1", 8, "float32") != cache_salt("m1", 16, "float32")
