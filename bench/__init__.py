@@ -1,0 +1,1 @@
+"""Benchmarks that report ratios against a peer measured in the same run."""

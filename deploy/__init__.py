@@ -1,0 +1,1 @@
+"""Deployment: the local launcher (embedded Redis, local Ray) and cluster configs."""

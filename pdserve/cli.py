@@ -1,0 +1,203 @@
+"""The `pdserve` command line: plan, generate, up.
+
+`plan` is pure arithmetic and runs here. `generate` and `up` import their
+handlers only when invoked, so `pdserve plan` and `--help` start without torch.
+A ValueError or FileNotFoundError from a handler is a user error: it is printed
+as `error: ...` and the exit code is 2, like argparse's own usage errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from pdserve import __version__
+from pdserve.engine.config import KV_DTYPES, CacheConfig, SchedulerConfig
+
+KIB, MIB, GIB = 2**10, 2**20, 2**30
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="Prefill/decode disaggregated LLM serving.")
+    parser.add_argument("--version", action="version", version=f"pdserve {__version__}",
+                        help="print the version and exit")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     help="one of the commands below")
+    _add_plan(commands)
+    _add_generate(commands)
+    _add_up(commands)
+    return parser
+
+
+# --- plan ---------------------------------------------------------------------------------------
+
+def _add_plan(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "plan", help="KV cache memory for a model shape and context length",
+        description="KV bytes = 2 x layers x kv_heads x head_dim x bytes per element, per token. "
+                    "Give the shape with --layers/--kv-heads/--head-dim, or read it with --model.")
+    p.add_argument("--model", metavar="PATH",
+                   help="read layers, KV heads and head dim from a Hugging Face model folder "
+                        "(config.json) or a .gguf file, instead of --layers/--kv-heads/--head-dim")
+    p.add_argument("--layers", type=int, help="number of decoder layers (config.json: num_hidden_layers)")
+    p.add_argument("--kv-heads", type=int,
+                   help="number of key/value heads (config.json: num_key_value_heads; "
+                        "fewer than attention heads under grouped-query attention)")
+    p.add_argument("--head-dim", type=int, help="dimension of one attention head, e.g. 128")
+    p.add_argument("--dtype", choices=KV_DTYPES, default=CacheConfig().kv_dtype,
+                   help="element type of the KV cache (default: %(default)s, the engine's default)")
+    p.add_argument("--tokens", type=int, required=True, help="tokens per sequence (prompt + output)")
+    p.add_argument("--sequences", type=int, default=1,
+                   help="sequences held at once (default: %(default)s)")
+    p.add_argument("--memory-gib", type=float,
+                   help="memory budget for the KV cache in GiB; adds how many sequences and tokens fit")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(handler=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from pdserve.plan import plan_for_model, plan_kv
+
+    shape_flags = {"--layers": args.layers, "--kv-heads": args.kv_heads, "--head-dim": args.head_dim}
+    if args.model is not None:
+        given = [flag for flag, value in shape_flags.items() if value is not None]
+        if given:
+            raise ValueError(f"--model sets the shape; drop {', '.join(given)} or drop --model")
+        plan = plan_for_model(args.model, args.dtype, args.tokens, args.sequences, args.memory_gib)
+    else:
+        missing = [flag for flag, value in shape_flags.items() if value is None]
+        if missing:
+            raise ValueError(
+                f"missing {', '.join(missing)}: give the model shape, or --model PATH to read it")
+        plan = plan_kv(args.layers, args.kv_heads, args.head_dim, args.dtype,
+                       args.tokens, args.sequences, args.memory_gib)
+
+    if args.json:
+        print(json.dumps(plan.as_dict()))
+        return 0
+    s = plan.shape
+    print(f"KV cache: {s.num_layers} layers x {s.num_kv_heads} KV heads x head_dim {s.head_dim}, "
+          f"{plan.dtype}")
+    rows = [
+        ("per token", plan.bytes_per_token, ""),
+        ("per sequence", plan.bytes_per_sequence, f"{plan.tokens:,} tokens"),
+        ("total", plan.bytes_total, f"{plan.sequences:,} x {plan.tokens:,} tokens"),
+    ]
+    for label, nbytes, note in rows:
+        print(f"  {label:<13}{nbytes:>18,} B  {_human(nbytes):>11}  {note}".rstrip())
+    if plan.memory_gib is not None:
+        verdict = "fits" if plan.sequences_that_fit >= plan.sequences else "does NOT fit"
+        print(f"  in {plan.memory_gib:g} GiB: {plan.sequences_that_fit:,} sequences of "
+              f"{plan.tokens:,} tokens ({plan.tokens_that_fit:,} tokens in all); the total {verdict}")
+    return 0
+
+
+def _human(nbytes: int) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
+        if nbytes >= size:
+            return f"{nbytes / size:,.2f} {unit}"
+    return f"{nbytes} B"
+
+
+# --- generate -----------------------------------------------------------------------------------
+
+def _add_generate(commands: argparse._SubParsersAction) -> None:
+    cache, sched = CacheConfig(), SchedulerConfig()
+    p = commands.add_parser(
+        "generate", help="generate text for a prompt, in-process (--local) or through a router",
+        description="Generate a completion. The prompt goes through the model's chat template "
+                    "unless --raw or --token-ids is given.")
+    p.add_argument("prompt", nargs="?", help="the user message (omit when using --token-ids or --input)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--local", action="store_true",
+                       help="run the engine in this process (what happens anyway until the router exists)")
+    where.add_argument("--router", metavar="HOST:PORT", help="address of a running pdserve router")
+    p.add_argument("--model", metavar="PATH",
+                   help="model for --local: a Hugging Face Llama-family folder or a .gguf file "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--raw", action="store_true",
+                   help="send the prompt text as is, without the chat template")
+    p.add_argument("--token-ids", metavar="1,2,3",
+                   help="send these comma-separated token ids as the prompt, skipping the tokenizer "
+                        "and chat template")
+    p.add_argument("--system", metavar="TEXT", help="system message for the chat template")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature; 0 means greedy (default: %(default)s, as in vLLM)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample only from the k most likely tokens; 0 turns it off (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the smallest set of tokens whose probability reaches p; "
+                        "1.0 turns it off (default: %(default)s)")
+    p.add_argument("--seed", type=int, help="random seed, for reproducible sampling")
+    p.add_argument("--max-tokens", type=int, default=128,
+                   help="most tokens to generate (default: %(default)s)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when the output contains TEXT; repeat for several stop strings")
+    p.add_argument("--block-size", type=int, default=cache.block_size,
+                   help="tokens per KV cache block for --local (default: %(default)s)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=cache.kv_dtype,
+                   help="KV cache element type for --local (default: %(default)s)")
+    p.add_argument("--num-blocks", type=int,
+                   help=f"KV cache blocks for --local (default: as many as {cache.kv_cache_gib:g} GiB holds)")
+    p.add_argument("--max-batched-tokens", type=int, default=sched.max_num_batched_tokens,
+                   help="token budget per engine step, which sets the prefill chunk size "
+                        "(default: %(default)s)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object per request (text, token ids, finish reason, usage) "
+                        "instead of streaming text")
+    p.add_argument("--input", metavar="FILE.jsonl",
+                   help="read requests from a JSON Lines file, one request object per line")
+    p.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
+    p.set_defaults(handler=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from pdserve.generate_cli import run_generate
+
+    return run_generate(args)
+
+
+# --- up -----------------------------------------------------------------------------------------
+
+def _add_up(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "up", help="start a local cluster (for now: the engine in-process on a sample chat)",
+        description="Start embedded Redis, local Ray, prefill and decode workers and a router. "
+                    "Until the cluster lands, this runs the engine in-process on a sample chat.")
+    p.add_argument("--model", metavar="PATH",
+                   help="Hugging Face Llama-family folder or .gguf file "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--port", type=int, default=50051,
+                   help="port of the router's gRPC endpoint (default: %(default)s)")
+    p.add_argument("--prefill", type=int, default=1, metavar="N",
+                   help="number of prefill workers (default: %(default)s)")
+    p.add_argument("--decode", type=int, default=1, metavar="M",
+                   help="number of decode workers (default: %(default)s)")
+    p.add_argument("--redis-url", metavar="URL",
+                   help="Redis for the prefix index, e.g. redis://host:6379/0 "
+                        "(default: start an embedded redis-server on a free loopback port)")
+    p.add_argument("--address", metavar="RAY_ADDRESS",
+                   help="Ray cluster to join, e.g. host:6379 or auto (default: start a local Ray)")
+    p.set_defaults(handler=_run_up)
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from pdserve.generate_cli import run_up
+
+    return run_up(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Protobuf sources and the gRPC stubs that `make protos` generates from them."""

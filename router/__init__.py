@@ -1,0 +1,1 @@
+"""Router: the gRPC front door that picks prefill and decode workers by longest cached prefix."""
