@@ -1,0 +1,418 @@
+"""Tokenizer and chat template for byte-level BPE (GPT-2 style) Llama-family models.
+
+Two sources end in the same object, a `tokenizers.Tokenizer` plus the chat template and the
+names of the special tokens:
+
+    GGUF metadata (tokenizer.ggml.*) --from_gguf_metadata--+
+                                                           +--> Tokenizer: encode / decode /
+    HF directory (tokenizer.json, tokenizer_config.json) --+    render_chat / apply_chat_template
+
+A GGUF stores only the vocabulary, the merges, the token types and a short name for the
+pre-tokenizer (`tokenizer.ggml.pre`); how to split text before BPE is implied by that name, and
+we follow llama.cpp's table for it (llama-vocab.cpp). That matters: SmolLM2 ("smollm") splits
+every digit on its own before the GPT-2 regex, and transformers' GGUF loader, which does not
+know "smollm", does not -- so "  123" encodes differently there (see tests/engine/test_tokenizer.py).
+
+The chat template is rendered the way transformers' apply_chat_template renders it: a sandboxed
+jinja2 environment with trim_blocks/lstrip_blocks, the same globals and filters, and the special
+token names as variables; the result is encoded with no extra special tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
+GGUF_TOKEN_CONTROL = 3  # llama.cpp's token types: 1 normal, 3 control, 4 user-defined
+GGUF_TOKEN_USER_DEFINED = 4
+
+# llama.cpp (llama-vocab.cpp): these pre-tokenizer names split each digit (\p{N}) first, then
+# apply the GPT-2 regex. In `tokenizers` terms: Digits(individual) then ByteLevel(use_regex).
+_DIGITS_THEN_GPT2 = frozenset(
+    {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"})
+# The plain GPT-2 regex (ByteLevel's own).
+_GPT2 = frozenset({"default", "gpt-2", "gpt2", "mpt", "olmo", "jais"})
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Names whose regex replaces ByteLevel's: Split(regex, isolated) then ByteLevel(use_regex=False).
+_SPLIT_REGEXES = MappingProxyType({
+    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+})
+
+# Tokens that end a turn in common chat formats. One counts as an end-of-sequence id when it is a
+# special token of this vocabulary and the chat template writes it.
+_TURN_TERMINATORS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """The named special tokens, as text (the chat template sees them under these names)."""
+
+    bos: str | None = None
+    eos: str | None = None
+    unk: str | None = None
+    pad: str | None = None
+
+    def template_variables(self) -> dict[str, str]:
+        names = {"bos_token": self.bos, "eos_token": self.eos, "unk_token": self.unk, "pad_token": self.pad}
+        return {name: value for name, value in names.items() if value is not None}
+
+
+class Tokenizer:
+    """Text <-> token ids, plus the model's chat template. Immutable once built."""
+
+    def __init__(self, backend: BackendTokenizer, *, chat_template: str | None = None,
+                 special_tokens: SpecialTokens | None = None) -> None:
+        special_tokens = special_tokens or SpecialTokens()
+        self._backend = backend
+        self._special_tokens = special_tokens
+        self._chat_template = chat_template
+        self._template = _compile_template(chat_template) if chat_template else None
+        self._special_ids = frozenset(
+            token_id for token_id, token in backend.get_added_tokens_decoder().items() if token.special)
+        for name, token in vars(special_tokens).items():
+            if token is not None and backend.token_to_id(token) is None:
+                raise ValueError(f"{name} token {token!r} is not in the vocabulary")
+
+    # --- construction --------------------------------------------------------------
+    @classmethod
+    def from_gguf_metadata(cls, source: Any) -> Tokenizer:
+        """Build from a `gguf.GGUFReader` or a mapping of its metadata (key -> value)."""
+        metadata = read_gguf_metadata(source) if hasattr(source, "fields") else source
+        tokens = _require(metadata, "tokenizer.ggml.tokens")
+        kind = metadata.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(
+                f"GGUF tokenizer.ggml.model is {kind!r}; pdserve reads byte-level BPE ('gpt2') vocabularies "
+                "from GGUF. Load the model's Hugging Face directory (tokenizer.json) instead.")
+        backend = _gguf_backend(metadata, [str(token) for token in tokens])
+        special = SpecialTokens(
+            bos=_gguf_token(metadata, tokens, "bos_token_id"),
+            eos=_gguf_token(metadata, tokens, "eos_token_id"),
+            unk=_gguf_token(metadata, tokens, "unknown_token_id"),
+            pad=_gguf_token(metadata, tokens, "padding_token_id"),
+        )
+        _set_post_processor(backend, special,
+                            bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+                            bool(metadata.get("tokenizer.ggml.add_eos_token", False)))
+        return cls(backend, chat_template=metadata.get("tokenizer.chat_template"), special_tokens=special)
+
+    @classmethod
+    def from_files(cls, directory: str | Path) -> Tokenizer:
+        """Build from a Hugging Face directory: tokenizer.json (+ tokenizer_config.json, chat template)."""
+        directory = Path(directory)
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} not found: pdserve needs the fast-tokenizer file tokenizer.json next to config.json "
+                "(save the tokenizer with transformers' save_pretrained to produce it)")
+        backend = BackendTokenizer.from_file(str(path))
+        config = _read_json(directory / "tokenizer_config.json")
+        token_map = _read_json(directory / "special_tokens_map.json")
+        names = {name: _token_text(config.get(f"{name}_token", token_map.get(f"{name}_token")))
+                 for name in ("bos", "eos", "unk", "pad")}
+        return cls(backend, chat_template=_hf_chat_template(directory, config),
+                   special_tokens=SpecialTokens(**names))
+
+    # --- encoding ------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of text. Special tokens written in text (e.g. <|im_start|>) stay whole."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text the chat template makes of messages (as transformers renders it)."""
+        if self._template is None:
+            raise ValueError("this tokenizer has no chat template (tokenizer.chat_template in GGUF, "
+                             "chat_template in tokenizer_config.json); encode a plain prompt instead")
+        # Like transformers: keys whose value is None are dropped, as templates test for presence.
+        chat = [{key: value for key, value in dict(message).items() if value is not None}
+                for message in messages]
+        return self._template.render(messages=chat, tools=None, documents=None,
+                                     add_generation_prompt=add_generation_prompt,
+                                     **self._special_tokens.template_variables())
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                            add_generation_prompt: bool = True) -> list[int]:
+        """render_chat, then encode with no special tokens added (the template writes them)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+    # --- facts ---------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.token_to_id(self._special_tokens.bos)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The eos id, then every special turn terminator the chat template writes."""
+        template = self._chat_template or ""
+        terminators = [self.token_to_id(token) for token in _TURN_TERMINATORS if token in template]
+        ids = [self.token_to_id(self._special_tokens.eos)] + [i for i in terminators if self.is_special(i)]
+        return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+    @property
+    def special_tokens(self) -> SpecialTokens:
+        return self._special_tokens
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self._backend.token_to_id(token)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    def to_json(self) -> str:
+        """The tokenizer.json form of this tokenizer."""
+        return self._backend.to_str()
+
+    def save(self, directory: str | Path, *, chat_template: str | None = None) -> None:
+        """Write tokenizer.json and tokenizer_config.json (chat_template overrides this one's)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._backend.save(str(directory / "tokenizer.json"))
+        config: dict[str, Any] = {
+            # Loads tokenizer.json as written; a model-specific class could rebuild its pre-tokenizer.
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": 1 << 30,
+            **self._special_tokens.template_variables(),
+        }
+        template = chat_template if chat_template is not None else self._chat_template
+        if template is not None:
+            config["chat_template"] = template
+        text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
+        (directory / "tokenizer_config.json").write_text(text, encoding="utf-8")
+
+    def fingerprint(self) -> bytes:
+        """sha256 over what decides ids and prompts: vocab, merges, added tokens, pipeline, template."""
+        return self._fingerprint
+
+    @cached_property
+    def _fingerprint(self) -> bytes:
+        spec = json.loads(self._backend.to_str())
+        model = spec.get("model") or {}
+        vocab = model.get("vocab") or {}
+        canonical = {
+            "format": "pdserve-tokenizer-v1",
+            "model_type": model.get("type"),
+            "vocab": sorted(vocab.items(), key=lambda item: item[1]) if isinstance(vocab, dict) else vocab,
+            "merges": [" ".join(m) if isinstance(m, list) else m for m in model.get("merges") or []],
+            "added_tokens": sorted((t["id"], t["content"], t["special"])
+                                   for t in spec.get("added_tokens") or []),
+            "pipeline": {key: spec.get(key) for key in ("normalizer", "pre_tokenizer", "decoder")},
+            "post_processor": _effective_post_processor(spec.get("post_processor")),
+            "special_tokens": vars(self._special_tokens),
+            "chat_template": self._chat_template,
+        }
+        blob = json.dumps(canonical, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).digest()
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(vocab_size={self.vocab_size}, bos={self._special_tokens.bos!r}, "
+                f"eos_token_ids={self.eos_token_ids}, chat_template={self._template is not None})")
+
+
+def _effective_post_processor(spec: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """None for a template that adds nothing to a single sequence (transformers saves one)."""
+    if spec and spec.get("type") == "TemplateProcessing" and not spec.get("special_tokens"):
+        if spec.get("single") == [{"Sequence": {"id": "A", "type_id": 0}}]:
+            return None
+    return spec
+
+
+# --- GGUF ------------------------------------------------------------------------------
+def read_gguf_metadata(reader: Any) -> dict[str, Any]:
+    """Every metadata key of a gguf.GGUFReader with its Python value (arrays as lists)."""
+    return {key: field.contents() for key, field in reader.fields.items()}
+
+
+def _require(metadata: Mapping[str, Any], key: str) -> Any:
+    if key not in metadata:
+        raise ValueError(f"GGUF metadata has no {key}: this file carries no usable tokenizer; "
+                         "load the model's Hugging Face directory (tokenizer.json) instead")
+    return metadata[key]
+
+
+def _gguf_token(metadata: Mapping[str, Any], tokens: Sequence[str], key: str) -> str | None:
+    token_id = metadata.get(f"tokenizer.ggml.{key}")
+    if token_id is None:
+        return None
+    if not 0 <= int(token_id) < len(tokens):
+        raise ValueError(f"GGUF tokenizer.ggml.{key} is {token_id}, outside the vocabulary of {len(tokens)} "
+                         "tokens; the file is damaged -- re-convert it")
+    return str(tokens[int(token_id)])
+
+
+def _gguf_backend(metadata: Mapping[str, Any], tokens: list[str]) -> BackendTokenizer:
+    merges = _require(metadata, "tokenizer.ggml.merges")
+    alphabet = _byte_alphabet()
+    # Tokens are stored in the byte alphabet already; respell any that are raw UTF-8 (as transformers does).
+    spelled = [t if set(t) <= alphabet.keys() else _respell(t) for t in tokens]
+    vocab = {token: index for index, token in enumerate(spelled)}
+    pairs = [tuple(str(merge).split(" ", 1)) for merge in merges]
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token=None, fuse_unk=False,
+                                          byte_fallback=False, ignore_merges=False))
+    backend.pre_tokenizer = _gguf_pre_tokenizer(metadata.get("tokenizer.ggml.pre"))
+    backend.decoder = decoders.ByteLevel()
+    types = list(metadata.get("tokenizer.ggml.token_type") or [])
+    # Control tokens (<|im_start|>, ...) are matched whole before BPE and skipped on decode; a
+    # "control" token outside the byte alphabet is a mislabel and adding it would grow the vocab.
+    control = [AddedToken(t, special=True, normalized=False)
+               for t, kind in zip(tokens, types) if kind == GGUF_TOKEN_CONTROL and set(t) <= alphabet.keys()]
+    user = [AddedToken(t, special=False, normalized=False)
+            for t, kind in zip(tokens, types) if kind == GGUF_TOKEN_USER_DEFINED and t in vocab]
+    backend.add_special_tokens(control)
+    backend.add_tokens(user)
+    return backend
+
+
+def _gguf_pre_tokenizer(name: str | None) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    if name is None or name in _GPT2:
+        return byte_level
+    if name in _DIGITS_THEN_GPT2:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if name in _SPLIT_REGEXES:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLIT_REGEXES[name]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
+        ])
+    known = sorted(_GPT2 | _DIGITS_THEN_GPT2 | _SPLIT_REGEXES.keys())
+    raise ValueError(f"GGUF tokenizer.ggml.pre is {name!r}, which pdserve does not know how to split "
+                     f"(known: {', '.join(known)}); load the model's Hugging Face directory instead")
+
+
+def _set_post_processor(backend: BackendTokenizer, special: SpecialTokens,
+                        add_bos: bool, add_eos: bool) -> None:
+    """What encode(add_special_tokens=True) adds: BOS/EOS only where the file asks for them."""
+    pieces = ([special.bos] if add_bos and special.bos else []) + ["$A"] + (
+        [special.eos] if add_eos and special.eos else [])
+    if len(pieces) == 1:
+        return
+    used = {token for token in pieces if token != "$A"}
+    backend.post_processor = processors.TemplateProcessing(
+        single=" ".join(pieces), special_tokens=[(token, backend.token_to_id(token)) for token in used])
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-in for each byte (character -> byte)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars = {byte: chr(byte) for byte in printable}
+    extra = 0
+    for byte in range(256):
+        if byte not in chars:
+            chars[byte] = chr(256 + extra)
+            extra += 1
+    return {char: byte for byte, char in chars.items()}
+
+
+def _respell(token: str) -> str:
+    to_char = {byte: char for char, byte in _byte_alphabet().items()}
+    return "".join(to_char[byte] for byte in token.encode("utf-8"))
+
+
+# --- Hugging Face files ------------------------------------------------------------------
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); fix or re-save it") from error
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config writes a special token as text or as a serialised AddedToken."""
+    if isinstance(value, Mapping):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _hf_chat_template(directory: Path, config: Mapping[str, Any]) -> str | None:
+    """chat_template.jinja (transformers >= 4.50 writes it), else tokenizer_config's chat_template."""
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template", _read_json(directory / "chat_template.json").get("chat_template"))
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {entry.get("name"): entry.get("template") for entry in template}
+        if "default" not in named:
+            raise ValueError(f"{directory}: chat_template lists {sorted(named)} but no 'default' template")
+        template = named["default"]
+    return template
+
+
+# --- chat template -----------------------------------------------------------------------
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (assistant-mask markers): render the body as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # jinja2's own tojson escapes HTML characters; transformers' does not, and templates expect that.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """The environment transformers renders chat templates in (utils/chat_template_utils.py)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as error:
+        raise ValueError(f"chat template does not compile: {error} (line {error.lineno})") from error

@@ -1,0 +1,165 @@
+"""`pdserve generate --local` and the in-process `pdserve up`: the engine driven from a shell.
+
+Prompts go through the model's chat template unless --raw; --token-ids skips
+tokenising. --input FILE.jsonl runs one request per line, in order, in one
+engine, so the prefix cache carries over from line to line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.llm_engine import InvalidRequestError, LLMEngine, RequestResult
+from pdserve.engine.sequence import SamplingParams
+
+SAMPLE_QUESTION = "What is the capital of France?"
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """One request as the user gave it: exactly one of text, messages or token_ids."""
+
+    text: str | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+    token_ids: tuple[int, ...] | None = None
+    raw: bool = False
+    system: str | None = None
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    cache = CacheConfig(block_size=args.block_size, kv_dtype=args.kv_dtype, num_blocks=args.num_blocks)
+    scheduler = SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens)
+    return EngineConfig(model_path=args.model, cache=cache, scheduler=scheduler)
+
+
+def sampling_from(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> SamplingParams:
+    o = overrides or {}
+    return SamplingParams(
+        temperature=float(o.get("temperature", args.temperature)),
+        top_k=int(o.get("top_k", args.top_k)),
+        top_p=float(o.get("top_p", args.top_p)),
+        seed=o.get("seed", args.seed),
+        max_tokens=int(o.get("max_tokens", args.max_tokens)),
+        stop=tuple(o.get("stop", args.stop or ())),
+    )
+
+
+def prompt_ids(engine: LLMEngine, spec: PromptSpec) -> list[int]:
+    if spec.token_ids is not None:
+        return list(spec.token_ids)
+    tok = engine.tokenizer
+    if spec.messages is not None:
+        return tok.apply_chat_template(list(spec.messages), add_generation_prompt=True)
+    if spec.text is None:
+        raise InvalidRequestError("no prompt: give PROMPT, --token-ids, or --input FILE.jsonl")
+    if spec.raw:
+        return tok.encode(spec.text)
+    messages = ([{"role": "system", "content": spec.system}] if spec.system else [])
+    return tok.apply_chat_template(messages + [{"role": "user", "content": spec.text}],
+                                   add_generation_prompt=True)
+
+
+def parse_token_ids(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise InvalidRequestError(f"--token-ids must be comma-separated integers, got {text!r}") from None
+
+
+def stream(engine: LLMEngine, ids: list[int],
+           sampling: SamplingParams) -> Iterator[tuple[str, RequestResult]]:
+    """Yield (text delta, result so far) after each step that produced a token."""
+    request_id = engine.add_request(ids, sampling)
+    result = RequestResult(request_id)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id != request_id:
+                continue
+            result.token_ids += out.new_token_ids
+            result.text += out.text_delta
+            result.finish_reason, result.usage = out.finish_reason, out.usage
+            yield out.text_delta, result
+
+
+def run_one(engine: LLMEngine, spec: PromptSpec, sampling: SamplingParams, echo: bool) -> RequestResult:
+    result = RequestResult("")
+    for delta, latest in stream(engine, prompt_ids(engine, spec), sampling):
+        result = latest
+        if echo and delta:
+            print(delta, end="", flush=True)
+    if echo:
+        print()
+    return result
+
+
+def result_json(result: RequestResult) -> str:
+    return json.dumps({"text": result.text, "token_ids": result.token_ids,
+                       "finish_reason": result.finish_reason, "usage": result.usage.as_dict()})
+
+
+def spec_from_json_line(line: str, lineno: int, args: argparse.Namespace) -> tuple[PromptSpec, dict]:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(f"--input line {lineno}: not JSON ({e.msg})") from None
+    if not isinstance(obj, dict):
+        raise InvalidRequestError(
+            f"--input line {lineno}: expected an object with prompt, messages or token_ids")
+    messages = obj.get("messages")
+    token_ids = obj.get("token_ids")
+    spec = PromptSpec(text=obj.get("prompt"), raw=bool(obj.get("raw", args.raw)), system=args.system,
+                      messages=tuple(messages) if messages is not None else None,
+                      token_ids=tuple(token_ids) if token_ids is not None else None)
+    return spec, obj
+
+
+def run_jsonl(engine: LLMEngine, path: str, args: argparse.Namespace) -> int:
+    failures = 0
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                spec, obj = spec_from_json_line(line, lineno, args)
+                print(result_json(run_one(engine, spec, sampling_from(args, obj), echo=False)), flush=True)
+            except (InvalidRequestError, ValueError) as e:
+                failures += 1
+                print(json.dumps({"error": str(e), "line": lineno}), flush=True)
+    return 1 if failures else 0
+
+
+def load_engine(args: argparse.Namespace) -> LLMEngine:
+    return LLMEngine.from_config(engine_config_from_args(args), progress=not args.no_progress)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    if getattr(args, "router", None):
+        raise ValueError("--router: the cluster front door is not built yet; run with --local")
+    engine = load_engine(args)
+    if args.input:
+        return run_jsonl(engine, args.input, args)
+    token_ids = parse_token_ids(args.token_ids) if args.token_ids else None
+    spec = PromptSpec(text=args.prompt, token_ids=token_ids, raw=args.raw, system=args.system)
+    result = run_one(engine, spec, sampling_from(args), echo=not args.json)
+    if args.json:
+        print(result_json(result))
+    return 0
+
+
+def run_up(args: argparse.Namespace) -> int:
+    """Until the cluster exists: load the engine and answer one sample chat in-process."""
+    print("pdserve up: the cluster (Ray workers, router) is not built yet; "
+          "running the engine in-process on a sample chat.", file=sys.stderr)
+    engine = LLMEngine.from_config(EngineConfig(model_path=args.model))
+    print(f"user: {SAMPLE_QUESTION}\nassistant: ", end="", flush=True)
+    spec = PromptSpec(text=SAMPLE_QUESTION)
+    result = run_one(engine, spec, SamplingParams(temperature=0, max_tokens=64), echo=True)
+    print(json.dumps({"usage": result.usage.as_dict(), "finish_reason": result.finish_reason}),
+          file=sys.stderr)
+    return 0

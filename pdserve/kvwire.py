@@ -1,0 +1,420 @@
+"""KV block codec: the frames a prefill worker streams to a decode worker (no network here).
+
+One transfer is one `KVTransfer.Push` call: a stream of (header, payload) frames, in order
+
+    BEGIN                      header only: ids, the sender's KVLayout, the prompt, and the
+                               sequence block positions that will follow
+    LAYER x (layers x chunks)  header + payload: some of those blocks, for one layer
+    END                        header only: totals, so a lost or extra frame is noticed
+
+Headers are msgpack maps carrying "v" (WIRE_VERSION) and "kind". A LAYER payload is one
+contiguous tensor [n_blocks, 2, block_size, kv_heads, head_dim], so each block is one byte
+range with its own checksum:
+
+    payload  | pos p0: K rows | V rows | pos p1: K rows | V rows | ...
+             '------ block_bytes -----'
+    checksums[i] = xxh3_64(bytes of block i)
+
+Fail closed: a receiver that sees a malformed header, a layout that differs from its own
+(`KVLayout.first_mismatch`), a short payload or a bad checksum (`WireError`, `ChecksumError`)
+writes nothing further, frees its reservation and fails the call; the caller recomputes the
+prompt. A block that did not verify is never used, so the output stays exact.
+
+Compatibility: WIRE_VERSION covers the header schema, the payload layout and the checksum
+algorithm. Changing any of them (xxh3_64 -> crc32 included) is a new version.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, fields
+from enum import StrEnum
+from typing import Any
+
+import msgpack
+import torch
+import xxhash
+
+WIRE_VERSION = 1
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16,
+                                  "bfloat16": torch.bfloat16}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_U64 = 1 << 64
+
+
+class WireError(ValueError):
+    """A frame or layout that this receiver must not use."""
+
+
+class ChecksumError(WireError):
+    """A block's bytes do not match the checksum its sender computed."""
+
+    def __init__(self, message: str, *, layer: int, position: int) -> None:
+        super().__init__(message)
+        self.layer = layer
+        self.position = position
+
+
+class FrameKind(StrEnum):
+    BEGIN = "begin"
+    LAYER = "layer"
+    END = "end"
+
+
+def block_checksum(data: bytes | memoryview) -> int:
+    """The per-block checksum of wire version 1."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What the bytes of a KV block mean; sender and receiver must agree on all of it."""
+
+    model_fingerprint: str
+    block_size: int
+    kv_dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    wire_version: int = WIRE_VERSION
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype not in DTYPES:
+            raise ValueError(f"kv_dtype {self.kv_dtype!r} is not one of {', '.join(DTYPES)}")
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"KVLayout.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.kv_dtype]
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int]:
+        """One block of one layer on the wire: (K|V, offset, kv_head, head_dim)."""
+        return (2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of K and V of one block of one layer."""
+        return math.prod(self.block_shape) * self.torch_dtype.itemsize
+
+    def first_mismatch(self, other: KVLayout) -> str | None:
+        """Name the first field (in declaration order) where `self`, the sender's layout as
+        sent in BEGIN, differs from `other`, the receiver's; None when they agree."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine != theirs:
+                return f"{f.name}: sender {_short(mine)}, receiver {_short(theirs)}"
+        return None
+
+    def to_msgpack_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> KVLayout:
+        r = _Reader("layout", d)
+        kwargs: dict[str, Any] = {"model_fingerprint": r.as_str("model_fingerprint"),
+                                  "kv_dtype": r.as_str("kv_dtype")}
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_dim", "wire_version"):
+            kwargs[name] = r.as_int(name)
+        return _build(cls, "layout", **kwargs)
+
+    @classmethod
+    def of_cache(cls, kv_cache: torch.Tensor, model_fingerprint: str) -> KVLayout:
+        """The layout of an engine pool kv[layer, K|V, block, offset, kv_head, head_dim]."""
+        if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+            raise ValueError(f"expected a KV pool [layers, 2, blocks, block_size, kv_heads, head_dim], "
+                             f"got shape {tuple(kv_cache.shape)}")
+        if kv_cache.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"KV pool dtype {kv_cache.dtype} has no wire name; "
+                             f"use one of {', '.join(DTYPES)}")
+        layers, _, _, block_size, kv_heads, head_dim = kv_cache.shape
+        return cls(model_fingerprint, block_size, _DTYPE_NAMES[kv_cache.dtype], layers, kv_heads, head_dim)
+
+
+@dataclass(frozen=True)
+class TransferBegin:
+    """First frame. `positions` are the sequence block indices the LAYER frames will carry
+    (every one of them, for every layer); the receiver already holds the first
+    `receiver_cached_blocks` blocks. `num_tokens` tokens have KV (the prompt length)."""
+
+    transfer_id: str
+    request_id: str
+    layout: KVLayout
+    prompt_token_ids: tuple[int, ...]
+    num_tokens: int
+    receiver_cached_blocks: int
+    positions: tuple[int, ...]
+    first_token: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
+        object.__setattr__(self, "positions", tuple(self.positions))
+        n_blocks = -(-self.num_tokens // self.layout.block_size)
+        if self.num_tokens < 0 or self.receiver_cached_blocks < 0:
+            raise WireError(f"begin: negative count (num_tokens {self.num_tokens}, "
+                            f"receiver_cached_blocks {self.receiver_cached_blocks})")
+        if len(set(self.positions)) != len(self.positions):
+            raise WireError(f"begin: positions repeat: {list(self.positions)}")
+        bad = [p for p in self.positions if not 0 <= p < n_blocks]
+        if bad:
+            raise WireError(f"begin: positions {bad} outside the {n_blocks} blocks of {self.num_tokens} "
+                            f"tokens at block_size {self.layout.block_size}")
+
+    def encode(self) -> bytes:
+        return _pack(FrameKind.BEGIN, transfer_id=self.transfer_id, request_id=self.request_id,
+                     layout=self.layout.to_msgpack_dict(), prompt_token_ids=list(self.prompt_token_ids),
+                     num_tokens=self.num_tokens, receiver_cached_blocks=self.receiver_cached_blocks,
+                     positions=list(self.positions), first_token=self.first_token)
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> TransferBegin:
+        return _build(cls, r.kind, transfer_id=r.as_str("transfer_id"), request_id=r.as_str("request_id"),
+                      layout=KVLayout.from_dict(r.get("layout")),
+                      prompt_token_ids=r.as_ints("prompt_token_ids"), num_tokens=r.as_int("num_tokens"),
+                      receiver_cached_blocks=r.as_int("receiver_cached_blocks"),
+                      positions=r.as_ints("positions"), first_token=r.optional_int("first_token"))
+
+
+@dataclass(frozen=True)
+class LayerChunkHeader:
+    """Header of one LAYER frame: blocks `positions` of `layer`, payload `shape` in `dtype`."""
+
+    transfer_id: str
+    layer: int
+    positions: tuple[int, ...]
+    dtype: str
+    shape: tuple[int, ...]
+    checksums: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("positions", "shape", "checksums"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        n = len(self.positions)
+        if self.dtype not in DTYPES:
+            raise WireError(f"layer {self.layer}: dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if len(self.shape) != 5 or self.shape[0] != n or self.shape[1] != 2 or min(self.shape) < 1:
+            raise WireError(f"layer {self.layer}: payload shape {list(self.shape)} is not "
+                            f"[{n} blocks, 2, block_size, kv_heads, head_dim]")
+        if len(self.checksums) != n or any(not 0 <= c < _U64 for c in self.checksums):
+            raise WireError(f"layer {self.layer}: need {n} checksums in [0, 2**64), "
+                            f"got {list(self.checksums)}")
+        if self.layer < 0 or min(self.positions) < 0:
+            raise WireError(f"layer {self.layer}: negative layer or position in {list(self.positions)}")
+
+    @property
+    def payload_nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+    def encode(self) -> bytes:
+        return _pack(FrameKind.LAYER, transfer_id=self.transfer_id, layer=self.layer,
+                     positions=list(self.positions), dtype=self.dtype, shape=list(self.shape),
+                     checksums=list(self.checksums))
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> LayerChunkHeader:
+        return _build(cls, r.kind, transfer_id=r.as_str("transfer_id"), layer=r.as_int("layer"),
+                      positions=r.as_ints("positions"), dtype=r.as_str("dtype"), shape=r.as_ints("shape"),
+                      checksums=r.as_ints("checksums"))
+
+
+@dataclass(frozen=True)
+class TransferEnd:
+    """Last frame. `total_blocks` counts (layer, block) pairs over all LAYER frames
+    (num_layers x len(BEGIN.positions) when complete); `total_bytes` sums their payloads."""
+
+    transfer_id: str
+    total_blocks: int
+    total_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.total_blocks < 0 or self.total_bytes < 0:
+            raise WireError(f"end: negative totals ({self.total_blocks} blocks, {self.total_bytes} bytes)")
+
+    def encode(self) -> bytes:
+        return _pack(FrameKind.END, transfer_id=self.transfer_id, total_blocks=self.total_blocks,
+                     total_bytes=self.total_bytes)
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> TransferEnd:
+        return _build(cls, r.kind, transfer_id=r.as_str("transfer_id"), total_blocks=r.as_int("total_blocks"),
+                      total_bytes=r.as_int("total_bytes"))
+
+
+Frame = TransferBegin | LayerChunkHeader | TransferEnd
+_DECODERS = {FrameKind.BEGIN: TransferBegin._decode, FrameKind.LAYER: LayerChunkHeader._decode,
+             FrameKind.END: TransferEnd._decode}
+
+
+def decode_header(data: bytes | memoryview) -> Frame:
+    """Parse and validate one header; WireError on anything malformed or of another version."""
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise WireError(f"header is not valid msgpack ({type(e).__name__}: {e})") from e
+    r = _Reader("header", obj)
+    version = r.as_int("v")
+    if version != WIRE_VERSION:
+        raise WireError(f"sender speaks KV wire version {version}, this receiver speaks {WIRE_VERSION}; "
+                        "run the same pdserve version on prefill and decode workers")
+    kind = r.as_str("kind")
+    if kind not in _DECODERS:
+        raise WireError(f"header kind {kind!r} is not one of {', '.join(_DECODERS)}")
+    return _DECODERS[FrameKind(kind)](_Reader(kind, obj))
+
+
+def encode_layer(kv_cache: torch.Tensor, layer: int, block_ids: Sequence[int], positions: Sequence[int],
+                 transfer_id: str, max_chunk_bytes: int = 2 << 20) -> Iterator[tuple[bytes, bytes]]:
+    """Yield (header, payload) LAYER frames carrying pool blocks `block_ids` of `layer` as
+    sequence blocks `positions`, as many whole blocks per frame as fit in max_chunk_bytes
+    (at least one)."""
+    if len(block_ids) != len(positions):
+        raise ValueError(f"{len(block_ids)} block ids but {len(positions)} positions")
+    by_block = kv_cache[layer].transpose(0, 1)  # view: [num_blocks, 2, block_size, kv_heads, head_dim]
+    block_bytes = by_block[0].numel() * kv_cache.element_size()
+    per_chunk = max(1, min(len(block_ids), max_chunk_bytes // block_bytes))
+    ids = torch.as_tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+    # NOTE: one host staging buffer per call, reused by every chunk: the gather writes into
+    # memory that is already mapped (a fresh 2 MiB tensor per chunk costs more in page faults
+    # than the copy itself), and bytes() below copies out before the next gather.
+    staging = torch.empty((per_chunk, *by_block.shape[1:]), dtype=kv_cache.dtype)
+    for start in range(0, len(block_ids), per_chunk):
+        idx = ids[start:start + per_chunk]
+        blocks = _gather(by_block, idx, staging[:len(idx)])
+        yield _encode_chunk(blocks, layer, positions[start:start + per_chunk], transfer_id)
+
+
+def _gather(by_block: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    if by_block.device == out.device:
+        return torch.index_select(by_block, 0, idx, out=out)  # the one gather, contiguous
+    return out.copy_(by_block.index_select(0, idx))  # device pool: gather there, then one D2H copy
+
+
+def _encode_chunk(blocks: torch.Tensor, layer: int, positions: Sequence[int],
+                  transfer_id: str) -> tuple[bytes, bytes]:
+    raw = memoryview(blocks.view(torch.uint8).reshape(-1).numpy())  # bfloat16 has no numpy dtype
+    block_bytes = len(raw) // len(positions)
+    sums = [block_checksum(raw[i * block_bytes:(i + 1) * block_bytes]) for i in range(len(positions))]
+    header = LayerChunkHeader(transfer_id, layer, tuple(positions), _DTYPE_NAMES[blocks.dtype],
+                              tuple(blocks.shape), tuple(sums))
+    return header.encode(), bytes(raw)
+
+
+def decode_layer(header: LayerChunkHeader, payload: bytes | memoryview, layout: KVLayout) -> torch.Tensor:
+    """Verify a LAYER frame against the receiver's layout and its checksums; return its blocks
+    as a zero-copy [n, 2, block_size, kv_heads, head_dim] view of `payload` (read-only when
+    payload is bytes: copy it out with write_layer, never write into it)."""
+    _check_against_layout(header, layout)
+    raw = memoryview(payload).cast("B")
+    if raw.nbytes != header.payload_nbytes:
+        raise WireError(f"transfer {header.transfer_id} layer {header.layer}: payload has {raw.nbytes} "
+                        f"bytes, shape {list(header.shape)} {header.dtype} needs {header.payload_nbytes} "
+                        "(truncated or corrupt frame)")
+    bb = layout.block_bytes
+    for i, (position, expected) in enumerate(zip(header.positions, header.checksums)):
+        if block_checksum(raw[i * bb:(i + 1) * bb]) != expected:
+            raise ChecksumError(f"transfer {header.transfer_id}: checksum mismatch in layer {header.layer}, "
+                                f"block position {position}; the block is corrupt and must be recomputed",
+                                layer=header.layer, position=position)
+    with warnings.catch_warnings():
+        # NOTE: torch warns (once) that a bytes buffer is not writable; the view is only read.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(raw, dtype=layout.torch_dtype)
+    return flat.view(header.shape)
+
+
+def _check_against_layout(header: LayerChunkHeader, layout: KVLayout) -> None:
+    where = f"transfer {header.transfer_id} layer {header.layer}"
+    if header.layer >= layout.num_layers:
+        raise WireError(f"{where}: the receiver's model has {layout.num_layers} layers")
+    if header.dtype != layout.kv_dtype:
+        raise WireError(f"{where}: dtype {header.dtype}, the receiver's pool holds {layout.kv_dtype}")
+    if tuple(header.shape[1:]) != layout.block_shape:
+        raise WireError(f"{where}: block shape {list(header.shape[1:])}, the receiver's is "
+                        f"{list(layout.block_shape)}")
+
+
+def write_layer(kv_cache: torch.Tensor, layer: int, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+    """Copy `blocks` [n, 2, block_size, kv_heads, head_dim] into pool blocks `block_ids` of `layer`."""
+    pool = kv_cache[layer]  # [2, num_blocks, block_size, kv_heads, head_dim]
+    expected = (len(block_ids), 2, *pool.shape[2:])
+    if tuple(blocks.shape) != expected or blocks.dtype != kv_cache.dtype:
+        raise ValueError(f"blocks are {list(blocks.shape)} {blocks.dtype}; pool layer {layer} needs "
+                         f"{list(expected)} {kv_cache.dtype}")
+    if len(set(block_ids)) != len(block_ids):
+        raise ValueError(f"block ids repeat: {list(block_ids)}")
+    if pool.device.type != "cpu":
+        ids = torch.as_tensor(block_ids, dtype=torch.long, device=pool.device)
+        pool.index_copy_(1, ids, blocks.transpose(0, 1).to(pool.device))
+        return
+    # NOTE: numpy, not index_copy_, on CPU: torch splits a copy this size across its intra-op
+    # threads, and on a small VM the OpenMP hand-off costs milliseconds per chunk (0.2 GB/s
+    # measured on 2 vCPUs); numpy copies on the calling thread at memory speed.
+    dst = pool.view(torch.uint8).numpy()  # shares the pool's memory; uint8 because of bfloat16
+    dst[:, list(block_ids)] = blocks.contiguous().view(torch.uint8).numpy().swapaxes(0, 1)
+
+
+def _pack(kind: FrameKind, **body: Any) -> bytes:
+    return msgpack.packb({"v": WIRE_VERSION, "kind": kind.value, **body}, use_bin_type=True)
+
+
+def _build(cls: type, kind: str, **kwargs: Any) -> Any:
+    try:
+        return cls(**kwargs)
+    except WireError:
+        raise
+    except ValueError as e:
+        raise WireError(f"{kind}: {e}") from e
+
+
+def _short(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= 16 else text[:12] + "…"
+
+
+@dataclass(frozen=True)
+class _Reader:
+    """Typed field access to a decoded msgpack map, raising WireError that names the field."""
+
+    kind: str
+    obj: Any
+
+    def get(self, key: str) -> Any:
+        if not isinstance(self.obj, dict):
+            raise WireError(f"{self.kind} is a {type(self.obj).__name__}, expected a msgpack map")
+        if key not in self.obj:
+            raise WireError(f"{self.kind}: field {key!r} is missing")
+        return self.obj[key]
+
+    def as_int(self, key: str) -> int:
+        value = self.get(key)
+        if not _is_int(value):
+            raise WireError(f"{self.kind}: field {key!r} must be an int, got {_show(value)}")
+        return value
+
+    def optional_int(self, key: str) -> int | None:
+        return None if isinstance(self.obj, dict) and self.obj.get(key) is None else self.as_int(key)
+
+    def as_str(self, key: str) -> str:
+        value = self.get(key)
+        if not isinstance(value, str):
+            raise WireError(f"{self.kind}: field {key!r} must be a str, got {_show(value)}")
+        return value
+
+    def as_ints(self, key: str) -> tuple[int, ...]:
+        value = self.get(key)
+        if not isinstance(value, list) or not all(_is_int(v) for v in value):
+            raise WireError(f"{self.kind}: field {key!r} must be a list of ints, got {_show(value)}")
+        return tuple(value)
+
+
+def _show(value: Any) -> str:
+    return f"{type(value).__name__} {value!r:.60}"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

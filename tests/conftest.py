@@ -1,0 +1,41 @@
+"""Shared fixtures: the tiny random model, the real SmolLM2, engine builders, leak checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.tiny_model import write_tiny_model
+from pdserve.engine.weights import LoadedModel, load_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_model_dir) -> LoadedModel:
+    return load_model(str(tiny_model_dir), progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm_loaded() -> LoadedModel:
+    return load_model(None, progress=False)
+
+
+def make_engine(loaded: LoadedModel, *, block_size: int = 16, num_blocks: int | None = 256,
+                budget: int = 2048, max_seqs: int = 64, kv_dtype: str = "float32",
+                prefix_caching: bool = True) -> LLMEngine:
+    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_dtype=kv_dtype,
+                        enable_prefix_caching=prefix_caching)
+    scheduler = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+    return LLMEngine(loaded, EngineConfig(cache=cache, scheduler=scheduler, device="cpu"))
+
+
+def assert_no_leaks(engine: LLMEngine) -> None:
+    """Every block free or cached-and-unreferenced; every ref count zero; no request left."""
+    assert not engine.has_unfinished()
+    assert engine.leaked_blocks() == []
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks

@@ -1,0 +1,239 @@
+"""KV wire codec: bit-exact round trips, fail-closed checks, header validation, layout checks."""
+
+import dataclasses
+
+import msgpack
+import pytest
+import torch
+
+from pdserve import kvwire
+from pdserve.kvwire import (
+    ChecksumError,
+    KVLayout,
+    LayerChunkHeader,
+    TransferBegin,
+    TransferEnd,
+    WireError,
+    decode_header,
+    decode_layer,
+    encode_layer,
+    write_layer,
+)
+
+DTYPES = ["float32", "float16", "bfloat16"]
+
+
+def make_pool(kv_dtype: str, num_blocks: int = 24, layers: int = 3, block_size: int = 4,
+              kv_heads: int = 2, head_dim: int = 8, seed: int = 0, random: bool = True) -> torch.Tensor:
+    """A pool kv[layer, K|V, block, offset, kv_head, head_dim] of random bit patterns (NaNs included)."""
+    dtype = kvwire.DTYPES[kv_dtype]
+    shape = (layers, 2, num_blocks, block_size, kv_heads, head_dim)
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    if not random:
+        return torch.zeros(shape, dtype=dtype)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).view(dtype).view(shape)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def layer_frames(pool, layer, block_ids, positions, max_chunk_bytes=2 << 20):
+    return [(decode_header(h), p) for h, p in encode_layer(pool, layer, block_ids, positions, "t1",
+                                                           max_chunk_bytes)]
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+def test_round_trip_is_bit_exact_over_several_chunks(kv_dtype):
+    sender = make_pool(kv_dtype, num_blocks=24)
+    receiver = make_pool(kv_dtype, num_blocks=40, random=False)
+    layout = KVLayout.of_cache(sender, "fp")
+    assert KVLayout.of_cache(receiver, "fp") == layout
+    g = torch.Generator().manual_seed(1)
+    send_ids = torch.randperm(24, generator=g)[:11].tolist()
+    positions = torch.randperm(30, generator=g)[:11].tolist()
+    recv_id_of = dict(zip(positions, torch.randperm(40, generator=g)[:11].tolist()))
+    max_chunk = 3 * layout.block_bytes + layout.block_bytes // 2  # 3 whole blocks a chunk
+
+    for layer in range(layout.num_layers):
+        frames = layer_frames(sender, layer, send_ids, positions, max_chunk)
+        assert [len(h.positions) for h, _ in frames] == [3, 3, 3, 2]
+        for header, payload in frames:
+            assert len(payload) == len(header.positions) * layout.block_bytes <= max_chunk
+            assert header.layer == layer and header.transfer_id == "t1"
+            blocks = decode_layer(header, payload, layout)
+            write_layer(receiver, layer, [recv_id_of[p] for p in header.positions], blocks)
+
+    for layer in range(layout.num_layers):
+        for send_id, pos in zip(send_ids, positions):
+            assert torch.equal(bits(receiver[layer, :, recv_id_of[pos]]), bits(sender[layer, :, send_id]))
+    untouched = sorted(set(range(40)) - set(recv_id_of.values()))
+    assert torch.count_nonzero(bits(receiver[:, :, untouched])) == 0
+
+
+def test_a_chunk_holds_at_least_one_block():
+    pool = make_pool("float16")
+    layout = KVLayout.of_cache(pool, "fp")
+    frames = layer_frames(pool, 0, [4, 2, 9], [0, 1, 2], max_chunk_bytes=1)
+    assert [h.positions for h, _ in frames] == [(0,), (1,), (2,)]
+    assert all(len(p) == layout.block_bytes for _, p in frames)
+
+
+def test_payload_is_k_then_v_per_block_and_decode_is_zero_copy():
+    pool = make_pool("float32")
+    layout = KVLayout.of_cache(pool, "fp")
+    (header, payload), = layer_frames(pool, 1, [7, 3], [0, 1])
+    assert header.shape == (2, 2, 4, 2, 8) and header.dtype == "float32"
+    expected = torch.stack([pool[1, :, 7], pool[1, :, 3]])
+    assert bytes(payload) == bytes(bits(expected).numpy())
+    buf = bytearray(payload)
+    view = decode_layer(header, buf, layout)
+    buf[:4] = b"\0\0\0\0"
+    assert view[0, 0, 0, 0, 0].item() == 0.0  # the view reads the caller's buffer
+
+
+def test_flipped_byte_is_a_checksum_error_naming_the_block():
+    pool = make_pool("bfloat16")
+    layout = KVLayout.of_cache(pool, "fp")
+    (header, payload), = layer_frames(pool, 2, [1, 5, 6], [4, 5, 6])
+    corrupt = bytearray(payload)
+    corrupt[layout.block_bytes + 17] ^= 0x01  # inside the second block, position 5
+    with pytest.raises(ChecksumError, match=r"layer 2, block position 5") as info:
+        decode_layer(header, bytes(corrupt), layout)
+    assert (info.value.layer, info.value.position) == (2, 5)
+
+
+def test_truncated_payload_is_a_wire_error():
+    pool = make_pool("float16")
+    layout = KVLayout.of_cache(pool, "fp")
+    (header, payload), = layer_frames(pool, 0, [1, 2], [0, 1])
+    with pytest.raises(WireError, match="truncated") as info:
+        decode_layer(header, payload[:-1], layout)
+    assert not isinstance(info.value, ChecksumError)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"dtype": "float16"}, "dtype float16, the receiver's pool holds float32"),
+    ({"layer": 3}, "model has 3 layers"),
+    ({"shape": (1, 2, 8, 2, 8)}, "block shape"),
+])
+def test_chunk_that_does_not_fit_the_receiver_layout_is_refused(change, message):
+    pool = make_pool("float32")
+    layout = KVLayout.of_cache(pool, "fp")
+    (header, payload), = layer_frames(pool, 0, [1], [0])
+    with pytest.raises(WireError, match=message):
+        decode_layer(dataclasses.replace(header, **change), payload, layout)
+
+
+def test_write_layer_refuses_wrong_shape_dtype_and_repeated_ids():
+    pool = make_pool("float16")
+    blocks = pool[0, :, :2].transpose(0, 1)
+    with pytest.raises(ValueError, match="pool layer 0 needs"):
+        write_layer(pool, 0, [1, 2, 3], blocks)
+    with pytest.raises(ValueError, match="pool layer 0 needs"):
+        write_layer(pool, 0, [1, 2], blocks.float())
+    with pytest.raises(ValueError, match="repeat"):
+        write_layer(pool, 0, [1, 1], blocks)
+
+
+LAYOUT = KVLayout("f" * 64, 16, "float16", 30, 3, 64)
+
+
+def begin(**change) -> TransferBegin:
+    fields = dict(transfer_id="t1", request_id="r1", layout=LAYOUT, prompt_token_ids=(1, 2, 3) * 20,
+                  num_tokens=60, receiver_cached_blocks=1, positions=(1, 2, 3), first_token=None)
+    return TransferBegin(**{**fields, **change})
+
+
+@pytest.mark.parametrize("frame", [
+    begin(),
+    begin(first_token=42),
+    LayerChunkHeader("t1", 4, (1, 2), "bfloat16", (2, 2, 16, 3, 64), (0, 2**64 - 1)),
+    TransferEnd("t1", 90, 12345),
+])
+def test_headers_round_trip(frame):
+    assert decode_header(frame.encode()) == frame
+
+
+def test_begin_positions_must_lie_inside_the_prompt():
+    with pytest.raises(WireError, match=r"positions \[4\] outside the 4 blocks"):
+        begin(positions=(3, 4))
+    with pytest.raises(WireError, match="repeat"):
+        begin(positions=(1, 1))
+
+
+def pack(**fields) -> bytes:
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+GOOD_LAYER = dict(v=1, kind="layer", transfer_id="t", layer=0, positions=[0], dtype="float16",
+                  shape=[1, 2, 16, 3, 64], checksums=[7])
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"\xc1", "not valid msgpack"),
+    (pack(v=1, kind=b"\xff"), "'kind' must be a str"),
+    (b"\x82\xa1v\x01\xa4kind\xa3\xff\xfe\xfd", "not valid msgpack"),
+    (b"", "not valid msgpack"),
+    (pack(**GOOD_LAYER) + b"\x00", "not valid msgpack"),
+    (msgpack.packb([1, "layer"]), "expected a msgpack map"),
+    (pack(kind="layer"), "'v' is missing"),
+    (pack(**{**GOOD_LAYER, "v": 2}), "wire version 2, this receiver speaks 1"),
+    (pack(**{**GOOD_LAYER, "v": "1"}), "'v' must be an int"),
+    (pack(**{**GOOD_LAYER, "kind": "middle"}), "kind 'middle'"),
+    (pack(**{k: v for k, v in GOOD_LAYER.items() if k != "checksums"}), "'checksums' is missing"),
+    (pack(**{**GOOD_LAYER, "layer": "0"}), "'layer' must be an int"),
+    (pack(**{**GOOD_LAYER, "layer": True}), "'layer' must be an int"),
+    (pack(**{**GOOD_LAYER, "positions": [0.5]}), "'positions' must be a list of ints"),
+    (pack(**{**GOOD_LAYER, "checksums": [1, 2]}), "need 1 checksums"),
+    (pack(**{**GOOD_LAYER, "checksums": [-1]}), r"checksums in \[0, 2\*\*64\)"),
+    (pack(**{**GOOD_LAYER, "shape": [1, 3, 16, 3, 64]}), "is not \\[1 blocks, 2"),
+    (pack(**{**GOOD_LAYER, "positions": [], "shape": [0, 2, 16, 3, 64], "checksums": []}), "is not"),
+    (pack(**{**GOOD_LAYER, "dtype": "int8"}), "dtype 'int8'"),
+    (pack(v=1, kind="end", transfer_id="t", total_blocks=-1, total_bytes=0), "negative totals"),
+    (pack(v=1, kind="begin", transfer_id="t", request_id="r", layout={"block_size": 16},
+          prompt_token_ids=[], num_tokens=0, receiver_cached_blocks=0, positions=[]),
+     "layout: field 'model_fingerprint' is missing"),
+])
+def test_malformed_headers_are_wire_errors(data, message):
+    with pytest.raises(WireError, match=message):
+        decode_header(data)
+
+
+def test_begin_with_a_bad_layout_value_is_a_wire_error():
+    fields = msgpack.unpackb(begin().encode())
+    data = pack(**{**fields, "layout": {**fields["layout"], "kv_dtype": "fp8"}})
+    with pytest.raises(WireError, match="layout: kv_dtype 'fp8' is not one of"):
+        decode_header(data)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("model_fingerprint", "e" * 64), ("block_size", 32), ("kv_dtype", "bfloat16"), ("num_layers", 31),
+    ("num_kv_heads", 4), ("head_dim", 128), ("wire_version", 2),
+])
+def test_first_mismatch_names_the_differing_field(field, value):
+    other = dataclasses.replace(LAYOUT, **{field: value})
+    assert other.first_mismatch(LAYOUT).startswith(f"{field}: sender ")
+    assert LAYOUT.first_mismatch(LAYOUT) is None
+
+
+def test_first_mismatch_reports_fields_in_order_and_shortens_fingerprints():
+    receiver = KVLayout("def" + "0" * 61, 32, "bfloat16", 2, 3, 64)
+    expected = "model_fingerprint: sender ffffffffffff…, receiver def000000000…"
+    assert LAYOUT.first_mismatch(receiver) == expected
+    sender = dataclasses.replace(receiver, block_size=16, kv_dtype="float16", num_layers=4)
+    assert sender.first_mismatch(receiver) == "block_size: sender 16, receiver 32"
+
+
+def test_layout_dict_round_trip_and_validation():
+    assert KVLayout.from_dict(LAYOUT.to_msgpack_dict()) == LAYOUT
+    assert LAYOUT.block_bytes == 2 * 16 * 3 * 64 * 2
+    with pytest.raises(WireError, match="layout: field 'head_dim' must be an int"):
+        KVLayout.from_dict({**LAYOUT.to_msgpack_dict(), "head_dim": 64.0})
+    with pytest.raises(WireError, match="block_size must be >= 1"):
+        KVLayout.from_dict({**LAYOUT.to_msgpack_dict(), "block_size": 0})
+    with pytest.raises(ValueError, match="expected a KV pool"):
+        KVLayout.of_cache(torch.zeros(2, 3, 4), "fp")
+    with pytest.raises(ValueError, match="no wire name"):
+        KVLayout.of_cache(torch.zeros(1, 2, 1, 1, 1, 1, dtype=torch.float64), "fp")
