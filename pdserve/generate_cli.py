@@ -141,12 +141,15 @@ def load_engine(args: argparse.Namespace) -> LLMEngine:
 def run_generate(args: argparse.Namespace) -> int:
     if getattr(args, "router", None):
         raise ValueError("--router: the cluster front door is not built yet; run with --local")
+    sampling = sampling_from(args)  # bad flags fail before the model loads
+    token_ids = parse_token_ids(args.token_ids) if args.token_ids else None
+    if not args.input and args.prompt is None and token_ids is None:
+        raise InvalidRequestError("no prompt: give PROMPT, --token-ids 1,2,3, or --input FILE.jsonl")
     engine = load_engine(args)
     if args.input:
         return run_jsonl(engine, args.input, args)
-    token_ids = parse_token_ids(args.token_ids) if args.token_ids else None
     spec = PromptSpec(text=args.prompt, token_ids=token_ids, raw=args.raw, system=args.system)
-    result = run_one(engine, spec, sampling_from(args), echo=not args.json)
+    result = run_one(engine, spec, sampling, echo=not args.json)
     if args.json:
         print(result_json(result))
     return 0

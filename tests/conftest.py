@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.tiny_model import write_tiny_model
-from pdserve.engine.weights import LoadedModel, load_model
+from pdserve.engine.weights import LoadedModel, default_model_path, load_model
 
 
 @pytest.fixture(scope="session")
@@ -23,6 +26,23 @@ def tiny_loaded(tiny_model_dir) -> LoadedModel:
 @pytest.fixture(scope="session")
 def smollm_loaded() -> LoadedModel:
     return load_model(None, progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm():
+    """transformers' LlamaForCausalLM reading the same GGUF file (the outside oracle)."""
+    from transformers import LlamaForCausalLM
+
+    path = default_model_path()
+    return LlamaForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                            dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tiny(tiny_model_dir):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
 
 
 def make_engine(loaded: LoadedModel, *, block_size: int = 16, num_blocks: int | None = 256,

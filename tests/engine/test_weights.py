@@ -17,22 +17,6 @@ from pdserve.engine.tiny_model import write_tiny_model
 from pdserve.engine.weights import default_model_path, expected_shapes, load_model, model_fingerprint
 
 
-@pytest.fixture(scope="module")
-def hf_smollm():
-    from transformers import LlamaForCausalLM
-
-    path = default_model_path()
-    return LlamaForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                            dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def hf_tiny(tiny_model_dir):
-    from transformers import LlamaForCausalLM
-
-    return LlamaForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
-
-
 # --- the embedded model -------------------------------------------------------------------
 def test_default_model_path_finds_the_gguf_without_importing_the_package():
     path = default_model_path()

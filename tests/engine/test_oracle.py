@@ -1,0 +1,92 @@
+"""The outside oracle: our model against transformers' LlamaForCausalLM on the same weights.
+
+Logits within 1e-4 max-abs (float32), greedy continuations identical, for the
+tiny random model and for SmolLM2 (transformers reads the same GGUF file).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.sequence import SamplingParams
+from tests.conftest import assert_no_leaks, make_engine
+
+LOGIT_TOL = 1e-4
+CONTINUATION = 32
+
+
+def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_model(torch.tensor([ids])).logits[0].float()
+
+
+def hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                do_sample=False, max_new_tokens=n, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def paged_last_logits(engine, ids: list[int]) -> torch.Tensor:
+    """Last-position logits from the engine's paged path (one prefill step)."""
+    captured = {}
+    run = engine.runner.run
+
+    def recording_run(chunks, on_layer_done=None):
+        logits, sampled = run(chunks, on_layer_done)
+        captured["row"] = logits[-1].clone()
+        return logits, sampled
+
+    engine.runner.run = recording_run
+    engine.generate([ids], SamplingParams(temperature=0, max_tokens=1), detokenize=False)
+    engine.runner.run = run
+    return captured["row"]
+
+
+@pytest.fixture(scope="module")
+def chat_ids(smollm_loaded):
+    messages = [{"role": "user", "content": "Write one sentence about the sea."}]
+    return smollm_loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def test_tiny_logits_match_transformers(tiny_loaded, hf_tiny):
+    engine = make_engine(tiny_loaded)
+    ids = torch.randint(0, tiny_loaded.config.vocab_size, (45,), generator=torch.Generator().manual_seed(3))
+    ids = ids.tolist()
+    theirs = hf_logits(hf_tiny, ids)
+    with torch.inference_mode():
+        ours_dense = engine.model.reference_logits(ids)
+    assert (ours_dense - theirs).abs().max().item() <= LOGIT_TOL
+    assert (paged_last_logits(engine, ids) - theirs[-1]).abs().max().item() <= LOGIT_TOL
+    assert_no_leaks(engine)
+
+
+def test_tiny_greedy_continuation_matches_transformers(tiny_loaded, hf_tiny):
+    engine = make_engine(tiny_loaded, block_size=4, budget=16)  # chunked, many blocks
+    ids = [5, 17, 300, 4000, 12, 7, 99, 1024, 33]
+    [ours] = engine.generate([ids], SamplingParams(temperature=0, max_tokens=CONTINUATION), detokenize=False)
+    assert ours.token_ids == hf_greedy(hf_tiny, ids, CONTINUATION)
+    assert_no_leaks(engine)
+
+
+@pytest.mark.slow  # transformers' GGUF load
+def test_smollm2_logits_match_transformers(smollm_loaded, hf_smollm, chat_ids):
+    engine = make_engine(smollm_loaded)
+    theirs = hf_logits(hf_smollm, chat_ids)
+    with torch.inference_mode():
+        ours_dense = engine.model.reference_logits(chat_ids)
+    assert (ours_dense - theirs).abs().max().item() <= LOGIT_TOL
+    assert (paged_last_logits(engine, chat_ids) - theirs[-1]).abs().max().item() <= LOGIT_TOL
+    assert_no_leaks(engine)
+
+
+@pytest.mark.slow  # transformers' GGUF load
+def test_smollm2_greedy_continuation_matches_transformers(smollm_loaded, hf_smollm, chat_ids):
+    engine = make_engine(smollm_loaded)
+    [ours] = engine.generate([chat_ids], SamplingParams(temperature=0, max_tokens=CONTINUATION),
+                             detokenize=False)
+    theirs = hf_greedy(hf_smollm, chat_ids, CONTINUATION)
+    assert ours.token_ids == theirs
+    assert len(ours.token_ids) >= 8  # a real continuation, not an immediate end of turn
+    assert_no_leaks(engine)
