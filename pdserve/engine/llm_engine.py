@@ -6,6 +6,18 @@
              their blocks -> KV events drained to the publisher
     abort(request_id): blocks released at once, wherever the request is.
 
+KV handoff (prefill/decode disaggregation), see pdserve/transfer/:
+    prefill side: add_request(hold_blocks=True) keeps a finished request's blocks
+        referenced until release_held(), so a sender thread can still read them;
+        step(on_layer_done=hook) calls hook(layer, chunks) as each layer is written.
+    decode side: reserve_transfer -> (blocks written by the receiver) ->
+        park_transfer (KV complete, prompt blocks committed to the prefix cache)
+        -> resume_transferred(first_token) joins the continuous batch;
+        release_reservation frees everything on any failure.
+
+Every public method takes self.lock, so a gRPC thread may call in while the
+engine loop steps.
+
 Validation happens before anything is queued, so a bad request raises
 InvalidRequestError and the engine keeps serving the others.
 """
@@ -14,19 +26,22 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.events import KVEventPublisher, NullPublisher
-from pdserve.engine.hashing import cache_salt
-from pdserve.engine.model import LayerDoneCallback, LlamaModel
+from pdserve.engine.hashing import ROOT_PARENT, cache_salt, hash_blocks
+from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
 from pdserve.engine.sampler import sample
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.engine.sequence import SamplingParams, Sequence, SequenceStatus, Usage
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.weights import LoadedModel, load_model
@@ -34,6 +49,30 @@ from pdserve.engine.weights import LoadedModel, load_model
 
 class InvalidRequestError(ValueError):
     """The request is malformed or cannot fit; the message names the field and the limit."""
+
+
+class TransferRejected(RuntimeError):
+    """The receiver cannot accept a KV transfer as described (e.g. its cached prefix is gone)."""
+
+
+StepLayerHook = Callable[[int, list[ScheduledChunk]], None]
+
+
+@dataclass
+class Reservation:
+    """Blocks held on a decode engine for one incoming prompt's KV.
+
+    block_ids covers the whole prompt: the first num_cached_blocks are the
+    receiver's own cached prefix (acquired), the rest are fresh and filled by
+    the transfer. expires_at bounds how long a parked transfer may wait for
+    its Decode call.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    block_ids: list[int]
+    num_cached_blocks: int
+    expires_at: float = float("inf")
 
 
 @dataclass
@@ -46,6 +85,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     usage: Usage
+    rng_state: torch.Tensor | None = None  # after the last sample; set for hold_blocks requests
 
 
 @dataclass
@@ -87,6 +127,10 @@ class LLMEngine:
         self._sequences: dict[str, Sequence] = {}
         self._detokenize: dict[str, bool] = {}
         self._arrivals = itertools.count()
+        self._hold_blocks: set[str] = set()
+        self._held: dict[str, list[int]] = {}
+        self._parked: dict[str, Reservation] = {}
+        self.lock = threading.RLock()
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True,
@@ -95,29 +139,55 @@ class LLMEngine:
 
     # --- requests ---------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams,
-                    request_id: str | None = None, detokenize: bool = True) -> str:
+                    request_id: str | None = None, detokenize: bool = True,
+                    hold_blocks: bool = False) -> str:
+        """Queue a request. hold_blocks keeps its blocks referenced after it finishes
+        (until release_held), for a KV sender that reads them after the last step."""
         request_id = request_id or uuid.uuid4().hex
-        self._validate(request_id, prompt_token_ids, sampling)
+        with self.lock:
+            self._validate(request_id, prompt_token_ids, sampling)
+            seq = self._new_sequence(request_id, prompt_token_ids, sampling, detokenize)
+            if hold_blocks:
+                self._hold_blocks.add(request_id)
+            self.scheduler.add(seq)
+        return request_id
+
+    def _new_sequence(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                      detokenize: bool) -> Sequence:
         seq = Sequence(request_id, list(prompt_token_ids), sampling, next(self._arrivals))
         seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(7), "little")
         seq.generator = torch.Generator().manual_seed(seed)
         self._sequences[request_id] = seq
         self._detokenize[request_id] = detokenize and self.tokenizer is not None
-        self.scheduler.add(seq)
-        return request_id
+        return seq
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is; its blocks are released now. False if unknown."""
-        seq = self._sequences.pop(request_id, None)
-        if seq is None:
-            return False
-        self._detokenize.pop(request_id, None)
-        self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-        self._publish_events()
-        return True
+        with self.lock:
+            seq = self._sequences.pop(request_id, None)
+            if seq is None:
+                return self.release_held(request_id) or self._drop_parked(request_id)
+            self._detokenize.pop(request_id, None)
+            self._hold_blocks.discard(request_id)
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            self._publish_events()
+            return True
+
+    def release_held(self, request_id: str) -> bool:
+        """Let go of a finished request's held blocks (they stay cached by hash)."""
+        with self.lock:
+            blocks = self._held.pop(request_id, None)
+            if blocks is None:
+                return False
+            self.pool.release(blocks)
+            return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def request_ids(self) -> list[str]:
+        with self.lock:
+            return list(self._sequences)
 
     def num_active(self) -> int:
         return len(self._sequences)
@@ -139,17 +209,21 @@ class LLMEngine:
             raise InvalidRequestError("sampling must be a SamplingParams")
 
     # --- the step -------------------------------------------------------------------
-    def step(self, on_layer_done: LayerDoneCallback | None = None) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
-        if not out.chunks:
-            return []
-        logits, sampled = self.runner.run(out.chunks, on_layer_done)
-        self.scheduler.after_step(out.chunks)
-        seqs = [c.seq for c in sampled]
-        tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
-        outputs = [self._append_token(seq, tok) for seq, tok in zip(seqs, tokens, strict=True)]
-        self._publish_events()
-        return outputs
+    def step(self, on_layer_done: StepLayerHook | None = None) -> list[RequestOutput]:
+        """One scheduling step; on_layer_done(layer, chunks) runs as each layer's KV is written."""
+        with self.lock:
+            self._expire_parked(time.monotonic())
+            out = self.scheduler.schedule()
+            if not out.chunks:
+                return []
+            hook = (lambda layer: on_layer_done(layer, out.chunks)) if on_layer_done else None
+            logits, sampled = self.runner.run(out.chunks, hook)
+            self.scheduler.after_step(out.chunks)
+            seqs = [c.seq for c in sampled]
+            tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+            outputs = [self._append_token(seq, tok) for seq, tok in zip(seqs, tokens, strict=True)]
+            self._publish_events()
+            return outputs
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
         seq.token_ids.append(token)
@@ -158,12 +232,22 @@ class LLMEngine:
         reason = self._finish_reason(seq, token)
         if reason == "stop_string":
             delta, reason = self._truncate_at_stop(seq, delta), "stop"
+        rng_state = None
         if reason is not None:
             self._sequences.pop(seq.request_id, None)
             self._detokenize.pop(seq.request_id, None)
+            if seq.request_id in self._hold_blocks:
+                rng_state = seq.generator.get_state()
             status = SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH
-            self.scheduler.finish(seq, status)
-        return RequestOutput(seq.request_id, [token], delta, reason is not None, reason, seq.usage)
+            self._finish(seq, status)
+        return RequestOutput(seq.request_id, [token], delta, reason is not None, reason, seq.usage, rng_state)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        if seq.request_id in self._hold_blocks:
+            self._hold_blocks.discard(seq.request_id)
+            self.pool.acquire(seq.block_ids)  # one extra reference, dropped by release_held
+            self._held[seq.request_id] = list(seq.block_ids)
+        self.scheduler.finish(seq, status)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.sampling
@@ -211,6 +295,97 @@ class LLMEngine:
                 r.text += o.text_delta
                 r.finish_reason, r.usage = o.finish_reason, o.usage
         return [results[rid] for rid in ids]
+
+    # --- KV handoff: the decode side -----------------------------------------------
+    def reserve_transfer(self, request_id: str, prompt_token_ids: list[int], claimed_cached_blocks: int,
+                         ttl_s: float = 30.0) -> Reservation:
+        """Hold blocks for an incoming prompt's KV: the claimed cached prefix plus fresh blocks.
+
+        Raises TransferRejected when this engine no longer holds the prefix it claimed
+        (the sender would skip blocks we lack) and NoFreeBlocksError when the pool is full.
+        """
+        with self.lock:
+            self._validate(request_id, prompt_token_ids, SamplingParams())
+            if request_id in self._parked:
+                raise InvalidRequestError(f"request_id {request_id!r} already has a KV reservation")
+            cached = self._acquire_claimed_prefix(prompt_token_ids, claimed_cached_blocks)
+            total = -(-len(prompt_token_ids) // self.block_size)
+            try:
+                fresh = self.pool.allocate(total - len(cached))
+            except NoFreeBlocksError:
+                self.pool.release(cached)
+                raise
+            return Reservation(request_id, list(prompt_token_ids), cached + fresh, len(cached),
+                               time.monotonic() + ttl_s)
+
+    def _acquire_claimed_prefix(self, prompt_token_ids: list[int], claimed: int) -> list[int]:
+        max_blocks = (len(prompt_token_ids) - 1) // self.block_size
+        if not 0 <= claimed <= max_blocks:
+            raise TransferRejected(f"claimed cached blocks must be in [0, {max_blocks}], got {claimed}")
+        hashes = hash_blocks(prompt_token_ids[:claimed * self.block_size], self.block_size, self.salt)
+        matched = self.pool.match_prefix(hashes)
+        if len(matched) < claimed:
+            raise TransferRejected(
+                f"receiver holds {len(matched)} of the {claimed} prefix blocks the sender skips; "
+                f"retry with receiver_cached_blocks={len(matched)}")
+        self.pool.acquire(matched)
+        return matched
+
+    def release_reservation(self, reservation: Reservation) -> None:
+        with self.lock:
+            self._parked.pop(reservation.request_id, None)
+            self.pool.release(reservation.block_ids)
+            self._publish_events()
+
+    def park_transfer(self, reservation: Reservation) -> None:
+        """All KV arrived and verified: commit the prompt's full blocks and wait for Decode."""
+        with self.lock:
+            prompt = reservation.prompt_token_ids
+            hashes = hash_blocks(prompt, self.block_size, self.salt)
+            for j in range(reservation.num_cached_blocks, len(hashes)):
+                parent = hashes[j - 1] if j else ROOT_PARENT
+                tokens = prompt[j * self.block_size:(j + 1) * self.block_size]
+                self.pool.commit(reservation.block_ids[j], hashes[j], parent if j else None, tokens)
+            self._parked[reservation.request_id] = reservation
+            self._publish_events()
+
+    def has_parked(self, request_id: str) -> bool:
+        with self.lock:
+            return request_id in self._parked
+
+    def resume_transferred(self, request_id: str, first_token: int, sampling: SamplingParams,
+                           rng_state: torch.Tensor | None = None, detokenize: bool = True) -> bool:
+        """Continue a parked transfer: its prompt's KV is here, first_token came from prefill.
+
+        Returns False when nothing is parked under request_id (the caller prefills locally).
+        """
+        with self.lock:
+            reservation = self._parked.pop(request_id, None)
+            if reservation is None:
+                return False
+            seq = self._new_sequence(request_id, reservation.prompt_token_ids, sampling, detokenize)
+            if rng_state is not None:
+                seq.generator.set_state(rng_state)
+            seq.block_ids = list(reservation.block_ids)
+            seq.num_computed_tokens = seq.num_prompt_tokens
+            seq.num_committed_blocks = seq.num_prompt_tokens // self.block_size
+            seq.admitted_once = True
+            seq.usage.cached_tokens = reservation.num_cached_blocks * self.block_size
+            seq.status = SequenceStatus.RUNNING
+            self.scheduler.running.append(seq)
+            self._append_token(seq, first_token)
+            return True
+
+    def _drop_parked(self, request_id: str) -> bool:
+        reservation = self._parked.get(request_id)
+        if reservation is None:
+            return False
+        self.release_reservation(reservation)
+        return True
+
+    def _expire_parked(self, now: float) -> None:
+        for reservation in [r for r in self._parked.values() if r.expires_at <= now]:
+            self.release_reservation(reservation)
 
     def leaked_blocks(self) -> list[int]:
         """Blocks still referenced by anyone; empty when the engine is idle and clean."""

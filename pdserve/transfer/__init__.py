@@ -1,0 +1,5 @@
+"""KV handoff between engines: a layer-wise sender, a fail-closed receiver, two transports.
+
+    prefill engine --step hook--> LayerwiseSender --frames--> KVChannel --> KVReceiver --> decode engine
+                                                     (GrpcKVChannel or LoopbackKVChannel)
+"""

@@ -1,0 +1,190 @@
+"""The receiving end: verifies and writes one transfer into the decode engine's pool.
+
+Lifecycle of one incoming transfer (TransferState):
+
+    PENDING       BEGIN read; layout checked against ours (nothing reserved yet)
+    TRANSFERRING  blocks reserved for the whole prompt; LAYER frames verified and written
+    DONE          END matched every (layer, block) pair: the engine parks the KV for Decode
+    FAILED        any error, disconnect, deadline or cancel: the reservation is freed at
+                  once and TransferFailed says why; the caller recomputes the prompt
+
+Fail closed: a block is written only after its checksum verifies, and a sequence is
+usable only after every block of every layer has arrived.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pdserve.engine.block_pool import NoFreeBlocksError
+from pdserve.engine.llm_engine import InvalidRequestError, LLMEngine, Reservation, TransferRejected
+from pdserve.kvwire import (
+    ChecksumError,
+    KVLayout,
+    LayerChunkHeader,
+    TransferBegin,
+    TransferEnd,
+    WireError,
+    decode_header,
+    decode_layer,
+    write_layer,
+)
+from pdserve.transfer.errors import FailureKind, TransferFailed
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class ReceiveReport:
+    transfer_id: str
+    request_id: str
+    blocks_written: int  # (layer, block) pairs
+    bytes_received: int
+
+
+class KVReceiver:
+    """Accepts transfers for one engine; safe to call from many gRPC threads at once."""
+
+    def __init__(self, engine: LLMEngine, layout: KVLayout, parked_ttl_s: float = 30.0) -> None:
+        self.engine = engine
+        self.layout = layout
+        self.parked_ttl_s = parked_ttl_s
+        self._lock = threading.Lock()
+        self.outcomes: Counter[str] = Counter()  # "done" or a FailureKind value
+        self.bytes_received = 0
+
+    def receive(self, frames: Iterable[tuple[bytes, bytes]]) -> ReceiveReport:
+        """Consume one transfer's frames; TransferFailed (after freeing everything) on any failure."""
+        try:
+            report = self._receive(iter(frames))
+        except TransferFailed as e:
+            self._count(e.kind.value)
+            raise
+        self._count(TransferState.DONE.value, report.bytes_received)
+        return report
+
+    def _count(self, outcome: str, nbytes: int = 0) -> None:
+        with self._lock:
+            self.outcomes[outcome] += 1
+            self.bytes_received += nbytes
+
+    def _receive(self, frames) -> ReceiveReport:
+        begin = self._read_begin(frames)
+        reservation = self._reserve(begin)
+        try:
+            report = _LayerWriter(self.engine, self.layout, begin, reservation).consume(frames)
+        except BaseException:
+            self.engine.release_reservation(reservation)
+            raise
+        self.engine.park_transfer(reservation)
+        return report
+
+    def _read_begin(self, frames) -> TransferBegin:
+        header, _ = _next_frame(frames, "before BEGIN")
+        begin = _decode(header)
+        if not isinstance(begin, TransferBegin):
+            raise TransferFailed(FailureKind.INVALID_ARGUMENT, "the first frame must be BEGIN")
+        mismatch = self.layout.first_mismatch(begin.layout)
+        if mismatch is not None:
+            raise TransferFailed(FailureKind.FAILED_PRECONDITION, f"KV layout mismatch: {mismatch}")
+        _check_begin(begin, self.layout.block_size)
+        return begin
+
+    def _reserve(self, begin: TransferBegin) -> Reservation:
+        try:
+            return self.engine.reserve_transfer(begin.request_id, list(begin.prompt_token_ids),
+                                                begin.receiver_cached_blocks, ttl_s=self.parked_ttl_s)
+        except TransferRejected as e:
+            raise TransferFailed(FailureKind.FAILED_PRECONDITION, str(e)) from e
+        except NoFreeBlocksError as e:
+            raise TransferFailed(FailureKind.RESOURCE_EXHAUSTED,
+                                 f"decode pool cannot hold the prompt's KV ({e}); retry later") from e
+        except InvalidRequestError as e:
+            raise TransferFailed(FailureKind.INVALID_ARGUMENT, str(e)) from e
+
+
+def _check_begin(begin: TransferBegin, block_size: int) -> None:
+    if begin.num_tokens != len(begin.prompt_token_ids):
+        raise TransferFailed(FailureKind.INVALID_ARGUMENT,
+                             f"num_tokens {begin.num_tokens} != {len(begin.prompt_token_ids)} prompt tokens")
+    total = -(-begin.num_tokens // block_size)
+    expected = tuple(range(begin.receiver_cached_blocks, total))
+    if begin.positions != expected:
+        raise TransferFailed(FailureKind.INVALID_ARGUMENT,
+                             f"positions must be blocks {begin.receiver_cached_blocks}..{total - 1} "
+                             f"(everything past the receiver's cached prefix)")
+
+
+class _LayerWriter:
+    """Writes verified LAYER frames of one transfer into its reservation until END."""
+
+    def __init__(self, engine: LLMEngine, layout: KVLayout, begin: TransferBegin,
+                 reservation: Reservation) -> None:
+        self.engine, self.layout, self.begin, self.reservation = engine, layout, begin, reservation
+        self.missing = {(layer, p) for layer in range(layout.num_layers) for p in begin.positions}
+        self.written = 0
+        self.nbytes = 0
+
+    def consume(self, frames) -> ReceiveReport:
+        while True:
+            header, payload = _next_frame(frames, f"with {len(self.missing)} blocks still missing")
+            frame = _decode(header)
+            if isinstance(frame, LayerChunkHeader):
+                self._write(frame, payload)
+            elif isinstance(frame, TransferEnd):
+                return self._finish(frame)
+            else:
+                raise TransferFailed(FailureKind.INVALID_ARGUMENT, "a second BEGIN inside one transfer")
+
+    def _write(self, frame: LayerChunkHeader, payload: bytes) -> None:
+        keys = {(frame.layer, p) for p in frame.positions}
+        if frame.transfer_id != self.begin.transfer_id or not keys <= self.missing:
+            raise TransferFailed(FailureKind.INVALID_ARGUMENT,
+                                 f"layer {frame.layer} frame carries blocks {list(frame.positions)} "
+                                 "that were not announced or were already received")
+        try:
+            blocks = decode_layer(frame, payload, self.layout)
+        except ChecksumError as e:
+            raise TransferFailed(FailureKind.DATA_LOSS, str(e)) from e
+        except WireError as e:
+            raise TransferFailed(FailureKind.INVALID_ARGUMENT, str(e)) from e
+        block_ids = [self.reservation.block_ids[p] for p in frame.positions]
+        write_layer(self.engine.kv_cache, frame.layer, block_ids, blocks)
+        self.missing -= keys
+        self.written += len(keys)
+        self.nbytes += len(payload)
+
+    def _finish(self, end: TransferEnd) -> ReceiveReport:
+        if self.missing or end.total_blocks != self.written or end.total_bytes != self.nbytes:
+            raise TransferFailed(FailureKind.INVALID_ARGUMENT,
+                                 f"END says {end.total_blocks} blocks / {end.total_bytes} bytes, received "
+                                 f"{self.written} / {self.nbytes} with {len(self.missing)} missing")
+        return ReceiveReport(self.begin.transfer_id, self.begin.request_id, self.written, self.nbytes)
+
+
+def _next_frame(frames, where: str) -> tuple[bytes, bytes]:
+    try:
+        return next(frames)
+    except StopIteration:
+        raise TransferFailed(FailureKind.CANCELLED, f"sender stream ended {where}") from None
+    except TransferFailed:
+        raise
+    except Exception as e:  # the transport's own error: disconnect, deadline, cancel
+        kind = getattr(e, "failure_kind", FailureKind.CANCELLED)
+        raise TransferFailed(kind, f"sender stream broke {where}: {e}") from e
+
+
+def _decode(header: bytes):
+    try:
+        return decode_header(header)
+    except WireError as e:
+        raise TransferFailed(FailureKind.INVALID_ARGUMENT, str(e)) from e
