@@ -52,7 +52,8 @@ def decode_after_transfer(engine: LLMEngine, request_id: str, prompt: list[int],
     return tokens, resumed
 
 
-def single_engine_tokens(engine: LLMEngine, prompt: list[int], sampling: SamplingParams = GREEDY) -> list[int]:
+def single_engine_tokens(engine: LLMEngine, prompt: list[int],
+                         sampling: SamplingParams = GREEDY) -> list[int]:
     return engine.generate([prompt], sampling, detokenize=False)[0].token_ids
 
 

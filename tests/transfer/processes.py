@@ -54,7 +54,8 @@ class DecodeProcess:
 
     def __init__(self, model_path: str | None, **engine_kwargs) -> None:
         self._conn, child = SPAWN.Pipe()
-        self.process = SPAWN.Process(target=_decode_main, args=(child, model_path, engine_kwargs), daemon=True)
+        self.process = SPAWN.Process(target=_decode_main, args=(child, model_path, engine_kwargs),
+                                     daemon=True)
         self.process.start()
         if not self._conn.poll(180):
             raise TimeoutError("decode process did not start within 180 s")
