@@ -349,20 +349,28 @@ class LLMEngine:
             self._parked[reservation.request_id] = reservation
             self._publish_events()
 
+    def num_parked(self) -> int:
+        return len(self._parked)
+
+    def num_held_blocks(self) -> int:
+        return sum(len(blocks) for blocks in self._held.values())
+
     def has_parked(self, request_id: str) -> bool:
         with self.lock:
             return request_id in self._parked
 
     def resume_transferred(self, request_id: str, first_token: int, sampling: SamplingParams,
-                           rng_state: torch.Tensor | None = None, detokenize: bool = True) -> bool:
+                           rng_state: torch.Tensor | None = None,
+                           detokenize: bool = True) -> RequestOutput | None:
         """Continue a parked transfer: its prompt's KV is here, first_token came from prefill.
 
-        Returns False when nothing is parked under request_id (the caller prefills locally).
+        Returns the output for first_token (it may already finish the request), or None when
+        nothing is parked under request_id (the caller prefills locally).
         """
         with self.lock:
             reservation = self._parked.pop(request_id, None)
             if reservation is None:
-                return False
+                return None
             seq = self._new_sequence(request_id, reservation.prompt_token_ids, sampling, detokenize)
             if rng_state is not None:
                 seq.generator.set_state(rng_state)
@@ -373,8 +381,7 @@ class LLMEngine:
             seq.usage.cached_tokens = reservation.num_cached_blocks * self.block_size
             seq.status = SequenceStatus.RUNNING
             self.scheduler.running.append(seq)
-            self._append_token(seq, first_token)
-            return True
+            return self._append_token(seq, first_token)
 
     def _drop_parked(self, request_id: str) -> bool:
         reservation = self._parked.get(request_id)

@@ -40,7 +40,7 @@ def decode_after_transfer(engine: LLMEngine, request_id: str, prompt: list[int],
     Returns (tokens, used_transferred_kv).
     """
     resumed = engine.resume_transferred(request_id, first_token, sampling, rng_state, detokenize=False)
-    if resumed:
+    if resumed is not None:
         tokens = [first_token]
     else:
         engine.add_request(prompt, sampling, request_id=request_id, detokenize=False)
@@ -49,7 +49,7 @@ def decode_after_transfer(engine: LLMEngine, request_id: str, prompt: list[int],
         for out in engine.step():
             if out.request_id == request_id:
                 tokens += out.new_token_ids
-    return tokens, resumed
+    return tokens, resumed is not None
 
 
 def single_engine_tokens(engine: LLMEngine, prompt: list[int],

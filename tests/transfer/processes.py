@@ -45,7 +45,7 @@ def _decode_main(conn, model_path: str | None, engine_kwargs: dict) -> None:
                                       detokenize=False)[0].token_ids)
         elif cmd == "stats":
             conn.send({"free": engine.pool.num_free_blocks, "num_blocks": engine.pool.num_blocks,
-                       "leaked": engine.leaked_blocks(), "parked": len(engine._parked),
+                       "leaked": engine.leaked_blocks(), "parked": engine.num_parked(),
                        "outcomes": dict(receiver.outcomes)})
 
 

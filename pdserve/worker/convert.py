@@ -1,0 +1,46 @@
+"""Plain conversions between protobuf messages and engine types (no I/O)."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.sequence import SamplingParams, Usage
+from protos.pdserve.v1 import generation_pb2
+
+DEFAULT_MAX_TOKENS = 128
+
+
+def sampling_from_proto(p: generation_pb2.SamplingParams) -> SamplingParams:
+    """ValueError naming the field when a value is out of range."""
+    return SamplingParams(
+        temperature=p.temperature if p.HasField("temperature") else 1.0,
+        top_k=p.top_k if p.HasField("top_k") else 0,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        seed=p.seed if p.HasField("seed") else None,
+        max_tokens=p.max_tokens if p.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
+        stop_token_ids=tuple(p.stop_token_ids),
+        stop=tuple(p.stop),
+        ignore_eos=p.ignore_eos,
+    )
+
+
+def sampling_to_proto(s: SamplingParams) -> generation_pb2.SamplingParams:
+    p = generation_pb2.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                      max_tokens=s.max_tokens, stop_token_ids=list(s.stop_token_ids),
+                                      stop=list(s.stop), ignore_eos=s.ignore_eos)
+    if s.seed is not None:
+        p.seed = s.seed
+    return p
+
+
+def usage_to_proto(u: Usage) -> generation_pb2.Usage:
+    return generation_pb2.Usage(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
+                                computed_tokens=u.computed_tokens, completion_tokens=u.completion_tokens)
+
+
+def rng_state_to_bytes(state: torch.Tensor | None) -> bytes:
+    return b"" if state is None else bytes(state.numpy().tobytes())
+
+
+def rng_state_from_bytes(data: bytes) -> torch.Tensor | None:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None

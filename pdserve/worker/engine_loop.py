@@ -1,0 +1,131 @@
+"""The engine loop: one thread owns engine.step(); requests subscribe to their outputs.
+
+    submit()/resume() --register a RequestStream--> engine.add_request / resume_transferred
+    loop thread: while work: outputs = engine.step(hook); each output -> its stream's queue
+    abort(): engine.abort (blocks freed now) and the stream ends with finish_reason "abort"
+
+A stream is registered before its request reaches the engine, so no output is missed.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+
+import torch
+
+from pdserve.engine.llm_engine import InvalidRequestError, LLMEngine, RequestOutput, StepLayerHook
+from pdserve.engine.sequence import SamplingParams, Usage
+
+_IDLE_WAIT_S = 0.05  # also the cadence at which expired parked transfers are swept
+
+
+class RequestStream:
+    """Outputs of one request, in order; ends after the finished output."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        self.finished = False
+
+    def put(self, output: RequestOutput) -> None:
+        self._queue.put(output)
+
+    def get(self, timeout: float | None = None) -> RequestOutput:
+        """Next output; queue.Empty after timeout."""
+        return self._queue.get(timeout=timeout)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while not self.finished:
+            output = self._queue.get()
+            self.finished = output.finished
+            yield output
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, layer_hook: StepLayerHook | None = None) -> None:
+        self.engine = engine
+        self.layer_hook = layer_hook
+        self._streams: dict[str, RequestStream] = {}
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.steps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        self._thread.join(timeout=10)
+
+    # --- requests ---------------------------------------------------------------------
+    def submit(self, prompt: list[int], sampling: SamplingParams, request_id: str, *,
+               detokenize: bool = True, hold_blocks: bool = False) -> RequestStream:
+        """Queue a request; InvalidRequestError (nothing registered) when it is malformed."""
+        stream = self._register(request_id)
+        try:
+            self.engine.add_request(prompt, sampling, request_id=request_id, detokenize=detokenize,
+                                    hold_blocks=hold_blocks)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        self._notify()
+        return stream
+
+    def resume(self, request_id: str, first_token: int, sampling: SamplingParams,
+               rng_state: torch.Tensor | None, detokenize: bool = True) -> RequestStream | None:
+        """Continue a transferred request; None when its KV is not parked here."""
+        stream = self._register(request_id)
+        first = self.engine.resume_transferred(request_id, first_token, sampling, rng_state, detokenize)
+        if first is None:
+            self._streams.pop(request_id, None)
+            return None
+        self._deliver(first)
+        self._notify()
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        found = self.engine.abort(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.put(RequestOutput(request_id, [], "", True, "abort", Usage()))
+        return found or stream is not None
+
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    # --- the loop ---------------------------------------------------------------------------
+    def _register(self, request_id: str) -> RequestStream:
+        stream = RequestStream(request_id)
+        with self._wake:
+            if request_id in self._streams:
+                raise InvalidRequestError(f"request_id {request_id!r} is already in flight on this worker")
+            self._streams[request_id] = stream
+        return stream
+
+    def _notify(self) -> None:
+        with self._wake:
+            self._wake.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                if self._stopping:
+                    return
+                if not self.engine.has_unfinished():
+                    self._wake.wait(timeout=_IDLE_WAIT_S)
+            for output in self.engine.step(on_layer_done=self.layer_hook):
+                self._deliver(output)
+            self.steps += 1
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return
+        if output.finished:
+            self._streams.pop(output.request_id, None)
+        stream.put(output)

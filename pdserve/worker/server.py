@@ -1,0 +1,100 @@
+"""WorkerServer: builds one worker (engine, loop, services) and runs its gRPC server.
+
+The Worker, KVTransfer and health services share one port, so a worker has one address.
+Ray actors (prefill_worker/, decode_worker/) and tests construct this directly.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.events import KVEventPublisher
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.weights import LoadedModel, load_model
+from pdserve.kvwire import KVLayout
+from pdserve.transfer.grpc_transport import GRPC_OPTIONS, KVTransferServicer
+from pdserve.transfer.receiver import KVReceiver
+from pdserve.transfer.sender import LayerwiseSender
+from pdserve.worker.engine_loop import EngineLoop
+from pdserve.worker.service import WorkerServicer
+from protos.pdserve.v1 import kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    worker_id: str = ""  # "" -> role + random suffix
+    host: str = "127.0.0.1"
+    port: int = 0
+    node: str = field(default_factory=socket.gethostname)
+    max_chunk_bytes: int = 2 << 20
+    parked_ttl_s: float = 30.0
+    grpc_threads: int = 32
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if not self.worker_id:
+            object.__setattr__(self, "worker_id", f"{self.role}-{uuid.uuid4().hex[:8]}")
+
+
+class WorkerServer:
+    def __init__(self, config: WorkerConfig, loaded: LoadedModel | None = None,
+                 publisher: KVEventPublisher | None = None, epoch: int = 0) -> None:
+        self.config = config
+        loaded = loaded or load_model(config.engine.model_path, progress=False)
+        self.engine = LLMEngine(loaded, config.engine, publisher)
+        self.layout = KVLayout.of_cache(self.engine.kv_cache, self.engine.fingerprint)
+        self.sender = LayerwiseSender(self.engine.kv_cache, self.layout, config.max_chunk_bytes)
+        self.receiver = KVReceiver(self.engine, self.layout, config.parked_ttl_s)
+        self.loop = EngineLoop(self.engine, layer_hook=self.sender)
+        self.epoch = epoch
+        self.address = ""
+        self.health = health.HealthServicer()
+        self._server: grpc.Server | None = None
+        self.servicer: WorkerServicer | None = None
+
+    def start(self) -> str:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.config.grpc_threads),
+                             options=GRPC_OPTIONS)
+        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if port == 0:
+            raise OSError(f"worker {self.config.worker_id}: cannot bind "
+                          f"{self.config.host}:{self.config.port}")
+        self.address = f"{self.config.host}:{port}"
+        self.servicer = WorkerServicer(self.engine, self.loop, self.sender, self.receiver, self.identity())
+        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, server)
+        kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(self.receiver), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        self.loop.start()
+        server.start()
+        self._server = server
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        return self.address
+
+    def identity(self) -> worker_pb2.WorkerStatus:
+        c = self.config
+        return worker_pb2.WorkerStatus(worker_id=c.worker_id, role=c.role, address=self.address,
+                                       node=c.node, epoch=self.epoch)
+
+    def status(self) -> worker_pb2.WorkerStatus:
+        assert self.servicer is not None, "start() the worker first"
+        return self.servicer.status()
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        self.health.enter_graceful_shutdown()
+        if self._server is not None:
+            self._server.stop(grace_s).wait()
+        self.loop.stop()
+        if self.servicer is not None:
+            self.servicer.close()

@@ -1,0 +1,163 @@
+"""The Worker gRPC service: Prefill, Decode, Abort, Status over one engine loop.
+
+Prefill (remote prefill for a decode target):
+    register the outgoing transfer -> submit(max_tokens=1, hold_blocks) -> layers stream
+    out as they are computed -> first token sampled -> END -> wait for the receiver's reply
+    -> release the held blocks (they stay in this worker's prefix cache).
+Decode:
+    resume the parked KV with the prefill worker's first token, or prefill here when told
+    to or when no KV arrived (a failed transfer: recompute, so output stays exact) -> stream.
+A cancelled or expired call aborts the request on this worker: its blocks are freed at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+
+import grpc
+
+from pdserve.engine.llm_engine import InvalidRequestError, LLMEngine
+from pdserve.transfer.errors import TransferFailed
+from pdserve.transfer.grpc_transport import GrpcKVChannel
+from pdserve.transfer.receiver import KVReceiver
+from pdserve.transfer.sender import LayerwiseSender
+from pdserve.worker.convert import (
+    rng_state_from_bytes,
+    rng_state_to_bytes,
+    sampling_from_proto,
+    usage_to_proto,
+)
+from pdserve.worker.engine_loop import EngineLoop, RequestStream
+from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, engine: LLMEngine, loop: EngineLoop, sender: LayerwiseSender, receiver: KVReceiver,
+                 identity: worker_pb2.WorkerStatus) -> None:
+        self.engine, self.loop, self.sender, self.receiver = engine, loop, sender, receiver
+        self.identity = identity
+        self.bytes_sent = 0
+        self._channels: dict[str, GrpcKVChannel] = {}
+        self._lock = threading.Lock()
+
+    # --- Prefill ----------------------------------------------------------------------------
+    def Prefill(self, request, context):  # noqa: N802
+        rid, prompt = request.request_id, list(request.prompt_token_ids)
+        sampling = _sampling_or_abort(request.sampling, context)
+        timeout = context.time_remaining() or DEFAULT_TIMEOUT_S
+        started = time.perf_counter()
+        transfer = self.sender.start(rid, prompt, request.target_cached_blocks,
+                                     self._channel(request.decode_target), timeout)
+        try:
+            stream = self.loop.submit(prompt, replace(sampling, max_tokens=1, stop=()), rid,
+                                      detokenize=False, hold_blocks=True)
+        except (InvalidRequestError, ValueError) as e:
+            transfer.abort()
+            self.sender.finish(rid)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        context.add_callback(lambda: (transfer.abort(), self.loop.abort(rid)))
+        try:
+            return self._finish_prefill(rid, stream, transfer, started, context)
+        finally:
+            self.sender.finish(rid)
+            self.engine.release_held(rid)
+
+    def _finish_prefill(self, rid, stream: RequestStream, transfer, started: float, context):
+        last = next(o for o in stream if o.finished)
+        if last.finish_reason == "abort":
+            transfer.abort()
+            context.abort(grpc.StatusCode.CANCELLED, f"request {rid} was aborted during prefill")
+        computed = time.perf_counter()
+        transfer.close()
+        try:
+            push = transfer.wait()
+        except TransferFailed as e:
+            code = getattr(grpc.StatusCode, e.kind.value, grpc.StatusCode.INTERNAL)
+            context.abort(code, f"KV transfer to the decode worker failed: {e.message}")
+        with self._lock:
+            self.bytes_sent += push.bytes_sent
+        return worker_pb2.PrefillReply(
+            first_token=last.new_token_ids[0], rng_state=rng_state_to_bytes(last.rng_state),
+            usage=usage_to_proto(last.usage), bytes_sent=push.bytes_sent, blocks_sent=push.blocks_written,
+            prefill_ms=(computed - started) * 1e3, transfer_ms=(time.perf_counter() - computed) * 1e3)
+
+    def _channel(self, target: str) -> GrpcKVChannel:
+        with self._lock:
+            if target not in self._channels:
+                self._channels[target] = GrpcKVChannel(target)
+            return self._channels[target]
+
+    # --- Decode -------------------------------------------------------------------------------
+    def Decode(self, request, context):  # noqa: N802
+        rid, prompt = request.request_id, list(request.prompt_token_ids)
+        sampling = _sampling_or_abort(request.sampling, context)
+        started = time.perf_counter()
+        stream = None
+        if not request.prefill_here and request.HasField("first_token"):
+            stream = self.loop.resume(rid, request.first_token, sampling,
+                                      rng_state_from_bytes(request.rng_state), request.detokenize)
+        used_transfer = stream is not None
+        if stream is None:
+            try:
+                stream = self.loop.submit(prompt, sampling, rid, detokenize=request.detokenize)
+            except (InvalidRequestError, ValueError) as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        context.add_callback(lambda: self.loop.abort(rid))
+        yield from self._stream_replies(rid, stream, used_transfer, started)
+
+    def _stream_replies(self, rid: str, stream: RequestStream, used_transfer: bool, started: float):
+        first, finished = True, False
+        try:
+            for out in stream:
+                finished = out.finished
+                reply = worker_pb2.DecodeReply(token_ids=out.new_token_ids, text=out.text_delta,
+                                               finished=out.finished, finish_reason=out.finish_reason or "")
+                if first:
+                    reply.used_transferred_kv = used_transfer
+                    reply.prefill_ms = 0.0 if used_transfer else (time.perf_counter() - started) * 1e3
+                    first = False
+                if out.finished:
+                    reply.usage.CopyFrom(usage_to_proto(out.usage))
+                yield reply
+        finally:
+            if not finished:
+                self.loop.abort(rid)
+
+    # --- Abort / Status ---------------------------------------------------------------------------
+    def Abort(self, request, context):  # noqa: N802
+        return worker_pb2.AbortReply(found=self.loop.abort(request.request_id))
+
+    def Status(self, request, context):  # noqa: N802
+        return self.status()
+
+    def status(self) -> worker_pb2.WorkerStatus:
+        e = self.engine
+        with e.lock:
+            status = worker_pb2.WorkerStatus(
+                active_requests=len(e.scheduler.running), waiting_requests=len(e.scheduler.waiting),
+                num_blocks=e.pool.num_blocks, free_blocks=e.pool.num_free_blocks,
+                cached_blocks=e.pool.num_cached_blocks, used_blocks=e.pool.num_used_blocks,
+                parked_transfers=e.num_parked(), held_blocks=e.num_held_blocks(),
+                bytes_sent=self.bytes_sent, bytes_received=self.receiver.bytes_received,
+                model_fingerprint=e.fingerprint, block_size=e.block_size)
+        status.transfer_outcomes.update(self.receiver.outcomes)
+        status.MergeFrom(self.identity)
+        return status
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+
+
+def _sampling_or_abort(proto, context):
+    try:
+        return sampling_from_proto(proto)
+    except ValueError as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+

@@ -1,0 +1,101 @@
+"""Two real workers in one process, talking over real gRPC sockets (tiny model)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.sequence import SamplingParams
+from pdserve.worker.convert import sampling_to_proto
+from pdserve.worker.server import WorkerConfig, WorkerServer
+from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from tests.conftest import make_engine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PROMPT = list(range(400, 447))
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_loaded):
+    engine = EngineConfig(cache=CacheConfig(num_blocks=64), device="cpu")
+    servers = [WorkerServer(WorkerConfig(role, engine), tiny_loaded) for role in ("prefill", "decode")]
+    for s in servers:
+        s.start()
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+def stub(server: WorkerServer) -> worker_pb2_grpc.WorkerStub:
+    return worker_pb2_grpc.WorkerStub(grpc.insecure_channel(server.address))
+
+
+def assert_clean(server: WorkerServer) -> None:
+    status = server.status()
+    assert status.used_blocks == 0 and status.parked_transfers == 0 and status.held_blocks == 0
+    assert status.free_blocks == status.num_blocks
+
+
+def decode_tokens(replies) -> tuple[list[int], list]:
+    replies = list(replies)
+    return [t for r in replies for t in r.token_ids], replies
+
+
+def test_remote_prefill_then_decode_matches_one_engine(workers, tiny_loaded):
+    prefill, decode = workers
+    expected = make_engine(tiny_loaded).generate([PROMPT], GREEDY, detokenize=False)[0].token_ids
+    reply = stub(prefill).Prefill(worker_pb2.PrefillRequest(
+        request_id="a", prompt_token_ids=PROMPT, sampling=sampling_to_proto(GREEDY),
+        decode_target=decode.address), timeout=30)
+    assert reply.blocks_sent == 3 * tiny_loaded.config.num_layers and reply.usage.prompt_tokens == 47
+    tokens, replies = decode_tokens(stub(decode).Decode(worker_pb2.DecodeRequest(
+        request_id="a", prompt_token_ids=PROMPT, sampling=sampling_to_proto(GREEDY),
+        first_token=reply.first_token, rng_state=reply.rng_state), timeout=30))
+    assert replies[0].used_transferred_kv and replies[-1].finished
+    assert tokens == expected
+    assert replies[-1].usage.completion_tokens == 10
+    assert_clean(prefill)
+    assert_clean(decode)
+
+
+def test_prefill_here_matches_one_engine(workers, tiny_loaded):
+    _, decode = workers
+    expected = make_engine(tiny_loaded).generate([PROMPT], GREEDY, detokenize=False)[0].token_ids
+    tokens, replies = decode_tokens(stub(decode).Decode(worker_pb2.DecodeRequest(
+        request_id="b", prompt_token_ids=PROMPT, sampling=sampling_to_proto(GREEDY), prefill_here=True),
+        timeout=30))
+    assert tokens == expected and not replies[0].used_transferred_kv
+    assert_clean(decode)
+
+
+def test_bad_request_is_invalid_argument(workers):
+    prefill, decode = workers
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub(decode).Decode(worker_pb2.DecodeRequest(request_id="c", prompt_token_ids=[],
+                                                          prefill_here=True), timeout=10))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "prompt is empty" in err.value.details()
+    bad = sampling_to_proto(GREEDY)
+    bad.top_p = 2.0
+    with pytest.raises(grpc.RpcError) as err:
+        stub(prefill).Prefill(worker_pb2.PrefillRequest(request_id="d", prompt_token_ids=[1, 2], sampling=bad,
+                                                        decode_target=decode.address), timeout=10)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err.value.details()
+    assert_clean(prefill)
+    assert_clean(decode)
+
+
+def test_cancelled_decode_frees_blocks(workers):
+    _, decode = workers
+    call = stub(decode).Decode(worker_pb2.DecodeRequest(
+        request_id="e", prompt_token_ids=PROMPT,
+        sampling=sampling_to_proto(SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)),
+        prefill_here=True), timeout=30)
+    next(call)
+    call.cancel()
+    import time
+
+    deadline = time.monotonic() + 5
+    while decode.status().used_blocks and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert_clean(decode)
