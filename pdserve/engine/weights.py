@@ -103,6 +103,19 @@ def load_model(path: str | None = None, progress: bool = True) -> LoadedModel:
     raise ValueError(f"model path {source} is not a .gguf file or a directory; expected {expected}")
 
 
+def load_tokenizer(path: str | None = None) -> Tokenizer:
+    """Only the tokenizer (and chat template) of a model: what a router needs."""
+    source = Path(default_model_path() if path is None else path)
+    if source.is_file() and source.suffix == ".gguf":
+        import gguf
+
+        return Tokenizer.from_gguf_metadata(read_gguf_metadata(gguf.GGUFReader(str(source))))
+    if source.is_dir() and (source / "tokenizer.json").is_file():
+        return Tokenizer.from_files(source)
+    raise FileNotFoundError(f"no tokenizer at {source}: expected a .gguf file or a directory with "
+                            "tokenizer.json")
+
+
 # --- GGUF --------------------------------------------------------------------------------
 def load_gguf(path: Path, progress: bool = True) -> LoadedModel:
     import gguf  # imported here: only GGUF loading needs it

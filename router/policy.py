@@ -1,0 +1,53 @@
+"""Placement by load: which decode worker, and whether a prefill worker computes the prompt.
+
+Pure: no I/O. The random source is a parameter so tests are deterministic.
+
+    decode worker  = the live decode worker with the fewest active requests (ties: random)
+    prefill worker = the live prefill worker with the fewest active requests, unless the
+                     prompt is shorter than min_remote_prefill_tokens or there is none,
+                     in which case the decode worker prefills it (no transfer)
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Candidate:
+    worker_id: str
+    address: str
+    active_requests: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    decode: Candidate
+    prefill: Candidate | None  # None: prefill on the decode worker
+
+    @property
+    def remote_prefill(self) -> bool:
+        return self.prefill is not None
+
+
+class NoWorkerError(RuntimeError):
+    """No live worker can take the request."""
+
+
+def least_loaded(candidates: Sequence[Candidate], rng: random.Random) -> Candidate:
+    if not candidates:
+        raise NoWorkerError("no live worker")
+    fewest = min(c.active_requests for c in candidates)
+    return rng.choice([c for c in candidates if c.active_requests == fewest])
+
+
+def place_by_load(prefill: Sequence[Candidate], decode: Sequence[Candidate], prompt_tokens: int,
+                  min_remote_prefill_tokens: int, rng: random.Random) -> Placement:
+    if not decode:
+        raise NoWorkerError("no live decode worker; is the cluster up (`pdserve status`)?")
+    chosen_decode = least_loaded(decode, rng)
+    if not prefill or prompt_tokens < min_remote_prefill_tokens:
+        return Placement(chosen_decode, None)
+    return Placement(chosen_decode, least_loaded(prefill, rng))

@@ -1,0 +1,63 @@
+"""RouterServer: the Generation service on a port, with gRPC health and reflection."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdserve.engine.tokenizer import Tokenizer
+from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from router.service import GenerationServicer, RouterPolicyConfig
+from router.workers import CHANNEL_OPTIONS, WorkerDirectory, WorkerRecord
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    policy: RouterPolicyConfig = field(default_factory=RouterPolicyConfig)
+    refresh_s: float = 0.5
+    grpc_threads: int = 64
+
+
+class RouterServer:
+    def __init__(self, config: RouterConfig, tokenizer: Tokenizer,
+                 live_workers: Callable[[], Sequence[WorkerRecord]],
+                 rng: random.Random | None = None) -> None:
+        self.config = config
+        self.directory = WorkerDirectory(live_workers, config.refresh_s)
+        self.servicer = GenerationServicer(tokenizer, self.directory, config.policy, rng)
+        self.health = health.HealthServicer()
+        self.address = ""
+        self._server: grpc.Server | None = None
+
+    def start(self) -> str:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.config.grpc_threads),
+                             options=CHANNEL_OPTIONS)
+        generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = (generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+                 health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if port == 0:
+            raise OSError(f"router: cannot bind {self.config.host}:{self.config.port}; "
+                          "is another pdserve running? choose another --port")
+        self.directory.start()
+        server.start()
+        self._server = server
+        self.address = f"{self.config.host}:{port}"
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        return self.address
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        self.health.enter_graceful_shutdown()
+        if self._server is not None:
+            self._server.stop(grace_s).wait()
+        self.directory.stop()

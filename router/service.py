@@ -1,0 +1,199 @@
+"""The public Generation service: tokenize -> place -> (remote prefill) -> decode -> stream.
+
+Lifecycle of a request at the router (RequestPhase):
+    RECEIVED -> PREFILLING (on a prefill worker, KV streaming to the decode worker)
+             -> DECODING (tokens streaming back) -> FINISHED | ABORTED
+A failed remote prefill (worker down, transfer failed) falls back to prefill on the decode
+worker, so the output stays exact; bad input is INVALID_ARGUMENT before any worker is
+touched; a cancelled or expired client call cancels the downstream calls, which free the
+request's blocks on both workers.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.worker.convert import sampling_from_proto
+from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
+from router.policy import NoWorkerError, Placement, place_by_load
+from router.workers import WorkerDirectory
+
+log = logging.getLogger(__name__)
+
+NOT_FALLBACK = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.CANCELLED,
+                grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class RequestPhase(enum.Enum):
+    RECEIVED = "received"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True)
+class RouterPolicyConfig:
+    min_remote_prefill_tokens: int = 32  # shorter prompts are prefilled on the decode worker
+    default_timeout_s: float = 300.0
+
+
+@dataclass
+class _Trace:
+    """Per-request timing and accounting, filled as the request moves."""
+
+    received: float = field(default_factory=time.perf_counter)
+    prefill_started: float | None = None
+    first_token: float | None = None
+    prefill_ms: float = 0.0
+    transfer_ms: float = 0.0
+    prefill_usage: generation_pb2.Usage | None = None
+    phase: RequestPhase = RequestPhase.RECEIVED
+
+
+class InvalidPrompt(ValueError):
+    pass
+
+
+def prompt_token_ids(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidPrompt("prompt is missing: set one of text, chat or token_ids")
+    if kind == "token_ids":
+        ids = list(request.token_ids.ids)
+    elif kind == "chat":
+        ids = tokenizer.apply_chat_template(_chat_messages(request.chat), add_generation_prompt=True)
+    elif request.raw:
+        ids = tokenizer.encode(request.text)
+    else:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": request.text}],
+                                            add_generation_prompt=True)
+    if not ids:
+        raise InvalidPrompt("prompt is empty: give at least 1 token")
+    bad = next((t for t in ids if t >= tokenizer.vocab_size), None)
+    if bad is not None:
+        raise InvalidPrompt(f"prompt token id {bad} is outside the vocabulary [0, {tokenizer.vocab_size})")
+    return ids
+
+
+def _chat_messages(chat: generation_pb2.ChatMessages) -> list[dict[str, str]]:
+    if not chat.messages:
+        raise InvalidPrompt("chat.messages is empty: give at least one message")
+    roles = ("system", "user", "assistant")
+    for i, m in enumerate(chat.messages):
+        if m.role not in roles:
+            raise InvalidPrompt(f"chat.messages[{i}].role must be one of {', '.join(roles)}, got {m.role!r}")
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, tokenizer: Tokenizer, directory: WorkerDirectory, config: RouterPolicyConfig,
+                 rng: random.Random | None = None) -> None:
+        self.tokenizer, self.directory, self.config = tokenizer, directory, config
+        self.rng = rng or random.Random()
+
+    def Generate(self, request, context):  # noqa: N802
+        trace = _Trace()
+        rid = request.request_id or uuid.uuid4().hex
+        prompt, sampling = self._validated(request, context)
+        placement = self._place(len(prompt), context)
+        with self.directory.track(placement.decode, placement.prefill):
+            prefill = self._remote_prefill(rid, prompt, sampling, placement, trace, context)
+            yield from self._decode(rid, prompt, sampling, placement, prefill, trace, context)
+
+    def _validated(self, request, context):
+        try:
+            sampling_from_proto(request.sampling)  # range checks before any worker is touched
+            return prompt_token_ids(request, self.tokenizer), request.sampling
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def _place(self, prompt_tokens: int, context) -> Placement:
+        try:
+            return place_by_load(self.directory.candidates("prefill"), self.directory.candidates("decode"),
+                                 prompt_tokens, self.config.min_remote_prefill_tokens, self.rng)
+        except NoWorkerError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+    def _timeout(self, context) -> float:
+        remaining = context.time_remaining()
+        return self.config.default_timeout_s if remaining is None else max(0.0, remaining)
+
+    def _remote_prefill(self, rid, prompt, sampling, placement: Placement, trace: _Trace, context):
+        if placement.prefill is None:
+            return None
+        trace.phase, trace.prefill_started = RequestPhase.PREFILLING, time.perf_counter()
+        request = worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                                            decode_target=placement.decode.address)
+        future = self.directory.stub(placement.prefill.address).Prefill.future(
+            request, timeout=self._timeout(context))
+        context.add_callback(future.cancel)
+        try:
+            reply = future.result()
+        except grpc.RpcError as e:
+            return self._prefill_failed(e, rid, placement, context)
+        trace.prefill_ms, trace.transfer_ms = reply.prefill_ms, reply.transfer_ms
+        trace.prefill_usage = reply.usage
+        return reply
+
+    def _prefill_failed(self, e: grpc.RpcError, rid: str, placement: Placement, context):
+        if e.code() in NOT_FALLBACK or not context.is_active():
+            context.abort(e.code(), e.details() or e.code().name)
+        log.warning("request %s: prefill on %s failed (%s: %s); prefilling on decode worker %s",
+                    rid, placement.prefill.worker_id, e.code().name, e.details(), placement.decode.worker_id)
+        return None
+
+    def _decode(self, rid, prompt, sampling, placement: Placement, prefill, trace: _Trace, context):
+        request = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                                           prefill_here=prefill is None, detokenize=True)
+        if prefill is not None:
+            request.first_token, request.rng_state = prefill.first_token, prefill.rng_state
+        trace.phase = RequestPhase.DECODING
+        call = self.directory.stub(placement.decode.address).Decode(request, timeout=self._timeout(context))
+        context.add_callback(call.cancel)
+        try:
+            for reply in call:
+                yield self._response(rid, reply, placement, prefill, trace)
+        except grpc.RpcError as e:
+            trace.phase = RequestPhase.ABORTED
+            if context.is_active():
+                context.abort(e.code(), e.details() or e.code().name)
+
+    def _response(self, rid, reply, placement: Placement, prefill, trace: _Trace):
+        now = time.perf_counter()
+        if trace.first_token is None:
+            trace.first_token = now
+            if prefill is None:
+                trace.prefill_ms = reply.prefill_ms
+        out = generation_pb2.GenerateResponse(request_id=rid, text=reply.text, token_ids=reply.token_ids,
+                                              finished=reply.finished, finish_reason=reply.finish_reason)
+        if reply.finished:
+            trace.phase = RequestPhase.FINISHED
+            out.usage.CopyFrom(_usage(reply.usage, trace.prefill_usage))
+            out.timings.CopyFrom(_timings(trace))
+            out.decode_worker = placement.decode.worker_id
+            out.prefill_worker = placement.prefill.worker_id if prefill is not None else ""
+        return out
+
+
+def _usage(decode: generation_pb2.Usage, prefill: generation_pb2.Usage | None) -> generation_pb2.Usage:
+    if prefill is None:
+        return decode
+    return generation_pb2.Usage(prompt_tokens=prefill.prompt_tokens, cached_tokens=prefill.cached_tokens,
+                                computed_tokens=prefill.computed_tokens,
+                                completion_tokens=decode.completion_tokens)
+
+
+def _timings(trace: _Trace) -> generation_pb2.Timings:
+    start = trace.prefill_started or trace.received
+    return generation_pb2.Timings(queue_ms=(start - trace.received) * 1e3, prefill_ms=trace.prefill_ms,
+                                  transfer_ms=trace.transfer_ms,
+                                  ttft_ms=((trace.first_token or start) - trace.received) * 1e3)

@@ -1,0 +1,102 @@
+"""The router's view of the workers: who is live (from the registry), how busy, and stubs.
+
+The live list is refreshed in the background from a `source` (the Redis registry in a
+cluster); load is the router's own count of requests it has in flight on each worker,
+which is exact for a single router and needs no round trip.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Protocol
+
+import grpc
+
+from protos.pdserve.v1 import worker_pb2_grpc
+from router.policy import Candidate
+
+log = logging.getLogger(__name__)
+
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
+                   ("grpc.max_receive_message_length", 64 << 20)]
+
+
+class WorkerRecord(Protocol):
+    worker_id: str
+    role: str
+    address: str
+    epoch: int
+
+
+class WorkerDirectory:
+    def __init__(self, source: Callable[[], Sequence[WorkerRecord]], refresh_s: float = 0.5) -> None:
+        self._source = source
+        self._refresh_s = refresh_s
+        self._workers: dict[str, WorkerRecord] = {}
+        self._in_flight: Counter[str] = Counter()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._refresh_loop, name="worker-directory", daemon=True)
+
+    def start(self) -> None:
+        self.refresh()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+
+    def refresh(self) -> None:
+        try:
+            workers = {w.worker_id: w for w in self._source()}
+        except Exception as e:  # the registry is down: keep the last known view
+            log.warning("worker registry unavailable, keeping %d known workers: %s", len(self._workers), e)
+            return
+        with self._lock:
+            self._workers = workers
+
+    def _refresh_loop(self) -> None:
+        while not self._stop.wait(self._refresh_s):
+            self.refresh()
+
+    # --- queries ------------------------------------------------------------------------
+    def workers(self, role: str | None = None) -> list[WorkerRecord]:
+        with self._lock:
+            return [w for w in self._workers.values() if role is None or w.role == role]
+
+    def candidates(self, role: str) -> list[Candidate]:
+        with self._lock:
+            return [Candidate(w.worker_id, w.address, self._in_flight[w.worker_id])
+                    for w in self._workers.values() if w.role == role]
+
+    def in_flight(self, worker_id: str) -> int:
+        with self._lock:
+            return self._in_flight[worker_id]
+
+    def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        with self._lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return worker_pb2_grpc.WorkerStub(channel)
+
+    @contextmanager
+    def track(self, *candidates: Candidate | None) -> Iterator[None]:
+        """Count a request as in flight on these workers for the duration of the block."""
+        ids = [c.worker_id for c in candidates if c is not None]
+        with self._lock:
+            self._in_flight.update(ids)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight.subtract(ids)
