@@ -1,7 +1,8 @@
-"""The `pdserve` command line: plan, generate, up.
+"""The `pdserve` command line: plan, generate, chat, up.
 
-`plan` is pure arithmetic and runs here. `generate` and `up` import their
-handlers only when invoked, so `pdserve plan` and `--help` start without torch.
+`plan` is pure arithmetic and runs here. `generate`, `chat` and `up` import their
+handlers only when invoked, so `pdserve plan` and `--help` start without torch
+(and `generate --router` and `chat` never need it).
 A ValueError or FileNotFoundError from a handler is a user error: it is printed
 as `error: ...` and the exit code is 2, like argparse's own usage errors.
 """
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      help="one of the commands below")
     _add_plan(commands)
     _add_generate(commands)
+    _add_chat(commands)
     _add_up(commands)
     return parser
 
@@ -122,8 +124,10 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     p.add_argument("prompt", nargs="?", help="the user message (omit when using --token-ids or --input)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--local", action="store_true",
-                       help="run the engine in this process (what happens anyway until the router exists)")
-    where.add_argument("--router", metavar="HOST:PORT", help="address of a running pdserve router")
+                       help="run the engine in this process (the default when --router is not given)")
+    where.add_argument("--router", metavar="HOST:PORT",
+                       help="send the request to a running pdserve router (e.g. 127.0.0.1:50051, "
+                            "as started by `pdserve up`) instead of running the engine here")
     p.add_argument("--model", metavar="PATH",
                    help="model for --local: a Hugging Face Llama-family folder or a .gguf file "
                         "(default: the embedded SmolLM2-135M-Instruct)")
@@ -164,9 +168,48 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    if args.router:
+        from pdserve.remote_cli import run_remote_generate
+
+        return run_remote_generate(args)
     from pdserve.generate_cli import run_generate
 
     return run_generate(args)
+
+
+# --- chat ---------------------------------------------------------------------------------------
+
+def _add_chat(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "chat", help="interactive multi-turn chat through a running router",
+        description="Chat with the model behind a pdserve router. Each turn sends the whole "
+                    "conversation, so the router can reuse the KV cache of the turns before. Type "
+                    "/reset to clear the history, /exit (or Ctrl-D) to quit. Reads stdin line by "
+                    "line, so it also works with piped input.")
+    p.add_argument("--router", metavar="HOST:PORT", default="127.0.0.1:50051",
+                   help="address of a running pdserve router (default: %(default)s, `pdserve up`'s)")
+    p.add_argument("--system", metavar="TEXT", help="system message that opens the conversation")
+    p.add_argument("--temperature", type=float,
+                   help="sampling temperature; 0 means greedy (default: the router's, 1.0)")
+    p.add_argument("--top-k", type=int,
+                   help="sample only from the k most likely tokens (default: the router's, 0 = off)")
+    p.add_argument("--top-p", type=float,
+                   help="sample from the smallest set of tokens whose probability reaches p "
+                        "(default: the router's, 1.0 = off)")
+    p.add_argument("--seed", type=int, help="random seed, for reproducible sampling")
+    p.add_argument("--max-tokens", type=int,
+                   help="most tokens per reply (default: the router's, 128)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end a reply when it contains TEXT; repeat for several stop strings")
+    p.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="deadline for each reply (default: %(default)s)")
+    p.set_defaults(handler=_run_chat)
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    from pdserve.remote_cli import run_chat
+
+    return run_chat(args)
 
 
 # --- up -----------------------------------------------------------------------------------------

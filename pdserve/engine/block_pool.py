@@ -77,6 +77,10 @@ class BlockPool:
             matched.append(block_id)
         return matched
 
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash this pool can serve now (a resync of an index that lost events)."""
+        return list(self._hash_to_block)
+
     def leaked_blocks(self) -> list[int]:
         """Blocks still referenced; empty when every sequence has let go."""
         return [b for b, ref in enumerate(self._ref_counts) if ref]

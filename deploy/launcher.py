@@ -1,0 +1,187 @@
+"""`pdserve up`: a whole cluster from one command, and its clean teardown.
+
+    start:  Redis (embedded redis-server on a free loopback port, unless --redis-url)
+            -> Ray (local, or attach with --address) -> prefill and decode actors
+            -> router (Generation on --port) -> wait until every worker is live in the
+            registry and every server answers health checks
+    stop:   router, actors (graceful, then killed), Ray (if we started it), Redis (if we
+            started it); Ctrl-C and SIGTERM both lead here, leaving no process or port.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from deploy.redis_server import RedisServer, ensure_redis
+from pdserve.engine.weights import load_tokenizer
+from pdserve.index.registry import WorkerRegistry
+from pdserve.worker.actor import WorkerSpec
+from router.server import RouterConfig, RouterServer
+from router.service import RouterPolicyConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    model_path: str | None = None
+    num_prefill: int = 1
+    num_decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 50051
+    redis_url: str | None = None
+    ray_address: str | None = None
+    block_size: int = 16
+    kv_dtype: str = "float32"
+    num_blocks: int | None = None
+    kv_cache_gib: float = 1.0
+    max_batched_tokens: int = 2048
+    min_remote_prefill_tokens: int = 32
+    namespace: str = "pdserve"
+    max_restarts: int = 3
+    startup_timeout_s: float = 600.0
+    actor_resources: dict[str, dict[str, float]] = field(default_factory=dict)  # role -> custom resources
+
+    def __post_init__(self) -> None:
+        if self.num_decode < 1:
+            raise ValueError(f"--decode must be >= 1, got {self.num_decode}")
+        if self.num_prefill < 0:
+            raise ValueError(f"--prefill must be >= 0, got {self.num_prefill}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+
+
+class LocalCluster:
+    def __init__(self, spec: ClusterSpec, say=print) -> None:
+        self.spec = spec
+        self.say = say
+        self.redis_url = ""
+        self.redis_server: RedisServer | None = None
+        self.actors: dict[str, object] = {}
+        self.router: RouterServer | None = None
+        self.registry: WorkerRegistry | None = None
+        self._started_ray = False
+
+    # --- start ------------------------------------------------------------------------------
+    def start(self) -> str:
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> str:
+        self.redis_url, self.redis_server = ensure_redis(self.spec.redis_url)
+        self.say(f"redis    {self.redis_url}" + (" (embedded)" if self.redis_server else ""))
+        client = redis.Redis.from_url(self.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self.registry = WorkerRegistry(client, self.spec.namespace)
+        self._init_ray()
+        self._create_actors()
+        tokenizer = load_tokenizer(self.spec.model_path)
+        config = RouterConfig(host=self.spec.host, port=self.spec.port,
+                              policy=RouterPolicyConfig(self.spec.min_remote_prefill_tokens))
+        self.router = RouterServer(config, tokenizer, self.registry.live_workers)
+        address = self.router.start()
+        self._wait_until_live()
+        self.say(f"router   {address} (gRPC pdserve.v1.Generation, health, reflection)")
+        return address
+
+    def _init_ray(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        total = self.spec.num_prefill + self.spec.num_decode
+        kwargs = dict(namespace=self.spec.namespace, include_dashboard=False, log_to_driver=False,
+                      logging_level=logging.WARNING)
+        if self.spec.ray_address:
+            ray.init(address=self.spec.ray_address, **kwargs)
+        else:
+            ray.init(num_cpus=max(os.cpu_count() or 1, total), object_store_memory=256 << 20, **kwargs)
+            self._started_ray = True
+        self.say(f"ray      {ray.get_runtime_context().gcs_address}"
+                 + (" (local)" if self._started_ray else " (attached)"))
+
+    def _create_actors(self) -> None:
+        import ray
+
+        roles = ["prefill"] * self.spec.num_prefill + ["decode"] * self.spec.num_decode
+        gpus = ray.cluster_resources().get("GPU", 0) >= len(roles)
+        threads = None if gpus else max(1, (os.cpu_count() or 1) // len(roles))
+        counts = {"prefill": 0, "decode": 0}
+        for role in roles:
+            worker_id = f"{role}-{counts[role]}"
+            counts[role] += 1
+            self.actors[worker_id] = self._actor_class(role).options(
+                name=worker_id, max_restarts=self.spec.max_restarts, max_concurrency=16,
+                num_cpus=0 if gpus else 1, num_gpus=1 if gpus else 0,
+                resources=self.spec.actor_resources.get(role, {}),
+            ).remote(self._worker_spec(role, worker_id, threads))
+        self.say(f"workers  {self.spec.num_prefill} prefill + {self.spec.num_decode} decode "
+                 f"({'1 GPU each' if gpus else f'CPU, {threads} torch threads each'}); loading the model...")
+        deadline = self.spec.startup_timeout_s
+        for worker_id, actor in self.actors.items():
+            self.say(f"  {worker_id:<10} {ray.get(actor.address.remote(), timeout=deadline)}")
+
+    @staticmethod
+    def _actor_class(role: str):
+        import ray
+
+        from decode_worker.actor import DecodeWorker
+        from prefill_worker.actor import PrefillWorker
+
+        return ray.remote(PrefillWorker if role == "prefill" else DecodeWorker)
+
+    def _worker_spec(self, role: str, worker_id: str, threads: int | None) -> WorkerSpec:
+        s = self.spec
+        return WorkerSpec(role=role, worker_id=worker_id, redis_url=self.redis_url, model_path=s.model_path,
+                          host=s.host, block_size=s.block_size, kv_dtype=s.kv_dtype, num_blocks=s.num_blocks,
+                          kv_cache_gib=s.kv_cache_gib, max_num_batched_tokens=s.max_batched_tokens,
+                          torch_threads=threads, namespace=s.namespace)
+
+    def _wait_until_live(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        want = set(self.actors)
+        while True:
+            live = {w.worker_id for w in self.registry.live_workers()}
+            if want <= live:
+                self.router.directory.refresh()
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers {sorted(want - live)} did not register in Redis within "
+                                   f"{timeout_s:.0f} s; check the Ray logs in /tmp/ray/session_latest/logs")
+            time.sleep(0.1)
+
+    # --- stop -------------------------------------------------------------------------------
+    def stop(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+            self.router = None
+        self._stop_actors()
+        if self._started_ray:
+            import ray
+
+            ray.shutdown()
+            self._started_ray = False
+        if self.redis_server is not None:
+            self.redis_server.stop()
+            self.redis_server = None
+
+    def _stop_actors(self) -> None:
+        if not self.actors:
+            return
+        import ray
+
+        pending = [actor.stop.remote() for actor in self.actors.values()]
+        try:
+            ray.get(pending, timeout=15)
+        except Exception as e:  # a dead or stuck actor: it is killed below either way
+            log.warning("graceful worker stop failed: %s", e)
+        for actor in self.actors.values():
+            ray.kill(actor, no_restart=True)
+        self.actors.clear()

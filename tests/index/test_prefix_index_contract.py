@@ -1,0 +1,203 @@
+"""One contract, two implementations: InMemoryPrefixIndex (fake clock) and RedisPrefixIndex (real server)."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from pdserve.index.base import Lease, PrefixIndex, WorkerKey
+from pdserve.index.memory import InMemoryPrefixIndex
+from pdserve.index.redis_index import RedisPrefixIndex
+
+LONG_TTL = 60.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass(frozen=True)
+class Harness:
+    index: PrefixIndex
+    short_ttl: float
+    let_pass: Callable[[float], None]  # let this many seconds go by, in the index's time
+
+    def expire_short_leases(self) -> None:
+        self.let_pass(self.short_ttl + 0.15)
+
+
+@pytest.fixture(params=["memory", "redis"])
+def h(request) -> Harness:
+    if request.param == "memory":
+        clock = FakeClock()
+        return Harness(InMemoryPrefixIndex(clock), short_ttl=1.0, let_pass=clock.advance)
+    client = request.getfixturevalue("redis_client")
+    index = RedisPrefixIndex(client, namespace=request.getfixturevalue("namespace"))
+    return Harness(index, short_ttl=0.3, let_pass=time.sleep)
+
+
+def blk(i: int) -> bytes:
+    return hashlib.blake2b(i.to_bytes(4, "little"), digest_size=16).digest()
+
+
+def blocks(*ids: int) -> list[bytes]:
+    return [blk(i) for i in ids]
+
+
+PROMPT = blocks(*range(8))
+
+
+def live(h: Harness, worker_id: str, epoch: int = 1, ttl: float = LONG_TTL) -> WorkerKey:
+    key = WorkerKey(worker_id, epoch)
+    assert h.index.set_live(key, ttl) in (Lease.STARTED, Lease.RENEWED)
+    return key
+
+
+def test_exact_depths_for_several_workers(h):
+    for worker_id, held in {"a": range(5), "b": range(2), "c": range(8), "d": range(1, 6)}.items():
+        h.index.apply(live(h, worker_id), blocks(*held), [])
+
+    assert h.index.match(PROMPT) == {"a": 5, "b": 2, "c": 8}
+    assert h.index.match(PROMPT[:3]) == {"a": 3, "b": 2, "c": 3}
+    assert h.index.match(PROMPT[1:]) == {"a": 4, "b": 1, "c": 7, "d": 5}  # any list: the index is agnostic
+
+
+def test_depth_stops_at_the_first_missing_block(h):
+    h.index.apply(live(h, "a"), blocks(0, 1, 3), [])
+
+    assert h.index.match(PROMPT) == {"a": 2}
+
+
+def test_removed_blocks_vanish_from_match_and_worker_hashes(h):
+    a = live(h, "a")
+    h.index.apply(a, blocks(0, 1, 2, 3), [])
+    h.index.apply(a, [], blocks(2))
+
+    assert h.index.match(PROMPT) == {"a": 2}
+    assert h.index.worker_hashes("a") == set(blocks(0, 1, 3))
+
+    h.index.apply(a, [], blocks(0))
+    assert h.index.match(PROMPT) == {}
+
+
+def test_a_hash_stored_and_removed_in_one_apply_ends_removed(h):
+    h.index.apply(live(h, "a"), blocks(0, 1), blocks(1))
+
+    assert h.index.worker_hashes("a") == set(blocks(0))
+
+
+def test_dead_worker_is_ignored_then_swept(h):
+    h.index.apply(live(h, "dead", ttl=h.short_ttl), blocks(0, 1, 2), [])
+    h.index.apply(live(h, "alive"), blocks(0, 1), [])
+    assert h.index.match(PROMPT) == {"dead": 3, "alive": 2}
+
+    h.expire_short_leases()
+
+    assert h.index.live_workers() == {"alive": 1}
+    assert h.index.match(PROMPT) == {"alive": 2}
+    assert h.index.worker_hashes("dead") == set(blocks(0, 1, 2))  # ignored, not yet cleaned
+    assert h.index.sweep() == 3
+    assert h.index.worker_hashes("dead") == set()
+    assert h.index.worker_hashes("alive") == set(blocks(0, 1))
+    assert h.index.sweep() == 0
+
+
+def test_restarted_worker_old_epoch_never_counts(h):
+    old = live(h, "a", epoch=1)
+    h.index.apply(old, blocks(0, 1, 2, 3), [])
+
+    new = live(h, "a", epoch=2)
+    assert h.index.match(PROMPT) == {}
+    h.index.apply(new, blocks(0, 1), [])
+    assert h.index.match(PROMPT) == {"a": 2}
+
+    assert h.index.set_live(old, LONG_TTL) is Lease.SUPERSEDED  # a zombie cannot take the lease back
+    h.index.apply(old, blocks(4), [])  # nor make its late writes count
+    assert h.index.match(PROMPT) == {"a": 2}
+    assert h.index.live_workers() == {"a": 2}
+
+    assert h.index.sweep() == 5
+    assert h.index.worker_hashes("a") == set(blocks(0, 1))
+
+
+def test_remove_worker_forgets_entries_and_lease_but_not_the_epoch(h):
+    a = live(h, "a", epoch=3)
+    h.index.apply(a, blocks(0, 1), [])
+    h.index.apply(live(h, "b"), blocks(0), [])
+
+    h.index.remove_worker("a")
+
+    assert h.index.match(PROMPT) == {"b": 1}
+    assert h.index.worker_hashes("a") == set()
+    assert h.index.live_workers() == {"b": 1}
+    assert h.index.set_live(WorkerKey("a", 2), LONG_TTL) is Lease.SUPERSEDED
+
+
+def test_lease_states(h):
+    a = WorkerKey("a", 1)
+    assert h.index.set_live(a, h.short_ttl) is Lease.STARTED
+    assert h.index.set_live(a, h.short_ttl) is Lease.RENEWED
+    h.expire_short_leases()
+    assert h.index.live_workers() == {}
+    assert h.index.set_live(a, LONG_TTL) is Lease.STARTED
+    assert h.index.set_live(WorkerKey("a", 2), LONG_TTL) is Lease.STARTED
+    assert h.index.set_live(a, LONG_TTL) is Lease.SUPERSEDED
+
+
+def test_replace_makes_entries_exact(h):
+    a = live(h, "a")
+    h.index.apply(a, blocks(0, 1, 2, 3), [])
+
+    h.index.replace(a, blocks(0, 1, 5))
+
+    assert h.index.worker_hashes("a") == set(blocks(0, 1, 5))
+    assert h.index.match(PROMPT) == {"a": 2}
+
+
+def test_empty_prompt_and_unknown_blocks_match_nobody(h):
+    h.index.apply(live(h, "a"), blocks(0), [])
+
+    assert h.index.match([]) == {}
+    assert h.index.match(blocks(100, 0)) == {}
+
+
+def test_worker_ids_with_separators_and_binary_hashes(h):
+    odd = live(h, "node-1:gpu@0 x")
+    hashes = [b"\x00" * 16, b"@:" * 8, b"\xff" * 16]
+    h.index.apply(odd, hashes, [])
+
+    assert h.index.match(hashes) == {"node-1:gpu@0 x": 3}
+    assert h.index.live_workers() == {"node-1:gpu@0 x": 1}
+
+
+def reference_depths(holdings: dict[str, set[bytes]], prompt: list[bytes]) -> dict[str, int]:
+    depths = {}
+    for worker_id, held in holdings.items():
+        depth = next((i for i, b in enumerate(prompt) if b not in held), len(prompt))
+        if depth:
+            depths[worker_id] = depth
+    return depths
+
+
+def test_random_holdings_agree_with_a_brute_force_reference(h):
+    rng = random.Random(7)
+    holdings = {f"w{i}": {blk(b) for b in range(24) if rng.random() < 0.85} for i in range(6)}
+    for worker_id, held in holdings.items():
+        h.index.apply(live(h, worker_id), sorted(held), [])
+
+    for _ in range(20):
+        start = rng.randrange(4)
+        prompt = blocks(*range(start, start + rng.randrange(1, 20)))
+        assert h.index.match(prompt) == reference_depths(holdings, prompt)

@@ -1,0 +1,108 @@
+"""WorkerRegistry against a real redis-server: epochs, leases, load, deregistration."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+
+from pdserve.index.base import Lease, WorkerKey
+from pdserve.index.redis_index import RedisPrefixIndex
+from pdserve.index.registry import StaleEpoch, WorkerInfo, WorkerRegistry
+
+TTL = 30.0
+SHORT_TTL = 0.3
+
+
+@pytest.fixture
+def registry(redis_client, namespace) -> WorkerRegistry:
+    return WorkerRegistry(redis_client, namespace)
+
+
+def make_info(worker_id: str = "p0", epoch: int = 1, role: str = "prefill", **kw) -> WorkerInfo:
+    fields = dict(worker_id=worker_id, role=role, address="127.0.0.1:7001", kv_address="127.0.0.1:7002",
+                  node="node-a", model_fingerprint="smollm2-135m|bs16|f32", block_size=16,
+                  num_blocks=512, epoch=epoch)
+    return WorkerInfo(**(fields | kw))
+
+
+def test_epochs_increase_across_restarts(registry):
+    first = registry.next_epoch("p0")
+    registry.register(make_info(epoch=first), TTL)
+
+    second = registry.next_epoch("p0")
+
+    assert second > first
+    assert registry.live_workers() == []  # a new epoch ends the old incarnation's lease at once
+    registry.register(make_info(epoch=second), TTL)
+    assert [w.epoch for w in registry.live_workers()] == [second]
+    assert registry.next_epoch("other") == 1
+
+
+def test_an_old_incarnation_cannot_register_or_heartbeat(registry):
+    old, new = registry.next_epoch("p0"), registry.next_epoch("p0")
+    registry.register(make_info(epoch=new), TTL)
+
+    with pytest.raises(StaleEpoch, match="next_epoch"):
+        registry.register(make_info(epoch=old), TTL)
+    assert registry.heartbeat(make_info(epoch=old), TTL, {"active": 9}) is Lease.SUPERSEDED
+    assert registry.load_of("p0") == {}
+    assert [w.epoch for w in registry.live_workers()] == [new]
+
+
+def test_register_round_trips_info_and_lists_only_live_workers(registry):
+    p = make_info("p0", epoch=registry.next_epoch("p0"))
+    d = make_info("d0", epoch=registry.next_epoch("d0"), role="decode", kv_address="127.0.0.1:7102")
+    assert registry.register(p, TTL) is Lease.STARTED
+    assert registry.register(d, SHORT_TTL) is Lease.STARTED
+
+    assert registry.live_workers() == [d, p]
+    time.sleep(SHORT_TTL + 0.15)
+    assert registry.live_workers() == [p]
+    assert registry.heartbeat(d, TTL) is Lease.STARTED  # came back after expiry: republish
+    assert registry.live_workers() == [d, p]
+
+
+def test_load_round_trip(registry):
+    info = make_info(epoch=registry.next_epoch("p0"))
+    registry.register(info, TTL)
+
+    assert registry.load_of("p0") == {}
+    assert registry.heartbeat(info, TTL, {"active_requests": 3, "used_blocks": 120}) is Lease.RENEWED
+    assert registry.load_of("p0") == {"active_requests": 3, "used_blocks": 120}
+    registry.heartbeat(info, TTL, {"active_requests": 0})
+    assert registry.load_of("p0") == {"active_requests": 0}
+
+
+def test_deregister(registry):
+    info = make_info(epoch=registry.next_epoch("p0"))
+    registry.register(info, TTL)
+    registry.heartbeat(info, TTL, {"active_requests": 1})
+
+    registry.deregister("p0")
+
+    assert registry.live_workers() == []
+    assert registry.load_of("p0") == {}
+    assert registry.next_epoch("p0") == info.epoch + 1
+
+
+def test_registry_and_index_share_one_lease(registry, redis_client, namespace):
+    index = RedisPrefixIndex(redis_client, namespace)
+    info = make_info(epoch=registry.next_epoch("p0"))
+    registry.register(info, TTL)
+    index.apply(info.key, [b"\x01" * 16], [])
+
+    assert index.live_workers() == {"p0": info.epoch}
+    assert index.match([b"\x01" * 16]) == {"p0": 1}
+
+    registry.next_epoch("p0")  # the worker restarts
+    assert index.match([b"\x01" * 16]) == {}
+    assert index.set_live(WorkerKey("p0", info.epoch), TTL) is Lease.SUPERSEDED
+
+
+def test_worker_info_is_validated():
+    with pytest.raises(ValueError, match="role"):
+        make_info(role="both")
+    with pytest.raises(ValueError, match="positive"):
+        replace(make_info(), num_blocks=0)
