@@ -216,28 +216,48 @@ def _run_chat(args: argparse.Namespace) -> int:
 
 def _add_up(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
-        "up", help="start a local cluster (for now: the engine in-process on a sample chat)",
-        description="Start embedded Redis, local Ray, prefill and decode workers and a router. "
-                    "Until the cluster lands, this runs the engine in-process on a sample chat.")
+        "up", help="start a local cluster: embedded Redis, local Ray, workers, router",
+        description="Start Redis (embedded unless --redis-url), Ray (local unless --address), "
+                    "prefill and decode worker actors and the router; answer one sample chat; "
+                    "serve until Ctrl-C or SIGTERM, then tear everything down.")
     p.add_argument("--model", metavar="PATH",
                    help="Hugging Face Llama-family folder or .gguf file "
                         "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the router and workers bind (default: %(default)s, loopback only)")
     p.add_argument("--port", type=int, default=50051,
                    help="port of the router's gRPC endpoint (default: %(default)s)")
     p.add_argument("--prefill", type=int, default=1, metavar="N",
-                   help="number of prefill workers (default: %(default)s)")
+                   help="number of prefill workers; 0 = every prompt is prefilled on a decode worker "
+                        "(default: %(default)s)")
     p.add_argument("--decode", type=int, default=1, metavar="M",
                    help="number of decode workers (default: %(default)s)")
     p.add_argument("--redis-url", metavar="URL",
-                   help="Redis for the prefix index, e.g. redis://host:6379/0 "
+                   help="Redis for the registry and prefix index, e.g. redis://host:6379/0 "
                         "(default: start an embedded redis-server on a free loopback port)")
     p.add_argument("--address", metavar="RAY_ADDRESS",
                    help="Ray cluster to join, e.g. host:6379 or auto (default: start a local Ray)")
+    p.add_argument("--block-size", type=int, default=CacheConfig.block_size,
+                   help="tokens per KV block (default: %(default)s)")
+    p.add_argument("--kv-dtype", default=CacheConfig.kv_dtype, choices=KV_DTYPES,
+                   help="KV cache element type (default: %(default)s)")
+    p.add_argument("--num-blocks", type=int, metavar="N",
+                   help="KV blocks per worker (default: derived from --kv-cache-gib)")
+    p.add_argument("--kv-cache-gib", type=float, default=CacheConfig.kv_cache_gib,
+                   help="KV cache memory per worker in GiB, when --num-blocks is not given "
+                        "(default: %(default)s)")
+    p.add_argument("--max-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
+                   help="token budget of one engine step (chunked prefill) (default: %(default)s)")
+    p.add_argument("--min-remote-prefill-tokens", type=int, default=32, metavar="N",
+                   help="prompts shorter than N tokens are prefilled on the decode worker, with no "
+                        "KV transfer (default: %(default)s)")
+    p.add_argument("--no-sample", action="store_true",
+                   help="do not answer the sample chat after start-up")
     p.set_defaults(handler=_run_up)
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    from pdserve.generate_cli import run_up
+    from deploy.up import run_up
 
     return run_up(args)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,8 +16,6 @@ from typing import Any
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import InvalidRequestError, LLMEngine, RequestResult
 from pdserve.engine.sequence import SamplingParams
-
-SAMPLE_QUESTION = "What is the capital of France?"
 
 
 @dataclass(frozen=True)
@@ -139,8 +136,6 @@ def load_engine(args: argparse.Namespace) -> LLMEngine:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    if getattr(args, "router", None):
-        raise ValueError("--router: the cluster front door is not built yet; run with --local")
     sampling = sampling_from(args)  # bad flags fail before the model loads
     token_ids = parse_token_ids(args.token_ids) if args.token_ids else None
     if not args.input and args.prompt is None and token_ids is None:
@@ -152,17 +147,4 @@ def run_generate(args: argparse.Namespace) -> int:
     result = run_one(engine, spec, sampling, echo=not args.json)
     if args.json:
         print(result_json(result))
-    return 0
-
-
-def run_up(args: argparse.Namespace) -> int:
-    """Until the cluster exists: load the engine and answer one sample chat in-process."""
-    print("pdserve up: the cluster (Ray workers, router) is not built yet; "
-          "running the engine in-process on a sample chat.", file=sys.stderr)
-    engine = LLMEngine.from_config(EngineConfig(model_path=args.model))
-    print(f"user: {SAMPLE_QUESTION}\nassistant: ", end="", flush=True)
-    spec = PromptSpec(text=SAMPLE_QUESTION)
-    result = run_one(engine, spec, SamplingParams(temperature=0, max_tokens=64), echo=True)
-    print(json.dumps({"usage": result.usage.as_dict(), "finish_reason": result.finish_reason}),
-          file=sys.stderr)
     return 0
