@@ -281,13 +281,15 @@ def encode_layer(kv_cache: torch.Tensor, layer: int, block_ids: Sequence[int], p
     # NOTE: one host staging buffer per call, reused by every chunk: the gather writes into
     # memory that is already mapped (a fresh 2 MiB tensor per chunk costs more in page faults
     # than the copy itself), and bytes() below copies out before the next gather.
-    staging = torch.empty((per_chunk, *by_block.shape[1:]), dtype=kv_cache.dtype)
+    with torch.inference_mode():  # the engine may call this inside inference mode, or not
+        staging = torch.empty((per_chunk, *by_block.shape[1:]), dtype=kv_cache.dtype)
     for start in range(0, len(block_ids), per_chunk):
         idx = ids[start:start + per_chunk]
         blocks = _gather(by_block, idx, staging[:len(idx)])
         yield _encode_chunk(blocks, layer, positions[start:start + per_chunk], transfer_id)
 
 
+@torch.inference_mode()
 def _gather(by_block: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     if by_block.device == out.device:
         return torch.index_select(by_block, 0, idx, out=out)  # the one gather, contiguous
@@ -349,7 +351,8 @@ def write_layer(kv_cache: torch.Tensor, layer: int, block_ids: Sequence[int], bl
         raise ValueError(f"block ids repeat: {list(block_ids)}")
     if pool.device.type != "cpu":
         ids = torch.as_tensor(block_ids, dtype=torch.long, device=pool.device)
-        pool.index_copy_(1, ids, blocks.transpose(0, 1).to(pool.device))
+        with torch.inference_mode():  # legal on pools made inside inference mode and outside it
+            pool.index_copy_(1, ids, blocks.transpose(0, 1).to(pool.device))
         return
     # NOTE: numpy, not index_copy_, on CPU: torch splits a copy this size across its intra-op
     # threads, and on a small VM the OpenMP hand-off costs milliseconds per chunk (0.2 GB/s

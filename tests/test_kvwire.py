@@ -126,6 +126,20 @@ def test_chunk_that_does_not_fit_the_receiver_layout_is_refused(change, message)
         decode_layer(dataclasses.replace(header, **change), payload, layout)
 
 
+@pytest.mark.parametrize("pool_in_inference_mode", [True, False])
+def test_codec_works_inside_and_outside_inference_mode(pool_in_inference_mode):
+    with torch.inference_mode(pool_in_inference_mode):
+        sender, receiver = make_pool("float16"), make_pool("float16", random=False)
+    layout = KVLayout.of_cache(sender, "fp")
+    with torch.inference_mode():  # the engine's layer hook starts the generator...
+        chunks = encode_layer(sender, 1, [3, 4, 5], [0, 1, 2], "t1", max_chunk_bytes=1)
+        first = next(chunks)
+    for h, p in [first, *chunks]:  # ...a sender thread outside inference mode finishes it
+        header = decode_header(h)
+        write_layer(receiver, 1, [pos + 10 for pos in header.positions], decode_layer(header, p, layout))
+    assert torch.equal(bits(receiver[1, :, 10:13]), bits(sender[1, :, 3:6]))
+
+
 def test_write_layer_refuses_wrong_shape_dtype_and_repeated_ids():
     pool = make_pool("float16")
     blocks = pool[0, :, :2].transpose(0, 1)

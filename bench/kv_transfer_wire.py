@@ -1,0 +1,470 @@
+"""KV blocks through gRPC KVTransfer.Push against a raw TCP socket: two processes, one run.
+
+    python -m bench.kv_transfer_wire [--json] [--sizes 64,512] [--dtype float16] [--reps 3]
+                                     [--chunk-mib 2] [--codec raw|proto]
+
+The sender is this process, holding a synthetic pool kv[layer, K|V, block, ...] of N MiB.
+The receiver is a subprocess (`--serve`) holding a zeroed pool of the same layout; it
+serves both peers on loopback:
+
+  grpc  BEGIN, encode_layer chunks for every layer, END, streamed through Push; the receiver
+        runs decode_header / decode_layer (checksums) / write_layer into its pool and answers
+        after END. Timed from the first frame to the reply.
+  tcp   the same payload bytes, chunk by chunk, through one socket into a preallocated
+        buffer: no codec, no checksum, no gather. Timed from the first byte to a 1-byte ack.
+
+Reported per size, medians over reps after one warm-up each, the two peers alternating rep by
+rep: grpc_gbps and tcp_gbps (GB/s, 1e9 bytes), ratio = grpc / tcp, and checksum_overhead =
+the time to checksum the same bytes twice (sender and receiver) / the gRPC transfer time.
+The headline keys on the JSON's last line are those of the largest size.
+
+Codecs (same method, same protobuf bytes on the wire, so either end may use either):
+  proto  the generated stubs: KVChunk messages, SerializeToString / FromString
+  raw    serialize_kv_chunk / parse_kv_chunk write and read KVChunk's two length-delimited
+         fields by hand: one copy on the sender, zero-copy memoryviews on the receiver
+
+Pieces for bench/kv_transfer.py: GRPC_OPTIONS, make_pool, PoolReceiver, add_pool_receiver,
+transfer_frames, push_pool, serialize_kv_chunk, parse_kv_chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from bench.common import emit_json, environment, format_table, median, progress, ratio, timed
+from pdserve.kvwire import (
+    DTYPES,
+    ChecksumError,
+    KVLayout,
+    LayerChunkHeader,
+    TransferBegin,
+    TransferEnd,
+    WireError,
+    block_checksum,
+    decode_header,
+    decode_layer,
+    encode_layer,
+    write_layer,
+)
+from protos.pdserve.v1 import kv_transfer_pb2 as pb
+from protos.pdserve.v1 import kv_transfer_pb2_grpc as pb_grpc
+
+MIB = 1 << 20
+SERVICE = "pdserve.v1.KVTransfer"
+PUSH_METHOD = f"/{SERVICE}/Push"
+MAX_MESSAGE_BYTES = 16 * MIB  # far above any chunk; set on both ends, never left to defaults
+# NOTE: HTTP/2 tuning (bdp_probe off, 16 MiB frames, a 32 MiB stream window, bigger TCP reads)
+# moved nothing beyond run-to-run noise on a 2-vCPU VM; try more with --grpc-arg.
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+FINGERPRINT = "bench-kv-transfer-wire"
+Frame = tuple[bytes, bytes]  # (msgpack header, payload)
+
+
+def grpc_options(extra: Sequence[str] = ()) -> list[tuple[str, int | str]]:
+    """GRPC_OPTIONS with KEY=VALUE overrides (values that look like ints become ints)."""
+    parsed = [tuple(a.split("=", 1)) for a in extra]
+    if any(len(p) != 2 for p in parsed):
+        raise ValueError(f"--grpc-arg takes KEY=VALUE, got {list(extra)}")
+    overrides = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in parsed}
+    return list({**dict(GRPC_OPTIONS), **overrides}.items())
+
+
+# -- pools --------------------------------------------------------------------------------
+
+
+def make_pool(mib: int, kv_dtype: str, layers: int = 32, block_size: int = 16, kv_heads: int = 8,
+              head_dim: int = 128, fill: bool = True) -> torch.Tensor:
+    """A pool kv[layers, 2, blocks, block_size, kv_heads, head_dim] of `mib` MiB (random bytes, or
+    zeros), blocks = mib MiB / (layers x block bytes); a Llama-3-8B-like head geometry."""
+    dtype = DTYPES[kv_dtype]
+    per_block = 2 * block_size * kv_heads * head_dim * dtype.itemsize * layers
+    if (mib * MIB) % per_block:
+        raise ValueError(f"{mib} MiB is not a whole number of {per_block}-byte blocks")
+    shape = (layers, 2, mib * MIB // per_block, block_size, kv_heads, head_dim)
+    if not fill:
+        return torch.zeros(shape, dtype=dtype)
+    raw = torch.randint(0, 256, (mib * MIB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    return raw.view(dtype).view(shape)
+
+
+def keep_freed_memory() -> bool:
+    """Stop glibc handing freed multi-MiB buffers back to the kernel (True if it took).
+
+    NOTE: every chunk allocates a few fresh 2 MiB buffers (payload bytes, the serialised
+    message, gRPC's copies); with glibc's default thresholds many go back to the kernel when
+    freed, and the next chunk page-faults them in again (80-160 faults per MiB sent measured on
+    a 2-vCPU VM, none after this). Workers can get the same with MALLOC_MMAP_THRESHOLD_ and
+    MALLOC_TRIM_THRESHOLD_ in their environment.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False  # not glibc: nothing to tune
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_mmap_threshold, 64 * MIB) and libc.mallopt(m_trim_threshold, 256 * MIB))
+
+
+# -- receiver -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Received:
+    transfer_id: str
+    blocks_written: int  # (layer, block) pairs
+    bytes_received: int
+
+
+@dataclass(frozen=True)
+class PoolReceiver:
+    """Writes one transfer into a bare pool: sequence block position p lands in pool block p.
+
+    Fails closed: any WireError stops the transfer at that frame (what was written stays
+    unused: a bare pool has no reservation to free)."""
+
+    kv_cache: torch.Tensor
+    layout: KVLayout
+
+    def receive(self, frames: Iterable[tuple[bytes | memoryview, bytes | memoryview]]) -> Received:
+        it = iter(frames)
+        begin = self._begin(next(it, None))
+        written = received = 0
+        for header, payload in it:
+            frame = decode_header(header)
+            if isinstance(frame, TransferEnd):
+                return self._end(begin, frame, written, received)
+            if not isinstance(frame, LayerChunkHeader) or frame.transfer_id != begin.transfer_id:
+                raise WireError(f"transfer {begin.transfer_id}: unexpected frame {frame!r:.120}")
+            blocks = decode_layer(frame, payload, self.layout)
+            write_layer(self.kv_cache, frame.layer, frame.positions, blocks)
+            written, received = written + len(frame.positions), received + len(payload)
+        raise WireError(f"transfer {begin.transfer_id}: stream ended before END")
+
+    def _begin(self, first: Any) -> TransferBegin:
+        begin = decode_header(first[0]) if first is not None else None
+        if not isinstance(begin, TransferBegin):
+            raise WireError(f"a transfer must open with BEGIN, got {begin!r:.120}")
+        mismatch = begin.layout.first_mismatch(self.layout)
+        if mismatch:
+            raise WireError(f"transfer {begin.transfer_id}: KV layout mismatch, {mismatch}")
+        if begin.positions and max(begin.positions) >= self.kv_cache.shape[2]:
+            raise WireError(f"transfer {begin.transfer_id}: position {max(begin.positions)} beyond "
+                            f"this pool's {self.kv_cache.shape[2]} blocks")
+        return begin
+
+    def _end(self, begin: TransferBegin, end: TransferEnd, written: int, received: int) -> Received:
+        expected = self.layout.num_layers * len(begin.positions)
+        if (end.total_blocks, end.total_bytes) != (written, received) or written != expected:
+            raise WireError(f"transfer {begin.transfer_id}: END says {end.total_blocks} blocks / "
+                            f"{end.total_bytes} bytes, got {written} / {received}, "
+                            f"expected {expected} blocks")
+        return Received(begin.transfer_id, written, received)
+
+
+def add_pool_receiver(server: grpc.Server, receiver: PoolReceiver, codec: str = "raw") -> None:
+    """Serve /pdserve.v1.KVTransfer/Push on `server` into `receiver`'s pool."""
+
+    def push(requests: Iterator[Any], context: grpc.ServicerContext) -> pb.PushReply:
+        frames = requests if codec == "raw" else ((m.header, m.payload) for m in requests)
+        try:
+            got = receiver.receive(frames)
+        except ChecksumError as e:
+            context.abort(grpc.StatusCode.DATA_LOSS, str(e))
+        except WireError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.PushReply(transfer_id=got.transfer_id, blocks_written=got.blocks_written,
+                            bytes_received=got.bytes_received)
+
+    deserialize = parse_kv_chunk if codec == "raw" else pb.KVChunk.FromString
+    handler = grpc.stream_unary_rpc_method_handler(push, request_deserializer=deserialize,
+                                                   response_serializer=pb.PushReply.SerializeToString)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {"Push": handler})])
+
+
+# -- sender ---------------------------------------------------------------------------------
+
+
+def transfer_frames(kv_cache: torch.Tensor, layout: KVLayout, transfer_id: str, block_ids: Sequence[int],
+                    positions: Sequence[int], max_chunk_bytes: int) -> Iterator[Frame]:
+    """BEGIN, every layer's blocks as encode_layer chunks, END."""
+    num_tokens = (max(positions, default=-1) + 1) * layout.block_size
+    begin = TransferBegin(transfer_id, transfer_id, layout, tuple(range(num_tokens)), num_tokens, 0,
+                          tuple(positions))
+    yield begin.encode(), b""
+    total = 0
+    for layer in range(layout.num_layers):
+        chunks = encode_layer(kv_cache, layer, block_ids, positions, transfer_id, max_chunk_bytes)
+        for header, payload in chunks:
+            total += len(payload)
+            yield header, payload
+    yield TransferEnd(transfer_id, layout.num_layers * len(block_ids), total).encode(), b""
+
+
+def push_pool(channel: grpc.Channel, frames: Iterator[Frame], codec: str = "raw") -> pb.PushReply:
+    if codec == "raw":
+        push = channel.stream_unary(PUSH_METHOD, request_serializer=serialize_kv_chunk,
+                                    response_deserializer=pb.PushReply.FromString)
+        return push(frames)
+    stub = pb_grpc.KVTransferStub(channel)
+    return stub.Push(pb.KVChunk(header=h, payload=p) for h, p in frames)
+
+
+# -- KVChunk by hand ------------------------------------------------------------------------
+# KVChunk is `bytes header = 1; bytes payload = 2;`: on the wire, tag 0x0A, varint length,
+# header bytes, tag 0x12, varint length, payload bytes. Writing that directly copies the
+# payload once; the generated class copies it into the message, then again to serialise.
+
+
+def serialize_kv_chunk(frame: Frame) -> bytes:
+    header, payload = frame
+    parts = [b"\x0a", _varint(len(header)), header] if header else []
+    if payload:
+        parts += [b"\x12", _varint(len(payload)), payload]
+    return b"".join(parts)
+
+
+def parse_kv_chunk(data: bytes) -> tuple[memoryview, memoryview]:
+    """(header, payload) as views of `data`; unknown fields skipped, the last of a repeat wins."""
+    view, pos = memoryview(data), 0
+    fields: dict[int, memoryview] = {1: view[:0], 2: view[:0]}
+    while pos < len(view):
+        key, pos = _read_varint(view, pos)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            _, pos = _read_varint(view, pos)
+            continue
+        if wire_type in (1, 5):
+            pos += 8 if wire_type == 1 else 4
+            continue
+        if wire_type != 2:
+            raise ValueError(f"KVChunk: wire type {wire_type} of field {number} is not protobuf 3")
+        size, pos = _read_varint(view, pos)
+        if pos + size > len(view):
+            raise ValueError(f"KVChunk: field {number} claims {size} bytes, {len(view) - pos} left")
+        fields[number], pos = view[pos:pos + size], pos + size
+    if pos > len(view):
+        raise ValueError(f"KVChunk: the last field runs {pos - len(view)} bytes past the message")
+    return fields[1], fields[2]
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while pos < len(view):
+        byte = view[pos]
+        value, pos, shift = value | (byte & 0x7F) << shift, pos + 1, shift + 7
+        if not byte & 0x80:
+            return value, pos
+    raise ValueError("KVChunk: truncated varint")
+
+
+# -- raw TCP peer ---------------------------------------------------------------------------
+# Framing: an 8-byte little-endian length, the bytes, then a 1-byte ack from the receiver.
+
+
+def serve_tcp(listener: socket.socket, capacity: int) -> None:
+    """Accept connections forever; read each one's bytes into one preallocated buffer."""
+    buffer = memoryview(bytearray(capacity))
+    while True:
+        conn, _ = listener.accept()
+        with conn:
+            (size,) = struct.unpack("<Q", _recv_exactly(conn, 8))
+            if size > capacity:
+                raise ValueError(f"tcp peer sent {size} bytes, the buffer holds {capacity}")
+            got = 0
+            while got < size:
+                n = conn.recv_into(buffer[got:size])
+                if n == 0:
+                    raise ConnectionError(f"tcp peer closed after {got} of {size} bytes")
+                got += n
+            conn.sendall(b"\x01")
+
+
+def send_tcp(port: int, chunks: Sequence[memoryview]) -> None:
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.sendall(struct.pack("<Q", sum(c.nbytes for c in chunks)))
+        for chunk in chunks:
+            conn.sendall(chunk)
+        if _recv_exactly(conn, 1) != b"\x01":
+            raise ConnectionError("tcp peer did not ack")
+
+
+def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        more = conn.recv(n - len(data))
+        if not more:
+            raise ConnectionError(f"peer closed after {len(data)} of {n} bytes")
+        data += more
+    return data
+
+
+def payload_chunks(kv_cache: torch.Tensor, chunk_bytes: int) -> list[memoryview]:
+    """The pool's bytes, in place, cut into chunk_bytes pieces: what TCP sends."""
+    flat = memoryview(kv_cache.view(torch.uint8).reshape(-1).numpy())
+    return [flat[i:i + chunk_bytes] for i in range(0, len(flat), chunk_bytes)]
+
+
+# -- the receiver process -------------------------------------------------------------------
+
+
+def serve_main(args: argparse.Namespace) -> None:
+    """Receiver: zeroed pool, gRPC and TCP servers on free loopback ports; runs until stdin closes."""
+    keep_freed_memory()
+    pool = make_pool(args.mib, args.dtype, fill=False)
+    options = grpc_options(args.grpc_arg)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=options)
+    add_pool_receiver(server, PoolReceiver(pool, KVLayout.of_cache(pool, FINGERPRINT)), args.codec)
+    grpc_port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    listener = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=serve_tcp, args=(listener, args.mib * MIB), daemon=True).start()
+    print(f"ports {grpc_port} {listener.getsockname()[1]}", flush=True)
+    sys.stdin.read()  # the parent closes stdin when it is done
+    server.stop(grace=None)
+
+
+@dataclass
+class ReceiverProcess:
+    proc: subprocess.Popen
+    grpc_port: int
+    tcp_port: int
+
+    @classmethod
+    def start(cls, mib: int, kv_dtype: str, codec: str, grpc_args: Sequence[str] = ()) -> ReceiverProcess:
+        cmd = [sys.executable, "-m", "bench.kv_transfer_wire", "--serve", "--mib", str(mib),
+               "--dtype", kv_dtype, "--codec", codec, *(f"--grpc-arg={a}" for a in grpc_args)]
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = proc.stdout.readline().split()
+        if len(line) != 3 or line[0] != "ports":
+            proc.kill()
+            raise RuntimeError(f"receiver process did not report its ports (exit {proc.wait()})")
+        return cls(proc, int(line[1]), int(line[2]))
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# -- measurement ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    mib: int
+    kv_dtype: str
+    reps: int
+    chunk_bytes: int
+    codec: str
+    grpc_args: tuple[str, ...] = ()
+
+
+def measure(case: Case) -> dict[str, Any]:
+    pool = make_pool(case.mib, case.kv_dtype)
+    layout = KVLayout.of_cache(pool, FINGERPRINT)
+    num_blocks = pool.shape[2]
+    block_ids = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
+    chunks = payload_chunks(pool, case.chunk_bytes // layout.block_bytes * layout.block_bytes)
+    receiver = ReceiverProcess.start(case.mib, case.kv_dtype, case.codec, case.grpc_args)
+    options = grpc_options(case.grpc_args)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{receiver.grpc_port}", options=options) as channel:
+            def grpc_once() -> None:
+                positions = range(num_blocks)
+                frames = transfer_frames(pool, layout, "bench", block_ids, positions, case.chunk_bytes)
+                reply = push_pool(channel, frames, case.codec)
+                if reply.bytes_received != case.mib * MIB:
+                    raise RuntimeError(f"receiver got {reply.bytes_received} bytes of {case.mib * MIB}")
+
+            grpc_s, tcp_s = alternate(grpc_once, lambda: send_tcp(receiver.tcp_port, chunks), case.reps)
+    finally:
+        receiver.stop()
+    checksum_s = median([timed(lambda: checksum_all(chunks, layout.block_bytes))[0]
+                         for _ in range(case.reps)])
+    nbytes = case.mib * MIB
+    grpc_gbps, tcp_gbps = nbytes / grpc_s / 1e9, nbytes / tcp_s / 1e9
+    return {"mib": case.mib, "kv_dtype": case.kv_dtype, "grpc_gbps": grpc_gbps, "tcp_gbps": tcp_gbps,
+            "ratio": ratio(grpc_gbps, tcp_gbps), "checksum_overhead": 2 * checksum_s / grpc_s,
+            "grpc_s": grpc_s, "tcp_s": tcp_s, "checksum_s": checksum_s}
+
+
+def alternate(a: Callable[[], None], b: Callable[[], None], reps: int) -> tuple[float, float]:
+    """Median seconds of a and of b, after one warm-up each, alternating rep by rep."""
+    a(), b()
+    times = [(timed(a)[0], timed(b)[0]) for _ in range(reps)]
+    return median([t for t, _ in times]), median([t for _, t in times])
+
+
+def checksum_all(chunks: Sequence[memoryview], block_bytes: int) -> None:
+    for chunk in chunks:
+        for start in range(0, chunk.nbytes, block_bytes):
+            block_checksum(chunk[start:start + block_bytes])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.serve:
+        return serve_main(args)
+    torch.set_num_threads(1)  # the copies here are memory-bound; intra-op threads only contend
+    keep_freed_memory()
+    cases = [Case(mib, args.dtype, args.reps, int(args.chunk_mib * MIB), args.codec, tuple(args.grpc_arg))
+             for mib in args.sizes]
+    rows = []
+    for case in cases:
+        progress(f"{case.mib} MiB {case.kv_dtype}, {case.reps} reps, codec {case.codec}")
+        rows.append(measure(case))
+    headline = rows[-1]
+    keys = ("mib", "kv_dtype", "grpc_gbps", "tcp_gbps", "ratio", "checksum_overhead")
+    table = format_table(keys, [[r[k] for k in keys] for r in rows])
+    print(table, file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        emit_json({**{k: headline[k] for k in ("grpc_gbps", "tcp_gbps", "ratio", "checksum_overhead")},
+                   "unit": "GB/s", "codec": args.codec, "chunk_mib": args.chunk_mib, "cases": rows,
+                   "environment": environment(torch.get_num_threads())})
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.kv_transfer_wire", description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="print the result as JSON on the last line")
+    p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[64, 512],
+                   help="MiB of KV per transfer, comma-separated (default 64,512)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float16")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--chunk-mib", type=float, default=2.0, help="max_chunk_bytes of encode_layer, in MiB")
+    p.add_argument("--codec", choices=["raw", "proto"], default="raw")
+    p.add_argument("--grpc-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra gRPC channel/server option on both ends (int values as ints); repeatable")
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mib", type=int, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    main()
