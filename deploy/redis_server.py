@@ -86,7 +86,6 @@ class RedisServer:
     def __init__(self, port: int | None = None, password: str | None = None, *,
                  executable: str | None = None, startup_timeout_s: float = 10.0) -> None:
         self._port = port
-        self._fixed_port = port is not None
         self.password = password
         self._executable = executable
         self.startup_timeout_s = startup_timeout_s
@@ -116,16 +115,17 @@ class RedisServer:
         """Start the server and wait until it answers PING; returns its URL."""
         if self.running:
             raise RuntimeError(f"redis-server is already running on port {self.port} (pid {self.pid})")
-        attempts = 1 if self._fixed_port or self._port is not None else 3
+        self._reap()  # a previous process that died on its own, and its directory
+        attempts = 1 if self._port is not None else 3  # a chosen or reused port is not swapped
         for attempt in range(attempts):
             if self._port is None:
                 self._port = free_port()
             try:
                 self._launch()
                 return self.url
-            except RedisStartError:
+            except BaseException as e:
                 self._reap()
-                if attempt == attempts - 1:
+                if not isinstance(e, RedisStartError) or attempt == attempts - 1:
                     raise
                 self._port = None  # another process took the free port between probe and bind
         raise AssertionError("unreachable")

@@ -13,11 +13,13 @@ naming one incarnation of a worker:
     ns:entries              SET of entries that have index data
     ns:live:<worker_id>     STRING epoch, with a TTL: the lease. Live = this key exists;
                             an entry counts only when its epoch equals this value
-    ns:epoch:<worker_id>    STRING counter (INCR); never expires, so epochs only grow
+    ns:epoch:<worker_id>    STRING counter (INCR); never expires, so epochs only grow;
+                            leases and writes from an epoch below it are refused
     ns:workers              SET of worker ids that ever took a lease (until removed)
     ns:info:<worker_id>     HASH of WorkerInfo fields (registry)
     ns:load:<worker_id>     HASH of load numbers, expires with the lease (registry)
 
+apply() and match() are one Lua script call each (redis_index.py says how match walks).
 Block hashes stay binary in keys and members: 16 bytes instead of 32 hex characters per
 key and per member, and no encoding on the hot path (Python or Lua). Use redis-cli's
 --no-raw escaping, or the Python API, to look at them.

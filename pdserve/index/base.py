@@ -57,7 +57,10 @@ def check_ttl(ttl_s: float) -> None:
 
 class PrefixIndex(Protocol):
     def apply(self, worker: WorkerKey, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
-        """Record one worker's events: `stored` hashes added, then `removed` hashes dropped."""
+        """Record one worker's events: `stored` hashes added, then `removed` hashes dropped.
+
+        Writes from an epoch older than the newest lease seen for the worker are dropped.
+        """
         ...
 
     def replace(self, worker: WorkerKey, hashes: Iterable[bytes]) -> None:

@@ -27,6 +27,8 @@ class InMemoryPrefixIndex:
         self._highest_epoch: dict[str, int] = {}
 
     def apply(self, worker: WorkerKey, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
+        if worker.epoch < self._highest_epoch.get(worker.worker_id, 0):
+            return
         mine = self._hashes.setdefault(worker, set())
         for h in stored:
             self._holders.setdefault(h, set()).add(worker)

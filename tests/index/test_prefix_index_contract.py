@@ -124,11 +124,12 @@ def test_restarted_worker_old_epoch_never_counts(h):
     assert h.index.match(PROMPT) == {"a": 2}
 
     assert h.index.set_live(old, LONG_TTL) is Lease.SUPERSEDED  # a zombie cannot take the lease back
-    h.index.apply(old, blocks(4), [])  # nor make its late writes count
+    h.index.apply(old, blocks(4), [])  # nor write any more
+    assert h.index.worker_hashes("a") == set(blocks(0, 1, 2, 3))
     assert h.index.match(PROMPT) == {"a": 2}
     assert h.index.live_workers() == {"a": 2}
 
-    assert h.index.sweep() == 5
+    assert h.index.sweep() == 4
     assert h.index.worker_hashes("a") == set(blocks(0, 1))
 
 
@@ -201,3 +202,24 @@ def test_random_holdings_agree_with_a_brute_force_reference(h):
         start = rng.randrange(4)
         prompt = blocks(*range(start, start + rng.randrange(1, 20)))
         assert h.index.match(prompt) == reference_depths(holdings, prompt)
+
+
+def test_large_batches_and_a_large_replace(h):
+    a = live(h, "a")
+    many = blocks(*range(3000))
+    h.index.apply(a, many, many[2000:])
+    assert len(h.index.worker_hashes("a")) == 2000
+    assert h.index.match(many) == {"a": 2000}
+
+    h.index.replace(a, many[:1000] + many[2500:])
+    assert h.index.worker_hashes("a") == set(many[:1000] + many[2500:])
+    assert h.index.match(many) == {"a": 1000}
+    assert h.index.match(many[2500:]) == {"a": 500}
+
+
+def test_a_prompt_longer_than_one_lua_unpack(h):
+    a = live(h, "a")
+    many = blocks(*range(14000))  # a 224k-token prompt at 16 tokens a block
+    h.index.apply(a, many, [])
+
+    assert h.index.match(many) == {"a": 14000}
