@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 import redis
 
 from deploy.redis_server import RedisServer, ensure_redis
-from pdserve.engine.weights import load_tokenizer
+from pdserve.engine.weights import load_model, load_tokenizer
+from pdserve.index.redis_index import RedisPrefixIndex
 from pdserve.index.registry import WorkerRegistry
 from pdserve.worker.actor import WorkerSpec
+from router.placement import PlacementConfig
 from router.server import RouterConfig, RouterServer
-from router.service import RouterPolicyConfig
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ class ClusterSpec:
     kv_cache_gib: float = 1.0
     max_batched_tokens: int = 2048
     min_remote_prefill_tokens: int = 32
+    routing: str = "prefix"
+    max_in_flight_per_decode: int = 64
     namespace: str = "pdserve"
     max_restarts: int = 3
     startup_timeout_s: float = 600.0
@@ -81,15 +84,29 @@ class LocalCluster:
         client = redis.Redis.from_url(self.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self.registry = WorkerRegistry(client, self.spec.namespace)
         self._init_ray()
+        if not self.spec.ray_address:
+            # NOTE: convert a GGUF once here, so N workers on this machine each load the cached
+            # safetensors in about a second instead of dequantising in parallel.
+            load_model(self.spec.model_path, progress=False)
         self._create_actors()
-        tokenizer = load_tokenizer(self.spec.model_path)
-        config = RouterConfig(host=self.spec.host, port=self.spec.port,
-                              policy=RouterPolicyConfig(self.spec.min_remote_prefill_tokens))
-        self.router = RouterServer(config, tokenizer, self.registry.live_workers)
+        self.router = self._router(client)
         address = self.router.start()
         self._wait_until_live()
         self.say(f"router   {address} (gRPC pdserve.v1.Generation, health, reflection)")
         return address
+
+    def _router(self, client: redis.Redis) -> RouterServer:
+        s = self.spec
+        placement = PlacementConfig(policy=s.routing, min_remote_prefill_tokens=s.min_remote_prefill_tokens,
+                                    kv_dtype=s.kv_dtype, max_in_flight_per_decode=s.max_in_flight_per_decode)
+        config = RouterConfig(host=s.host, port=s.port, placement=placement)
+        # NOTE: the router's own Redis client fails fast: a dead index must cost a request
+        # at most one short timeout before the circuit breaker routes by load alone.
+        fast = redis.Redis.from_url(self.redis_url, socket_timeout=0.25, socket_connect_timeout=0.25,
+                                    retry=None)
+        index, registry = RedisPrefixIndex(fast, s.namespace), WorkerRegistry(fast, s.namespace)
+        return RouterServer(config, load_tokenizer(s.model_path), registry.live_workers,
+                            match=index.match, load_of=registry.load_of)
 
     def _init_ray(self) -> None:
         import ray

@@ -17,7 +17,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
                        host=args.host, port=args.port, redis_url=args.redis_url, ray_address=args.address,
                        block_size=args.block_size, kv_dtype=args.kv_dtype, num_blocks=args.num_blocks,
                        kv_cache_gib=args.kv_cache_gib, max_batched_tokens=args.max_batched_tokens,
-                       min_remote_prefill_tokens=args.min_remote_prefill_tokens)
+                       min_remote_prefill_tokens=args.min_remote_prefill_tokens, routing=args.routing)
 
 
 def answer_sample(address: str) -> None:

@@ -248,9 +248,13 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
                         "(default: %(default)s)")
     p.add_argument("--max-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
                    help="token budget of one engine step (chunked prefill) (default: %(default)s)")
+    p.add_argument("--routing", choices=("prefix", "least_load", "round_robin"), default="prefix",
+                   help="placement policy: prefix = KV-aware (send requests where their prefix is "
+                        "cached, prefill on the decode worker when it pays); least_load = fewest "
+                        "requests in flight; round_robin = in turn (default: %(default)s)")
     p.add_argument("--min-remote-prefill-tokens", type=int, default=32, metavar="N",
-                   help="prompts shorter than N tokens are prefilled on the decode worker, with no "
-                        "KV transfer (default: %(default)s)")
+                   help="least_load/round_robin: prompts shorter than N tokens are prefilled on the "
+                        "decode worker, with no KV transfer (default: %(default)s)")
     p.add_argument("--no-sample", action="store_true",
                    help="do not answer the sample chat after start-up")
     p.set_defaults(handler=_run_up)

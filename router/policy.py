@@ -1,4 +1,4 @@
-"""Placement by load: which decode worker, and whether a prefill worker computes the prompt.
+"""Placement by load alone: which decode worker, and whether a prefill worker computes the prompt.
 
 Pure: no I/O. The random source is a parameter so tests are deterministic.
 
@@ -22,16 +22,6 @@ class Candidate:
     active_requests: int
 
 
-@dataclass(frozen=True)
-class Placement:
-    decode: Candidate
-    prefill: Candidate | None  # None: prefill on the decode worker
-
-    @property
-    def remote_prefill(self) -> bool:
-        return self.prefill is not None
-
-
 class NoWorkerError(RuntimeError):
     """No live worker can take the request."""
 
@@ -44,10 +34,11 @@ def least_loaded(candidates: Sequence[Candidate], rng: random.Random) -> Candida
 
 
 def place_by_load(prefill: Sequence[Candidate], decode: Sequence[Candidate], prompt_tokens: int,
-                  min_remote_prefill_tokens: int, rng: random.Random) -> Placement:
+                  min_remote_prefill_tokens: int, rng: random.Random) -> tuple[Candidate, Candidate | None]:
+    """(decode worker, prefill worker or None for prefill on the decode worker)."""
     if not decode:
         raise NoWorkerError("no live decode worker; is the cluster up (`pdserve status`)?")
     chosen_decode = least_loaded(decode, rng)
     if not prefill or prompt_tokens < min_remote_prefill_tokens:
-        return Placement(chosen_decode, None)
-    return Placement(chosen_decode, least_loaded(prefill, rng))
+        return chosen_decode, None
+    return chosen_decode, least_loaded(prefill, rng)

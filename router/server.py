@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.engine.tokenizer import Tokenizer
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from router.placement import MatchFn, PlacementConfig, Placer
 from router.service import GenerationServicer, RouterPolicyConfig
 from router.workers import CHANNEL_OPTIONS, WorkerDirectory, WorkerRecord
 
@@ -22,17 +23,20 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     policy: RouterPolicyConfig = field(default_factory=RouterPolicyConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     refresh_s: float = 0.5
     grpc_threads: int = 64
 
 
 class RouterServer:
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer,
-                 live_workers: Callable[[], Sequence[WorkerRecord]],
+                 live_workers: Callable[[], Sequence[WorkerRecord]], *, match: MatchFn | None = None,
+                 load_of: Callable[[str], dict[str, int]] | None = None,
                  rng: random.Random | None = None) -> None:
         self.config = config
-        self.directory = WorkerDirectory(live_workers, config.refresh_s)
-        self.servicer = GenerationServicer(tokenizer, self.directory, config.policy, rng)
+        self.directory = WorkerDirectory(live_workers, config.refresh_s, load_of)
+        self.placer = Placer(self.directory, config.placement, match, rng=rng)
+        self.servicer = GenerationServicer(tokenizer, self.directory, self.placer, config.policy)
         self.health = health.HealthServicer()
         self.address = ""
         self._server: grpc.Server | None = None

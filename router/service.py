@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import random
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -23,7 +22,8 @@ import grpc
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.worker.convert import sampling_from_proto
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
-from router.policy import NoWorkerError, Placement, place_by_load
+from router.placement import AdmissionRefused, Placement, Placer
+from router.policy import NoWorkerError
 from router.workers import WorkerDirectory
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,6 @@ class RequestPhase(enum.Enum):
 
 @dataclass(frozen=True)
 class RouterPolicyConfig:
-    min_remote_prefill_tokens: int = 32  # shorter prompts are prefilled on the decode worker
     default_timeout_s: float = 300.0
 
 
@@ -95,16 +94,15 @@ def _chat_messages(chat: generation_pb2.ChatMessages) -> list[dict[str, str]]:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, tokenizer: Tokenizer, directory: WorkerDirectory, config: RouterPolicyConfig,
-                 rng: random.Random | None = None) -> None:
-        self.tokenizer, self.directory, self.config = tokenizer, directory, config
-        self.rng = rng or random.Random()
+    def __init__(self, tokenizer: Tokenizer, directory: WorkerDirectory, placer: Placer,
+                 config: RouterPolicyConfig) -> None:
+        self.tokenizer, self.directory, self.placer, self.config = tokenizer, directory, placer, config
 
     def Generate(self, request, context):  # noqa: N802
         trace = _Trace()
         rid = request.request_id or uuid.uuid4().hex
         prompt, sampling = self._validated(request, context)
-        placement = self._place(len(prompt), context)
+        placement = self._place(prompt, request, context)
         with self.directory.track(placement.decode, placement.prefill):
             prefill = self._remote_prefill(rid, prompt, sampling, placement, trace, context)
             yield from self._decode(rid, prompt, sampling, placement, prefill, trace, context)
@@ -116,12 +114,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    def _place(self, prompt_tokens: int, context) -> Placement:
+    def _place(self, prompt: list[int], request, context) -> Placement:
         try:
-            return place_by_load(self.directory.candidates("prefill"), self.directory.candidates("decode"),
-                                 prompt_tokens, self.config.min_remote_prefill_tokens, self.rng)
+            return self.placer.place(prompt, request.routing, dict(request.routing_weights))
         except NoWorkerError as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except AdmissionRefused as e:
+            retry_ms = int(e.retry_after_s * 1000)
+            context.set_trailing_metadata((("retry-after-ms", str(retry_ms)),))
+            hint = f"; retry after {retry_ms} ms" if retry_ms else ""
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}{hint}")
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     def _timeout(self, context) -> float:
         remaining = context.time_remaining()
@@ -132,7 +136,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             return None
         trace.phase, trace.prefill_started = RequestPhase.PREFILLING, time.perf_counter()
         request = worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-                                            decode_target=placement.decode.address)
+                                            decode_target=placement.decode.address,
+                                            target_cached_blocks=placement.decode_cached_blocks)
         future = self.directory.stub(placement.prefill.address).Prefill.future(
             request, timeout=self._timeout(context))
         context.add_callback(future.cancel)

@@ -33,8 +33,11 @@ class WorkerRecord(Protocol):
 
 
 class WorkerDirectory:
-    def __init__(self, source: Callable[[], Sequence[WorkerRecord]], refresh_s: float = 0.5) -> None:
+    def __init__(self, source: Callable[[], Sequence[WorkerRecord]], refresh_s: float = 0.5,
+                 load_source: Callable[[str], dict[str, int]] | None = None) -> None:
         self._source = source
+        self._load_source = load_source
+        self._loads: dict[str, dict[str, int]] = {}
         self._refresh_s = refresh_s
         self._workers: dict[str, WorkerRecord] = {}
         self._in_flight: Counter[str] = Counter()
@@ -61,8 +64,18 @@ class WorkerDirectory:
         except Exception as e:  # the registry is down: keep the last known view
             log.warning("worker registry unavailable, keeping %d known workers: %s", len(self._workers), e)
             return
+        loads = self._read_loads(workers)
         with self._lock:
             self._workers = workers
+            self._loads = loads
+
+    def _read_loads(self, workers: dict[str, WorkerRecord]) -> dict[str, dict[str, int]]:
+        if self._load_source is None:
+            return {}
+        try:
+            return {w: self._load_source(w) for w in workers}
+        except Exception:  # load is a hint: keep routing without it
+            return {}
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self._refresh_s):
@@ -77,6 +90,19 @@ class WorkerDirectory:
         with self._lock:
             return [Candidate(w.worker_id, w.address, self._in_flight[w.worker_id])
                     for w in self._workers.values() if w.role == role]
+
+    def capacity_tokens(self, worker_id: str) -> int:
+        """KV tokens the worker's pool holds (0 when unknown)."""
+        with self._lock:
+            w = self._workers.get(worker_id)
+        return getattr(w, "num_blocks", 0) * getattr(w, "block_size", 0) if w else 0
+
+    def used_block_fraction(self, worker_id: str) -> float:
+        """Heartbeat-reported share of the worker's KV blocks in use (0 when unknown)."""
+        with self._lock:
+            w, load = self._workers.get(worker_id), self._loads.get(worker_id, {})
+        total = getattr(w, "num_blocks", 0) if w else 0
+        return load.get("used_blocks", 0) / total if total else 0.0
 
     def in_flight(self, worker_id: str) -> int:
         with self._lock:

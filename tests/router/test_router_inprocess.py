@@ -16,8 +16,8 @@ from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.sequence import SamplingParams
 from pdserve.worker.server import WorkerConfig, WorkerServer
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from router.placement import PlacementConfig
 from router.server import RouterConfig, RouterServer
-from router.service import RouterPolicyConfig
 from tests.conftest import make_engine
 
 
@@ -34,8 +34,9 @@ def cluster(tiny_loaded):
     engine = EngineConfig(cache=CacheConfig(num_blocks=128), device="cpu")
     workers = [WorkerServer(WorkerConfig(role, engine), tiny_loaded) for role in ("prefill", "decode")]
     records = [Record(w.config.worker_id, w.config.role, w.start()) for w in workers]
-    router = RouterServer(RouterConfig(port=0, policy=RouterPolicyConfig(min_remote_prefill_tokens=32)),
-                          tiny_loaded.tokenizer, lambda: records, random.Random(0))
+    placement = PlacementConfig(policy="least_load", min_remote_prefill_tokens=32)
+    config = RouterConfig(port=0, placement=placement)
+    router = RouterServer(config, tiny_loaded.tokenizer, lambda: records, rng=random.Random(0))
     router.start()
     yield router, workers
     router.stop()

@@ -1,0 +1,108 @@
+"""KV-aware placement: a cost for every way to serve a prompt, the cheapest wins.
+
+Pure: no I/O. The caller supplies, per worker, how many leading blocks of the prompt
+it holds (from the prefix index) and its load; the random source breaks ties.
+
+For a prompt of T tokens in blocks of B (n = ceil(T / B) blocks) and a decode worker D
+holding d_D leading blocks (usable: at most (T - 1) // B, the last token is always
+computed), the options are:
+
+    local on D      cost = w_local_prefill * (T - B * d_D)            tokens D must prefill
+                         + w_decode_load  * load(D)
+    P then D        cost = w_prefill      * (T - B * d_P)             tokens P must prefill
+                         + w_transfer     * (n - d_D)                 blocks sent to D
+                         + w_prefill_load * load(P) + w_decode_load * load(D)
+
+load(D) = active sequences + w_blocks_used * fraction of D's KV blocks in use.
+w_local_prefill > w_prefill because prefill on a decode worker stalls its decode
+streams, which is why disaggregation exists. Before any cost: when the part of the
+prompt D lacks is shorter than local_prefill_max_tokens (the next turn of a chat, a
+shared system prompt) the request stays on D with no transfer at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScoringWeights:
+    prefill: float = 1.0  # per token prefilled on a prefill worker
+    local_prefill: float = 2.0  # per token prefilled on the decode worker
+    transfer: float = 4.0  # per block sent (a block is worth ~a few tokens of compute)
+    decode_load: float = 64.0  # per active sequence on the decode worker
+    prefill_load: float = 256.0  # per request in flight on the prefill worker
+    blocks_used: float = 32.0  # load added by a full KV pool (fraction x this)
+    local_prefill_max_tokens: int = 256  # below this, the uncached part is prefilled on D
+
+    def overridden(self, overrides: Mapping[str, float]) -> ScoringWeights:
+        """A copy with per-request overrides; ValueError names an unknown weight."""
+        known = {f.name: f.type for f in fields(self)}
+        unknown = sorted(set(overrides) - set(known))
+        if unknown:
+            raise ValueError(f"unknown routing weight(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        cast = {k: int(v) if k == "local_prefill_max_tokens" else float(v) for k, v in overrides.items()}
+        return replace(self, **cast)
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    worker_id: str
+    address: str
+    active: int  # requests in flight on it
+    used_block_fraction: float = 0.0
+
+
+@dataclass(frozen=True)
+class Choice:
+    decode: WorkerLoad
+    prefill: WorkerLoad | None  # None: prefill on the decode worker
+    cost: float
+    decode_cached_blocks: int  # blocks D holds: not sent, not recomputed by D
+    prefill_cached_blocks: int
+
+
+def usable_blocks(held: int, prompt_tokens: int, block_size: int) -> int:
+    """Leading blocks that can be reused: the last token is always computed."""
+    return max(0, min(held, (prompt_tokens - 1) // block_size))
+
+
+def choose(prompt_tokens: int, block_size: int, decode: Sequence[WorkerLoad], prefill: Sequence[WorkerLoad],
+           held_blocks: Mapping[str, int], weights: ScoringWeights, rng: random.Random) -> Choice:
+    """The cheapest option over every decode worker (and prefill worker). decode must be non-empty."""
+    if not decode:
+        raise ValueError("no decode worker to choose from")
+    options = [option for d in decode
+               for option in _options(prompt_tokens, block_size, d, prefill, held_blocks, weights)]
+    best = min(o.cost for o in options)
+    winner = rng.choice([o for o in options if o.cost == best])
+    log.debug("route %d tokens: %s (cost %.1f) among %s", prompt_tokens, _label(winner), winner.cost,
+              ", ".join(f"{_label(o)}={o.cost:.1f}" for o in options))
+    return winner
+
+
+def _options(tokens: int, bs: int, d: WorkerLoad, prefill: Sequence[WorkerLoad], held: Mapping[str, int],
+             w: ScoringWeights) -> list[Choice]:
+    n_blocks = -(-tokens // bs)
+    d_held = usable_blocks(held.get(d.worker_id, 0), tokens, bs)
+    d_load = w.decode_load * d.active + w.blocks_used * d.used_block_fraction
+    lacking = tokens - bs * d_held
+    local = Choice(d, None, w.local_prefill * lacking + d_load, d_held, d_held)
+    if lacking < w.local_prefill_max_tokens or not prefill:
+        return [local]
+    remote = []
+    for p in prefill:
+        p_held = usable_blocks(held.get(p.worker_id, 0), tokens, bs)
+        cost = (w.prefill * (tokens - bs * p_held) + w.transfer * (n_blocks - d_held)
+                + w.prefill_load * p.active + d_load)
+        remote.append(Choice(d, p, cost, d_held, p_held))
+    return [local, *remote]
+
+
+def _label(c: Choice) -> str:
+    return f"{c.prefill.worker_id}->{c.decode.worker_id}" if c.prefill else f"local@{c.decode.worker_id}"

@@ -1,0 +1,99 @@
+"""The KV-aware scorer with worked numbers (default weights unless stated).
+
+Defaults: prefill 1/token, local_prefill 2/token, transfer 4/block, decode_load 64/active
+sequence, prefill_load 256/request, blocks_used 32 x fraction, local_prefill_max_tokens 256.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.scoring import ScoringWeights, WorkerLoad, choose, usable_blocks
+
+W = ScoringWeights()
+P = WorkerLoad("p0", "p0:1", active=0)
+D = WorkerLoad("d0", "d0:1", active=0)
+
+
+def pick(tokens, decode, prefill, held, weights=W, seed=0):
+    return choose(tokens, 16, decode, prefill, held, weights, random.Random(seed))
+
+
+def test_cold_long_prompt_goes_to_the_prefill_worker():
+    # 1,040 tokens = 65 blocks, nothing cached anywhere.
+    # local on d0: 2 x 1040 = 2080;  p0 -> d0: 1 x 1040 + 4 x 65 = 1300  -> remote wins
+    c = pick(1040, [D], [P], {})
+    assert (c.prefill, c.decode, c.cost) == (P, D, 1300)
+
+
+def test_next_chat_turn_stays_on_the_decode_worker_with_no_transfer():
+    # 1,100 tokens; d0 holds 64 blocks (1,024 tokens) from the previous turn.
+    # d0 lacks 1100 - 1024 = 76 tokens < 256: local only, cost 2 x 76 = 152
+    c = pick(1100, [D], [P], {"d0": 64})
+    assert (c.prefill, c.cost, c.decode_cached_blocks) == (None, 152, 64)
+
+
+def test_prefix_held_by_the_prefill_worker_is_reused_and_only_missing_blocks_move():
+    # p0 holds the 64-block system prompt, d0 holds nothing; 1,100 tokens = 69 blocks.
+    # local on d0: 2 x 1100 = 2200;  p0 -> d0: 1 x (1100 - 1024) + 4 x 69 = 352
+    c = pick(1100, [D], [P], {"p0": 64})
+    assert (c.prefill, c.cost, c.prefill_cached_blocks) == (P, 352, 64)
+    # d0 holding 30 of the blocks: p0 -> d0 sends 69 - 30 = 39 blocks: 76 + 4 x 39 = 232
+    # (local on d0 would prefill 1100 - 480 = 620 tokens: 1240)
+    c = pick(1100, [D], [P], {"p0": 64, "d0": 30})
+    assert (c.prefill, c.cost, c.decode_cached_blocks) == (P, 232, 30)
+
+
+def test_decode_load_moves_the_request_to_an_idle_worker():
+    busy = WorkerLoad("d1", "d1:1", active=3)
+    idle = WorkerLoad("d2", "d2:1", active=0)
+    # d1 holds 64 blocks of a 1,100-token prompt: local 2 x 76 + 64 x 3 = 344
+    # d2 holds nothing: local 2 x 1100 = 2200, or p0 -> d2: 1100 + 4 x 69 = 1376  -> d1 wins
+    assert pick(1100, [busy, idle], [P], {"d1": 64}).decode is busy
+    # with 20 active on d1: 152 + 64 x 20 = 1432 > 1376  -> p0 -> d2 wins
+    swamped = WorkerLoad("d1", "d1:1", active=20)
+    c = pick(1100, [swamped, idle], [P], {"d1": 64})
+    assert (c.decode, c.prefill, c.cost) == (idle, P, 1376)
+
+
+def test_kv_pool_pressure_counts_as_load():
+    # short prompt, 100 tokens: local only. d1 half full: 200 + 32 x 0.5 = 216 vs d2 empty: 200
+    half = WorkerLoad("d1", "d1:1", active=0, used_block_fraction=0.5)
+    empty = WorkerLoad("d2", "d2:1", active=0)
+    c = pick(100, [half, empty], [P], {})
+    assert (c.decode, c.cost) == (empty, 200)
+
+
+def test_busy_prefill_workers_lose_to_an_idle_one():
+    # 1,040 tokens, nothing cached: p_busy 1300 + 256 x 2 = 1812, p_idle 1300
+    busy = WorkerLoad("p1", "p1:1", active=2)
+    idle = WorkerLoad("p2", "p2:1", active=0)
+    assert pick(1040, [D], [busy, idle], {}).prefill is idle
+
+
+def test_ties_are_broken_by_the_injected_random_source():
+    d1, d2 = WorkerLoad("d1", "a", 0), WorkerLoad("d2", "b", 0)
+    picks = {pick(100, [d1, d2], [], {}, seed=s).decode.worker_id for s in range(20)}
+    assert picks == {"d1", "d2"}
+    assert pick(100, [d1, d2], [], {}, seed=3) == pick(100, [d1, d2], [], {}, seed=3)
+
+
+def test_the_last_token_is_never_counted_as_cached():
+    # a 32-token prompt fully held (2 blocks): only 1 block is usable, 16 tokens to compute
+    assert usable_blocks(2, 32, 16) == 1
+    assert pick(32, [D], [P], {"d0": 2}).cost == 2 * 16
+
+
+def test_per_request_overrides():
+    # forbid local prefill for anything over 10 tokens: a next turn now goes remote
+    eager = W.overridden({"local_prefill_max_tokens": 10, "local_prefill": 100})
+    assert pick(1100, [D], [P], {"d0": 64}, eager).prefill is P
+    with pytest.raises(ValueError, match="unknown routing weight"):
+        W.overridden({"transfr": 1})
+
+
+def test_no_decode_worker_is_an_error():
+    with pytest.raises(ValueError, match="no decode worker"):
+        pick(10, [], [P], {})
