@@ -18,12 +18,14 @@ from dataclasses import dataclass, field
 import redis
 
 from deploy.redis_server import RedisServer, ensure_redis
-from pdserve.engine.weights import load_model, load_tokenizer
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.weights import load_model
 from pdserve.index.redis_index import RedisPrefixIndex
 from pdserve.index.registry import WorkerRegistry
 from pdserve.worker.actor import WorkerSpec
 from router.placement import PlacementConfig
 from router.server import RouterConfig, RouterServer
+from router.service import RouterPolicyConfig
 
 log = logging.getLogger(__name__)
 
@@ -84,28 +86,30 @@ class LocalCluster:
         client = redis.Redis.from_url(self.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self.registry = WorkerRegistry(client, self.spec.namespace)
         self._init_ray()
-        if not self.spec.ray_address:
-            # NOTE: convert a GGUF once here, so N workers on this machine each load the cached
-            # safetensors in about a second instead of dequantising in parallel.
-            load_model(self.spec.model_path, progress=False)
+        # NOTE: loaded here for the router's tokenizer and context length; for a GGUF this also
+        # converts it once, so N workers on this machine load the cached safetensors in about a
+        # second each instead of dequantising in parallel.
+        loaded = load_model(self.spec.model_path, progress=False)
         self._create_actors()
-        self.router = self._router(client)
+        self.router = self._router(client, loaded.tokenizer, loaded.config.max_position_embeddings)
+        del loaded
         address = self.router.start()
         self._wait_until_live()
         self.say(f"router   {address} (gRPC pdserve.v1.Generation, health, reflection)")
         return address
 
-    def _router(self, client: redis.Redis) -> RouterServer:
+    def _router(self, client: redis.Redis, tokenizer: Tokenizer, max_context_tokens: int) -> RouterServer:
         s = self.spec
         placement = PlacementConfig(policy=s.routing, min_remote_prefill_tokens=s.min_remote_prefill_tokens,
                                     kv_dtype=s.kv_dtype, max_in_flight_per_decode=s.max_in_flight_per_decode)
-        config = RouterConfig(host=s.host, port=s.port, placement=placement)
+        config = RouterConfig(host=s.host, port=s.port, placement=placement,
+                              policy=RouterPolicyConfig(max_context_tokens=max_context_tokens))
         # NOTE: the router's own Redis client fails fast: a dead index must cost a request
         # at most one short timeout before the circuit breaker routes by load alone.
         fast = redis.Redis.from_url(self.redis_url, socket_timeout=0.25, socket_connect_timeout=0.25,
                                     retry=None)
         index, registry = RedisPrefixIndex(fast, s.namespace), WorkerRegistry(fast, s.namespace)
-        return RouterServer(config, load_tokenizer(s.model_path), registry.live_workers,
+        return RouterServer(config, tokenizer, registry.live_workers,
                             match=index.match, load_of=registry.load_of)
 
     def _init_ray(self) -> None:
@@ -135,7 +139,8 @@ class LocalCluster:
             worker_id = f"{role}-{counts[role]}"
             counts[role] += 1
             self.actors[worker_id] = self._actor_class(role).options(
-                name=worker_id, max_restarts=self.spec.max_restarts, max_concurrency=16,
+                name=worker_id, namespace=self.spec.namespace, max_restarts=self.spec.max_restarts,
+                max_concurrency=16,
                 num_cpus=0 if gpus else 1, num_gpus=1 if gpus else 0,
                 resources=self.spec.actor_resources.get(role, {}),
             ).remote(self._worker_spec(role, worker_id, threads))

@@ -97,10 +97,13 @@ def request_from(prompt: str | None = None, *, messages: Sequence[Mapping[str, s
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, max_tokens: int | None = None,
                  stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
-                 ignore_eos: bool = False) -> pb.GenerateRequest:
+                 ignore_eos: bool = False, routing: str | None = None,
+                 routing_weights: Mapping[str, float] | None = None) -> pb.GenerateRequest:
     """Build a GenerateRequest. Give exactly one of prompt, messages or token_ids.
 
     Sampling fields left as None stay unset, so the router's defaults apply (see the proto).
+    routing (prefix | least_load | round_robin) and routing_weights override the router's
+    placement policy for this request.
     Values are range-checked by the router, which answers INVALID_ARGUMENT.
     """
     given = [name for name, value in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids))
@@ -122,6 +125,8 @@ def request_from(prompt: str | None = None, *, messages: Sequence[Mapping[str, s
         request.token_ids.ids.extend(_token_ids(token_ids, "token_ids"))
     request.sampling.CopyFrom(_sampling(temperature, top_k, top_p, seed, max_tokens, stop,
                                         stop_token_ids, ignore_eos))
+    request.routing = routing or ""
+    request.routing_weights.update(routing_weights or {})
     return request
 
 

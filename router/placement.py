@@ -65,7 +65,7 @@ class Placer:
         self.directory, self.config, self.match = directory, config, match
         self.breaker = breaker or CircuitBreaker()
         self.rng = rng or random.Random()
-        self._turns = itertools.count()
+        self._decode_turns, self._prefill_turns = itertools.count(), itertools.count()
         self._lock = threading.Lock()
 
     def place(self, prompt: list[int], policy: str = "", overrides: Mapping[str, float] | None = None
@@ -119,9 +119,11 @@ class Placer:
         return first.block_size, cache_salt(first.model_fingerprint, first.block_size, self.config.kv_dtype)
 
     def _round_robin(self, prompt_tokens: int, decode, prefill) -> Placement:
+        remote = bool(prefill) and prompt_tokens >= self.config.min_remote_prefill_tokens
         with self._lock:
-            turn = next(self._turns)
-        d = sorted(decode, key=lambda c: c.worker_id)[turn % len(decode)]
-        if not prefill or prompt_tokens < self.config.min_remote_prefill_tokens:
-            return Placement(d, None, 0, "round_robin")
-        return Placement(d, sorted(prefill, key=lambda c: c.worker_id)[turn % len(prefill)], 0, "round_robin")
+            d_turn = next(self._decode_turns)
+            p_turn = next(self._prefill_turns) if remote else 0
+        # NOTE: separate counters, so with equal numbers of each, P_i does not always feed D_i.
+        d = sorted(decode, key=lambda c: c.worker_id)[d_turn % len(decode)]
+        p = sorted(prefill, key=lambda c: c.worker_id)[p_turn % len(prefill)] if remote else None
+        return Placement(d, p, 0, "round_robin")

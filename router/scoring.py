@@ -81,8 +81,9 @@ def choose(prompt_tokens: int, block_size: int, decode: Sequence[WorkerLoad], pr
                for option in _options(prompt_tokens, block_size, d, prefill, held_blocks, weights)]
     best = min(o.cost for o in options)
     winner = rng.choice([o for o in options if o.cost == best])
-    log.debug("route %d tokens: %s (cost %.1f) among %s", prompt_tokens, _label(winner), winner.cost,
-              ", ".join(f"{_label(o)}={o.cost:.1f}" for o in options))
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("route %d tokens: %s (cost %.1f) among %s", prompt_tokens, _label(winner), winner.cost,
+                  ", ".join(f"{_label(o)}={o.cost:.1f}" for o in options))
     return winner
 
 

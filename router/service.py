@@ -43,6 +43,7 @@ class RequestPhase(enum.Enum):
 @dataclass(frozen=True)
 class RouterPolicyConfig:
     default_timeout_s: float = 300.0
+    max_context_tokens: int | None = None  # the model's context; longer prompts are INVALID_ARGUMENT
 
 
 @dataclass
@@ -110,7 +111,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _validated(self, request, context):
         try:
             sampling_from_proto(request.sampling)  # range checks before any worker is touched
-            return prompt_token_ids(request, self.tokenizer), request.sampling
+            prompt = prompt_token_ids(request, self.tokenizer)
+            limit = self.config.max_context_tokens
+            if limit is not None and len(prompt) >= limit:
+                raise InvalidPrompt(f"prompt has {len(prompt):,} tokens; this model's context is {limit:,} "
+                                    "(the prompt must leave room for at least 1 generated token)")
+            return prompt, request.sampling
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 

@@ -40,7 +40,7 @@ def test_greedy_output_matches_the_single_process_engine(cluster_1p1d, smollm_lo
     with client_of(cluster_1p1d) as client:
         for text in PROMPTS:
             ids = chat_ids(smollm_loaded, text)
-            done = client.generate(text, temperature=0, max_tokens=24)
+            done = client.generate(text, temperature=0, max_tokens=24, routing="least_load")
             assert done.token_ids == reference_tokens(reference, ids, 24), text
             assert done.text == smollm_loaded.tokenizer.decode(done.token_ids)
             remote = len(ids) >= cluster_1p1d.spec.min_remote_prefill_tokens
@@ -81,7 +81,9 @@ def test_second_turn_reuses_the_first_turn(cluster_1p1d, smollm_loaded):
     history = tok.apply_chat_template(turn1) + first.token_ids  # the first turn's prompt and reply
     turn2_ids = tok.apply_chat_template(turn2)
     assert turn2_ids[:len(history)] == history, "turn 2 repeats turn 1's prompt and reply verbatim"
-    assert second.usage["cached_tokens"] >= 16 * (len(history) // 16)
+    # NOTE: the reply's last token was sampled but never fed back, so its KV does not exist
+    # anywhere: the cacheable history is one token shorter than prompt + reply.
+    assert second.usage["cached_tokens"] >= 16 * ((len(history) - 1) // 16)
     assert second.decode_worker == first.decode_worker
 
 
@@ -89,7 +91,7 @@ def test_index_holds_the_prompt_blocks_of_the_workers_that_hold_them(cluster_1p1
     text = "Describe the water cycle for a ten-year-old, step by step, in detail."
     ids = chat_ids(smollm_loaded, text)
     with client_of(cluster_1p1d) as client:
-        done = client.generate(text, temperature=0, max_tokens=4)
+        done = client.generate(text, temperature=0, max_tokens=4, routing="least_load")  # remote prefill
     workers = {w.worker_id: w for w in cluster_1p1d.registry.live_workers()}
     salt = _salt(smollm_loaded)
     hashes = set(hash_blocks(ids, 16, salt))
