@@ -37,7 +37,7 @@ def start_cluster(num_prefill: int, num_decode: int, **overrides) -> LocalCluste
 
 @pytest.fixture(scope="module")
 def cluster_1p1d(ray_session):
-    cluster = start_cluster(1, 1)
+    cluster = start_cluster(1, 1, num_blocks=96)  # small pools, so a test can force eviction
     yield cluster
     cluster.stop()
 

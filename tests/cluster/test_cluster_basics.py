@@ -87,7 +87,7 @@ def test_second_turn_reuses_the_first_turn(cluster_1p1d, smollm_loaded):
     assert second.decode_worker == first.decode_worker
 
 
-def test_index_holds_the_prompt_blocks_of_the_workers_that_hold_them(cluster_1p1d, smollm_loaded):
+def test_index_holds_the_prompt_blocks_until_the_workers_evict_them(cluster_1p1d, smollm_loaded):
     text = "Describe the water cycle for a ten-year-old, step by step, in detail."
     ids = chat_ids(smollm_loaded, text)
     with client_of(cluster_1p1d) as client:
@@ -96,14 +96,26 @@ def test_index_holds_the_prompt_blocks_of_the_workers_that_hold_them(cluster_1p1
     salt = _salt(smollm_loaded)
     hashes = set(hash_blocks(ids, 16, salt))
     assert hashes, "the prompt has full blocks"
+    index = cluster_1p1d_index(cluster_1p1d)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        held = {w: hashes <= cluster_1p1d_index(cluster_1p1d).worker_hashes(w) for w in workers}
+        held = {w: hashes <= index.worker_hashes(w) for w in workers}
         if all(held.values()):
             break
         time.sleep(0.1)
     assert held == {"prefill-0": True, "decode-0": True}, held
     assert done.prefill_worker == "prefill-0"
+    # 10 unrelated 160-token prompts need 100 blocks per worker; each pool holds 96: both evict
+    with client_of(cluster_1p1d) as client:
+        for i in range(10):
+            filler = [1000 + 97 * i + j for j in range(160)]
+            client.generate(token_ids=filler, temperature=0, max_tokens=1, routing="least_load")
+    index = cluster_1p1d_index(cluster_1p1d)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(hashes & index.worker_hashes(w) for w in workers):
+        time.sleep(0.1)
+    assert {w: len(hashes & index.worker_hashes(w)) for w in workers} == {"prefill-0": 0, "decode-0": 0}
+    assert not wait_until_clean(cluster_1p1d)
 
 
 def test_cancel_and_deadline_free_blocks_on_both_workers(cluster_1p1d):
