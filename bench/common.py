@@ -1,0 +1,125 @@
+"""Helpers shared by the benchmarks: threads, timing, medians, peak FLOP/s, tables, JSON.
+
+Every benchmark measures pdserve and its peer side by side in one process and
+reports medians and ratios from that same run: the machines these run on are
+small and noisy, so absolute figures from different runs do not compare.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+
+def set_threads(num_threads: int | None) -> int:
+    """Give torch num_threads intra-op threads (None: one per usable core) and one inter-op thread.
+
+    Both sides of a comparison run in this process, so they share the setting.
+    """
+    n = num_threads or len(os.sched_getaffinity(0))
+    if n < 1:
+        raise ValueError(f"--threads must be >= 1, got {n}")
+    torch.set_num_threads(n)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass  # already fixed: inter-op threads can only be set before the first parallel op
+    return torch.get_num_threads()
+
+
+def progress(message: str) -> None:
+    """One line on stderr, so that --json's stdout stays machine-readable."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def median(values: Sequence[float]) -> float:
+    if not values:
+        raise ValueError("median of no values: run at least one rep")
+    return float(statistics.median(values))
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """(seconds, result) of one call, on the monotonic high-resolution clock."""
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def ratio(ours: float, theirs: float) -> float:
+    return ours / theirs if theirs else float("nan")
+
+
+def peak_matmul_flops(sizes: Sequence[int] = (1024, 1536, 2048), reps: int = 5) -> dict[str, Any]:
+    """fp32 torch.mm FLOP/s (2·n³ per product) per square size, median of reps; peak = best size."""
+    per_size: dict[str, float] = {}
+    for n in sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        torch.mm(a, b)  # warm-up: first call pays for allocation and kernel selection
+        seconds = [timed(lambda a=a, b=b: torch.mm(a, b))[0] for _ in range(reps)]
+        per_size[str(n)] = 2 * n**3 / median(seconds)
+    return {"peak_flops": max(per_size.values()), "flops_by_size": per_size, "reps": reps}
+
+
+def environment(num_threads: int) -> dict[str, Any]:
+    return {
+        "threads": num_threads,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "cpu_cores": len(os.sched_getaffinity(0)),
+        "cuda": torch.cuda.is_available(),
+        "loadavg_1min": os.getloadavg()[0],
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def warn_if_busy(num_threads: int) -> float:
+    """Warn when other processes already keep the cores busy; returns the 1-minute load average.
+
+    NOTE: on a 2-core machine a second busy process makes every op that enters an OpenMP
+    parallel region wait for a descheduled worker (~10 ms each), whatever its size, so
+    figures measured under load say more about the scheduler than about the code.
+    """
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        progress(f"WARNING: load average is {load:.2f} before the benchmark starts; with "
+                 f"{num_threads} threads on {len(os.sched_getaffinity(0))} cores the figures will be noisy")
+    return load
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain left-aligned text table; floats get 3 significant decimals."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    line = lambda values: "  ".join(str(v).ljust(w) for v, w in zip(values, widths)).rstrip()
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in cells)])
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.3f}" if abs(value) < 100 else f"{value:,.1f}"
+    return str(value)
+
+
+def emit_json(result: dict[str, Any]) -> None:
+    """The result as one JSON object on the last line of stdout."""
+    print(json.dumps(result, sort_keys=False), flush=True)

@@ -1,0 +1,453 @@
+"""pdserve's engine against Hugging Face transformers: same weights, same threads, one run.
+
+    python -m bench.engine [--json] [--quick] [--threads N] [--reps N]
+
+Ours is LLMEngine over load_model(None) (SmolLM2-135M-Instruct, dequantised to fp32);
+theirs is transformers' LlamaForCausalLM.from_pretrained on the same GGUF, fp32, sdpa.
+Phases, in order (decode first: it is also the correctness check, and fails fast):
+
+  peak        fp32 torch.mm FLOP/s on this machine (for prefill_fraction_of_peak)
+  decode      batch 1, greedy, same chat prompt, exactly N new tokens on both sides;
+              asserts that both produce the same tokens
+  prefill     one prompt of L tokens; ours: add_request -> first token, prefix cache
+              reset before every rep; theirs: model(ids) and model(ids, logits_to_keep=1)
+  warm TTFT   an L-token prompt whose first L-128 tokens a previous request shared,
+              against the same prompt with the cache reset
+  concurrent  R requests of mixed lengths; ours: all submitted at once (continuous
+              batching); theirs: generate() over static left-padded batches
+
+Within a phase the two sides alternate rep by rep, so drift on a noisy machine hits
+both. Reported figures are medians over reps after a warm-up; ratios are ours ÷ theirs
+(for warm TTFT: warm ÷ cold), so above 1 means ours is faster except for TTFT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import (
+    emit_json,
+    environment,
+    format_table,
+    median,
+    peak_matmul_flops,
+    progress,
+    ratio,
+    set_threads,
+    timed,
+    warn_if_busy,
+)
+
+DECODE_MESSAGES = [{"role": "user", "content":
+                    "Write a long, detailed story about a lighthouse keeper who finds a message "
+                    "in a bottle, and what happens over the following year."}]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What each phase measures. FULL gives the documented keys; QUICK is a smoke run."""
+
+    prefill_lengths: tuple[int, ...] = (512, 2048)
+    decode_new_tokens: int = 128
+    concurrent_requests: int = 32
+    concurrent_prompt_range: tuple[int, int] = (32, 512)
+    concurrent_output_range: tuple[int, int] = (16, 128)
+    peer_batch_sizes: tuple[int, ...] = (8, 16)
+    warm_prompt_tokens: int = 2048
+    warm_cached_tokens: int = 1920
+    reps: int = 3
+    concurrent_reps: int = 2  # each rep runs the 32 requests three times (ours, batch 8, batch 16)
+    block_size: int = 16
+
+
+FULL = Sizes()
+QUICK = Sizes(prefill_lengths=(128, 512), decode_new_tokens=16, concurrent_requests=8,
+              concurrent_prompt_range=(16, 64), concurrent_output_range=(4, 16), peer_batch_sizes=(4, 8),
+              warm_prompt_tokens=512, warm_cached_tokens=384, reps=1, concurrent_reps=1)
+
+TARGETS = {"prefill": 1.0, "decode": 1.5, "concurrent": 2.0, "warm_ttft": 0.15}
+
+
+# --- the two sides ----------------------------------------------------------------------------
+class Ours:
+    """LLMEngine, driven one step at a time so that token timestamps are exact."""
+
+    def __init__(self, loaded: Any, num_blocks: int, block_size: int, threads: int) -> None:
+        from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+        from pdserve.engine.llm_engine import LLMEngine
+        cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_dtype="float32",
+                            enable_prefix_caching=True)
+        scheduler = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64)
+        config = EngineConfig(cache=cache, scheduler=scheduler, device="cpu", num_threads=threads)
+        self.engine = LLMEngine(loaded, config)
+
+    @staticmethod
+    def greedy(max_tokens: int) -> Any:
+        from pdserve.engine.sequence import SamplingParams
+        return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+    def stream(self, ids: list[int], new_tokens: int) -> tuple[list[int], list[float], Any]:
+        """Token ids, their arrival times (seconds since add_request) and the final usage."""
+        start = time.perf_counter()
+        rid = self.engine.add_request(ids, self.greedy(new_tokens), detokenize=False)
+        tokens: list[int] = []
+        stamps: list[float] = []
+        usage = None
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.request_id == rid:
+                    tokens.extend(out.new_token_ids)
+                    stamps.extend([time.perf_counter() - start] * len(out.new_token_ids))
+                    usage = out.usage
+        return tokens, stamps, usage
+
+    def ttft(self, ids: list[int]) -> tuple[float, Any]:
+        """Seconds from add_request to the first token of a max_tokens=1 request, and its usage."""
+        _, stamps, usage = self.stream(ids, 1)
+        return stamps[0], usage
+
+    def generate(self, prompts: list[list[int]], new_tokens: list[int]) -> list[list[int]]:
+        results = self.engine.generate(prompts, [self.greedy(n) for n in new_tokens], detokenize=False)
+        return [r.token_ids for r in results]
+
+    def reset(self) -> None:
+        leaked = self.engine.leaked_blocks()
+        assert not leaked, f"engine leaked blocks {leaked[:8]} between benchmark runs"
+        self.engine.pool.reset_cache()
+
+
+class Theirs:
+    """transformers' LlamaForCausalLM on the same GGUF."""
+
+    def __init__(self, gguf_path: Path) -> None:
+        from transformers import LlamaForCausalLM
+        from transformers.utils import logging as hf_logging
+        hf_logging.set_verbosity_error()
+        self.model = LlamaForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                      torch_dtype=torch.float32).eval()
+        self.pad_id = self.model.generation_config.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = self.model.config.eos_token_id
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], last_logits_only: bool) -> None:
+        x = torch.tensor([ids])
+        self.model(x, logits_to_keep=1) if last_logits_only else self.model(x)
+
+    @torch.inference_mode()
+    def stream(self, ids: list[int], new_tokens: int) -> tuple[list[int], list[float]]:
+        stamps = _Stamps()
+        mask = torch.ones(1, len(ids), dtype=torch.long)
+        out = self.model.generate(torch.tensor([ids]), attention_mask=mask, do_sample=False,
+                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                  pad_token_id=self.pad_id, streamer=stamps)
+        return out[0, len(ids):].tolist(), stamps.since_start()
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], new_tokens: list[int], batch_size: int) -> list[list[int]]:
+        """Static batches in arrival order; each runs until its longest request is done."""
+        results: list[list[int]] = []
+        for b in range(0, len(prompts), batch_size):
+            batch, wants = prompts[b:b + batch_size], new_tokens[b:b + batch_size]
+            width = max(map(len, batch))
+            ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            steps = max(wants)
+            out = self.model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=steps,
+                                      min_new_tokens=steps, pad_token_id=self.pad_id)
+            results.extend(row[width:width + n].tolist() for row, n in zip(out, wants))
+        return results
+
+
+class _Stamps:
+    """A generate() streamer that records when each new token arrives (the first put is the prompt)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.extend([time.perf_counter()] * value.numel())
+
+    def end(self) -> None:
+        pass
+
+    def since_start(self) -> list[float]:
+        return [t - self.start for t in self.times]
+
+
+# --- phases --------------------------------------------------------------------------------
+def decode_tokens_per_s(stamps: list[float]) -> float:
+    """(new tokens - 1) ÷ (time of last token - time of first token): prefill excluded."""
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def bench_decode(ours: Ours, theirs: Theirs, prompt: list[int], sizes: Sizes) -> dict[str, Any]:
+    n = sizes.decode_new_tokens
+    rates: dict[str, list[float]] = {"ours": [], "theirs": []}
+    e2e: dict[str, list[float]] = {"ours": [], "theirs": []}
+    ours_tokens = theirs_tokens = None
+    for rep in range(sizes.reps + 1):  # rep 0 is the warm-up
+        progress(f"decode batch 1: rep {rep}/{sizes.reps} ({n} new tokens, prompt {len(prompt)} tokens)")
+        ours.reset()
+        ours_tokens, o_stamps, _ = ours.stream(prompt, n)
+        theirs_tokens, t_stamps = theirs.stream(prompt, n)
+        assert len(ours_tokens) == len(theirs_tokens) == n, (len(ours_tokens), len(theirs_tokens))
+        if rep:
+            for side, stamps in (("ours", o_stamps), ("theirs", t_stamps)):
+                rates[side].append(decode_tokens_per_s(stamps))
+                e2e[side].append(n / stamps[-1])
+    first_diff = next((i for i, (a, b) in enumerate(zip(ours_tokens, theirs_tokens)) if a != b), None)
+    assert first_diff is None, (
+        f"greedy tokens differ from transformers' at new token {first_diff}: "
+        f"ours {ours_tokens[first_diff:first_diff + 8]} vs theirs {theirs_tokens[first_diff:first_diff + 8]}")
+    o, t = median(rates["ours"]), median(rates["theirs"])
+    return {"decode_ratio_batch1": ratio(o, t),
+            "decode_tokens_per_s_ours": o, "decode_tokens_per_s_theirs": t,
+            "decode_e2e_tokens_per_s_ours": median(e2e["ours"]),
+            "decode_e2e_tokens_per_s_theirs": median(e2e["theirs"]),
+            "decode_greedy_tokens_match": True, "decode_new_tokens": n, "decode_prompt_tokens": len(prompt)}
+
+
+def bench_prefill(ours: Ours, theirs: Theirs, length: int, sizes: Sizes,
+                  rng: random.Random) -> dict[str, Any]:
+    prompt = random_prompt(rng, length)
+    seconds: dict[str, list[float]] = {"ours": [], "theirs": [], "theirs_keep1": []}
+    for rep in range(sizes.reps + 1):
+        progress(f"prefill {length:,} tokens: rep {rep}/{sizes.reps}")
+        ours.reset()
+        s_ours, usage = ours.ttft(prompt)
+        assert usage.cached_tokens == 0, f"cold prefill hit the prefix cache ({usage.cached_tokens} tokens)"
+        s_theirs, _ = timed(lambda: theirs.forward(prompt, last_logits_only=False))
+        s_keep1, _ = timed(lambda: theirs.forward(prompt, last_logits_only=True))
+        if rep:
+            for side, s in (("ours", s_ours), ("theirs", s_theirs), ("theirs_keep1", s_keep1)):
+                seconds[side].append(s)
+    tps = {side: length / median(s) for side, s in seconds.items()}
+    return {f"prefill_ratio_{length}": ratio(tps["ours"], tps["theirs"]),
+            f"prefill_ratio_keep1_{length}": ratio(tps["ours"], tps["theirs_keep1"]),
+            f"prefill_tokens_per_s_ours_{length}": tps["ours"],
+            f"prefill_tokens_per_s_theirs_{length}": tps["theirs"],
+            f"prefill_tokens_per_s_theirs_keep1_{length}": tps["theirs_keep1"]}
+
+
+def bench_warm_ttft(ours: Ours, sizes: Sizes, rng: random.Random) -> dict[str, Any]:
+    total, cached = sizes.warm_prompt_tokens, sizes.warm_cached_tokens
+    assert cached % sizes.block_size == 0 and cached < total
+    prompt = random_prompt(rng, total)
+    # The primer shares exactly the first `cached` tokens, then diverges for more than a block.
+    primer = prompt[:cached] + random_prompt(rng, 2 * sizes.block_size)
+    cold: list[float] = []
+    warm: list[float] = []
+    for rep in range(sizes.reps + 1):
+        progress(f"TTFT {total:,} tokens, cold vs {cached:,} cached: rep {rep}/{sizes.reps}")
+        ours.reset()
+        s_cold, usage = ours.ttft(prompt)
+        assert usage.cached_tokens == 0, usage
+        ours.reset()
+        ours.ttft(primer)
+        s_warm, usage = ours.ttft(prompt)
+        assert usage.cached_tokens == cached, f"expected {cached} cached tokens, got {usage.cached_tokens}"
+        if rep:
+            cold.append(s_cold)
+            warm.append(s_warm)
+    return {"warm_ttft_ratio": median(warm) / median(cold), "ttft_cold_s": median(cold),
+            "ttft_warm_s": median(warm), "warm_prompt_tokens": total, "warm_cached_tokens": cached}
+
+
+def bench_concurrent(ours: Ours, theirs: Theirs, sizes: Sizes, rng: random.Random) -> dict[str, Any]:
+    n = sizes.concurrent_requests
+    prompts = [random_prompt(rng, rng.randint(*sizes.concurrent_prompt_range)) for _ in range(n)]
+    wants = [rng.randint(*sizes.concurrent_output_range) for _ in range(n)]
+    useful = sum(wants)
+    seconds: dict[str, list[float]] = {"ours": [], **{f"theirs_bs{b}": [] for b in sizes.peer_batch_sizes}}
+    outputs: dict[str, list[list[int]]] = {}
+    # No warm-up rep here: each rep takes minutes and the earlier phases ran the same kernels.
+    for rep in range(1, sizes.concurrent_reps + 1):
+        progress(f"concurrent {n} requests ({useful:,} tokens to generate): "
+                 f"rep {rep}/{sizes.concurrent_reps}")
+        ours.reset()
+        s, outputs["ours"] = timed(lambda: ours.generate(prompts, wants))
+        seconds["ours"].append(s)
+        progress(f"  ours: {s:.1f} s")
+        for b in sizes.peer_batch_sizes:
+            s, outputs[f"theirs_bs{b}"] = timed(lambda b=b: theirs.generate(prompts, wants, b))
+            seconds[f"theirs_bs{b}"].append(s)
+            progress(f"  transformers, batches of {b}: {s:.1f} s")
+    assert [len(o) for o in outputs["ours"]] == wants
+    tps = {side: useful / median(s) for side, s in seconds.items()}
+    peer = max((k for k in tps if k != "ours"), key=tps.__getitem__)
+    same = {k: sum(a == b for a, b in zip(outputs["ours"], v)) for k, v in outputs.items() if k != "ours"}
+    return {f"concurrent_ratio_{n}": ratio(tps["ours"], tps[peer]),
+            "concurrent_tokens_per_s_ours": tps["ours"],
+            **{f"concurrent_tokens_per_s_{k}": v for k, v in tps.items() if k != "ours"},
+            "concurrent_peer": peer, "concurrent_useful_tokens": useful,
+            "concurrent_prompt_tokens": sum(map(len, prompts)),
+            # Information only: padded batches change fp32 rounding, so a few may differ.
+            "concurrent_requests_identical_to_peer": same}
+
+
+def prefill_flops_per_token(config: Any, length: int) -> float:
+    """Model FLOPs per prompt token of one length-token prefill, counting:
+
+    * 2 x every non-embedding matmul weight (q, k, v, o, gate, up, down of each layer);
+    * the lm_head (2 x vocab x hidden) once per prompt, for the last token only, spread over it;
+    * attention QK^T and PV: 2 x 2 x head_dim per head per (query, key) pair, causal pairs
+      only (length x (length + 1) / 2), spread over the prompt.
+    Not counted: norms, RoPE, softmax, SiLU, residual adds and the embedding lookup.
+    """
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    weights = 2 * c.num_layers * per_layer
+    lm_head = 2 * c.vocab_size * c.hidden_size / length
+    attention = c.num_layers * 4 * c.num_heads * c.head_dim * (length + 1) / 2
+    return weights + lm_head + attention
+
+
+# --- driver ---------------------------------------------------------------------------------
+def random_prompt(rng: random.Random, length: int) -> list[int]:
+    """Token ids from the ordinary vocabulary (SmolLM2's specials are ids < 17)."""
+    return [rng.randrange(100, 49152) for _ in range(length)]
+
+
+def kv_blocks_needed(sizes: Sizes) -> int:
+    bs = sizes.block_size
+    longest = max(*sizes.prefill_lengths, sizes.warm_prompt_tokens) + 1
+    per_request = sizes.concurrent_prompt_range[1] + sizes.concurrent_output_range[1]
+    concurrent = sizes.concurrent_requests * -(-per_request // bs)
+    return max(concurrent, 2 * -(-longest // bs)) + 16
+
+
+def gguf_path() -> Path:
+    from pdserve.engine.weights import default_model_path
+    path = Path(default_model_path())
+    if not path.is_file():
+        raise FileNotFoundError(f"default_model_path() gave {path}, which is not a GGUF file; "
+                                "install the model with `make setup`")
+    return path
+
+
+def record(result: dict[str, Any], phase: dict[str, Any]) -> None:
+    """Add a phase's figures, and log them: a run cut short still leaves them on stderr."""
+    result.update(phase)
+    progress("  " + json.dumps(phase))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    sizes = QUICK if args.quick else FULL
+    if args.reps is not None:
+        sizes = Sizes(**{**asdict(sizes), "reps": args.reps, "concurrent_reps": args.reps})
+    threads = set_threads(args.threads)
+    load_at_start = warn_if_busy(threads)
+    from pdserve.engine.weights import load_model
+
+    progress(f"threads={threads}; loading SmolLM2 for pdserve")
+    loaded = load_model(None, progress=False)
+    ours = Ours(loaded, kv_blocks_needed(sizes), sizes.block_size, threads)
+    progress("loading the same GGUF into transformers")
+    theirs = Theirs(gguf_path())
+    rng = random.Random(0)
+    result: dict[str, Any] = {}
+
+    progress("measuring fp32 matmul peak")
+    peak = peak_matmul_flops(reps=max(3, sizes.reps + 2))
+    decode_prompt = loaded.tokenizer.apply_chat_template(DECODE_MESSAGES)
+    record(result, bench_decode(ours, theirs, decode_prompt, sizes))
+    for length in sizes.prefill_lengths:
+        record(result, bench_prefill(ours, theirs, length, sizes, rng))
+    longest = max(sizes.prefill_lengths)
+    flops = prefill_flops_per_token(loaded.config, longest)
+    ours_tps = result[f"prefill_tokens_per_s_ours_{longest}"]
+    result["prefill_fraction_of_peak"] = ours_tps * flops / peak["peak_flops"]
+    result.update({"prefill_flops_per_token": flops, "prefill_fraction_length": longest,
+                   "peak_matmul_flops": peak["peak_flops"], "matmul_flops_by_size": peak["flops_by_size"]})
+    record(result, bench_warm_ttft(ours, sizes, rng))
+    record(result, bench_concurrent(ours, theirs, sizes, rng))
+    assert not ours.engine.leaked_blocks()
+    import transformers
+    env = {**environment(threads), "loadavg_at_start": load_at_start}
+    return {**result, "threads": threads, "torch": torch.__version__,
+            "transformers": transformers.__version__, "reps": sizes.reps,
+            "concurrent_reps": sizes.concurrent_reps, "quick": args.quick, "sizes": asdict(sizes),
+            "environment": env}
+
+
+def report(r: dict[str, Any]) -> str:
+    s = r["sizes"]
+    n = s["concurrent_requests"]
+    mark = lambda ok: "yes" if ok else "NO"
+    rows = []
+    for length in s["prefill_lengths"]:
+        x = r[f"prefill_ratio_{length}"]
+        rows.append([f"prefill {length:,} tok/s", r[f"prefill_tokens_per_s_ours_{length}"],
+                     r[f"prefill_tokens_per_s_theirs_{length}"], x, ">= 1.0", mark(x >= TARGETS["prefill"])])
+        rows.append(["  vs logits_to_keep=1", r[f"prefill_tokens_per_s_ours_{length}"],
+                     r[f"prefill_tokens_per_s_theirs_keep1_{length}"],
+                     r[f"prefill_ratio_keep1_{length}"], "", ""])
+    rows.append(["decode batch 1 tok/s", r["decode_tokens_per_s_ours"], r["decode_tokens_per_s_theirs"],
+                 r["decode_ratio_batch1"], ">= 1.5", mark(r["decode_ratio_batch1"] >= TARGETS["decode"])])
+    peer = r["concurrent_peer"]
+    rows.append([f"concurrent {n} tok/s ({peer})", r["concurrent_tokens_per_s_ours"],
+                 r[f"concurrent_tokens_per_s_{peer}"], r[f"concurrent_ratio_{n}"], ">= 2.0",
+                 mark(r[f"concurrent_ratio_{n}"] >= TARGETS["concurrent"])])
+    rows.append(["TTFT s, warm vs cold", r["ttft_warm_s"], r["ttft_cold_s"], r["warm_ttft_ratio"], "<= 0.15",
+                 mark(r["warm_ttft_ratio"] <= TARGETS["warm_ttft"])])
+    table = format_table(["metric", "ours", "theirs", "ratio", "target", "met"], rows)
+    peak = (f"prefill at {r['prefill_fraction_length']:,} tokens: {r['prefill_fraction_of_peak']:.1%} of "
+            f"{r['peak_matmul_flops'] / 1e9:.1f} GFLOP/s fp32 matmul peak "
+            f"({r['prefill_flops_per_token'] / 1e6:.1f} MFLOP/token)")
+    head = (f"threads={r['threads']} torch={r['torch']} transformers={r['transformers']} reps={r['reps']} "
+            f"(concurrent {r['concurrent_reps']}); greedy tokens equal to transformers': "
+            f"{r['decode_greedy_tokens_match']}")
+    return "\n".join([head, table, peak])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    summary, _, details = __doc__.partition("\n\n")
+    p = argparse.ArgumentParser(prog="python -m bench.engine", description=summary, epilog=details,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true",
+                   help="print the results as one JSON object on the last line of stdout "
+                        "(the table then goes to stderr)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run (under ~2 minutes): shorter prompts (prefill 128/512, warm TTFT 512), "
+                        "8 concurrent requests, 16 decode tokens, 1 rep; size-named keys follow the sizes "
+                        "(e.g. prefill_ratio_128, concurrent_ratio_8)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads for both sides (default: one per usable CPU core)")
+    p.add_argument("--reps", type=int, default=None,
+                   help="measured repetitions per phase after one warm-up; medians are reported "
+                        f"(default {FULL.reps}, concurrent phase {FULL.concurrent_reps}; "
+                        f"--quick {QUICK.reps})")
+    args = p.parse_args(argv)
+    if args.reps is not None and args.reps < 1:
+        p.error(f"--reps must be >= 1, got {args.reps}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    result = run(args)
+    result["wall_s"] = time.perf_counter() - started
+    print(report(result), file=sys.stderr if args.json else sys.stdout, flush=True)
+    if args.json:
+        emit_json(result)
+
+
+if __name__ == "__main__":
+    main()
