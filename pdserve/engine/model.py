@@ -64,10 +64,14 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin rows for positions, shaped [T, 1, head_dim]: looked up once per step."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x: [T, heads, head_dim]; rotate-half convention, as Hugging Face Llama."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = rot
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
@@ -129,9 +133,13 @@ class LlamaModel:
                 on_layer_done: LayerDoneCallback | None = None) -> torch.Tensor:
         """Run T tokens through the model; returns float32 logits for logit_rows only."""
         h = self.embed[input_ids]
+        # NOTE: per-step tensors shared by every layer are built once here, not per layer:
+        # at batch 1 a decode step is dominated by the count of small ops, not by FLOPs.
+        rot = self.rope.at(positions)
+        decode_mask = self._decode_mask(meta, kv_cache.shape[3]) if meta.num_decode else None
         for i, w in enumerate(self.layers):
-            h = h + self._attention(rms_norm(h, w["ln1"], self.config.rms_norm_eps), positions,
-                                    w, kv_cache[i], meta)
+            h = h + self._attention(rms_norm(h, w["ln1"], self.config.rms_norm_eps), rot,
+                                    w, kv_cache[i], meta, decode_mask)
             h = h + self._mlp(rms_norm(h, w["ln2"], self.config.rms_norm_eps), w)
             if on_layer_done is not None:
                 on_layer_done(i)
@@ -142,15 +150,16 @@ class LlamaModel:
         gate, up = F.linear(x, w["gate_up"]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, w["down"])
 
-    def _qkv(self, x: torch.Tensor, positions: torch.Tensor, w: dict[str, torch.Tensor]):
+    def _qkv(self, x: torch.Tensor, rot, w: dict[str, torch.Tensor]):
         c = self.config
         q, k, v = F.linear(x, w["qkv"]).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.rope.apply(q.view(-1, c.num_heads, c.head_dim), positions)
-        k = self.rope.apply(k.view(-1, c.num_kv_heads, c.head_dim), positions)
+        q = self.rope.apply(q.view(-1, c.num_heads, c.head_dim), rot)
+        k = self.rope.apply(k.view(-1, c.num_kv_heads, c.head_dim), rot)
         return q, k, v.view(-1, c.num_kv_heads, c.head_dim)
 
-    def _attention(self, x, positions, w, layer_cache: torch.Tensor, meta: AttentionMetadata):
-        q, k, v = self._qkv(x, positions, w)
+    def _attention(self, x, rot, w, layer_cache: torch.Tensor, meta: AttentionMetadata,
+                   decode_mask: torch.Tensor | None):
+        q, k, v = self._qkv(x, rot, w)
         if layer_cache.dtype != k.dtype:
             # NOTE: round fresh K/V to the cache dtype so every path (fresh prefill, prefix
             # hit, transferred, decode) attends over the very same values.
@@ -161,23 +170,27 @@ class LlamaModel:
         out = torch.empty_like(q)
         nd = meta.num_decode
         if nd:
-            out[:nd] = self._decode_attention(q[:nd], layer_cache, meta)
+            out[:nd] = self._decode_attention(q[:nd], layer_cache, meta, decode_mask)
         for seg in meta.prefills:
             rows = slice(seg.q_start, seg.q_start + seg.q_len)
             out[rows] = self._prefill_attention(q[rows], k[rows], v[rows], seg, layer_cache)
         return F.linear(out.view(-1, self.q_size), w["o"])
 
+    @staticmethod
+    def _decode_mask(meta: AttentionMetadata, block_size: int) -> torch.Tensor:
+        """[B, 1, 1, L] True where a decode query may attend (its own context, not padding)."""
+        width = meta.decode_block_tables.shape[1] * block_size
+        lens = meta.decode_context_lens
+        return (torch.arange(width, device=lens.device)[None, :] < lens[:, None])[:, None, None, :]
+
     def _decode_attention(self, q: torch.Tensor, layer_cache: torch.Tensor,
-                          meta: AttentionMetadata) -> torch.Tensor:
+                          meta: AttentionMetadata, mask: torch.Tensor) -> torch.Tensor:
         """q: [B, H, D], one query per sequence, keys gathered from padded block tables."""
-        tables, lens = meta.decode_block_tables, meta.decode_context_lens
         b = q.shape[0]
-        keys = layer_cache[0][tables].view(b, -1, self.config.num_kv_heads, self.config.head_dim)
-        values = layer_cache[1][tables].view(b, -1, self.config.num_kv_heads, self.config.head_dim)
-        mask = torch.arange(keys.shape[1], device=q.device)[None, :] < lens[:, None]
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys.transpose(1, 2).float(), values.transpose(1, 2).float(),
-            attn_mask=mask[:, None, None, :], scale=self.scale, enable_gqa=True)
+        kv = layer_cache[:, meta.decode_block_tables]  # one gather: [2, B, blocks, bs, kvh, hd]
+        kv = kv.view(2, b, -1, self.config.num_kv_heads, self.config.head_dim).transpose(2, 3).float()
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], attn_mask=mask,
+                                             scale=self.scale, enable_gqa=True)
         return out.squeeze(2)
 
     def _prefill_attention(self, q, k, v, seg: PrefillSegment, layer_cache: torch.Tensor):
@@ -198,11 +211,11 @@ class LlamaModel:
     def reference_logits(self, token_ids: list[int]) -> torch.Tensor:
         """No-cache reference: the whole sequence recomputed densely; logits of every position."""
         ids = torch.tensor(token_ids, device=self.device)
-        pos = torch.arange(len(token_ids), device=self.device)
+        rot = self.rope.at(torch.arange(len(token_ids), device=self.device))
         h = self.embed[ids]
         for w in self.layers:
             x = rms_norm(h, w["ln1"], self.config.rms_norm_eps)
-            q, k, v = self._qkv(x, pos, w)
+            q, k, v = self._qkv(x, rot, w)
             attn = sdpa_4d(q, k, v, None, True, self.scale)
             h = h + F.linear(attn.reshape(-1, self.q_size), w["o"])
             h = h + self._mlp(rms_norm(h, w["ln2"], self.config.rms_norm_eps), w)
