@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import random
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.engine.hashing import cache_salt, hash_blocks
@@ -68,14 +68,22 @@ class Placer:
         self._decode_turns, self._prefill_turns = itertools.count(), itertools.count()
         self._lock = threading.Lock()
 
-    def place(self, prompt: list[int], policy: str = "", overrides: Mapping[str, float] | None = None
-              ) -> Placement:
-        """NoWorkerError, AdmissionRefused, or ValueError (a bad override) when it cannot place."""
+    def place(self, prompt: list[int], policy: str = "", overrides: Mapping[str, float] | None = None,
+              exclude: Collection[str] = ()) -> Placement:
+        """NoWorkerError, AdmissionRefused, or ValueError (a bad override) when it cannot place.
+
+        exclude: decode worker ids not to use (they failed this request before its first token).
+        """
         policy = policy or self.config.policy
         if policy not in POLICIES:
             raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {policy!r}")
         weights = self.config.weights.overridden(overrides or {})
-        decode, prefill = self.directory.candidates("decode"), self.directory.candidates("prefill")
+        decode = [c for c in self.directory.candidates("decode") if c.worker_id not in exclude]
+        prefill = self.directory.candidates("prefill")
+        if not decode and exclude:
+            tried = ", ".join(sorted(exclude))
+            raise NoWorkerError(f"every decode worker that could take this request ({tried}) was "
+                                "unavailable; retry shortly")
         self._admit(len(prompt), decode)
         if policy == "prefix":
             return self._by_prefix(prompt, decode, prefill, weights)

@@ -12,7 +12,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.engine.tokenizer import Tokenizer
-from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.metrics import MetricsEndpoint
+from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+from router.admin import AdminServicer, RouterIdentity
+from router.metrics import RouterMetrics
 from router.placement import MatchFn, PlacementConfig, Placer
 from router.service import GenerationServicer, RouterPolicyConfig
 from router.workers import CHANNEL_OPTIONS, WorkerDirectory, WorkerRecord
@@ -26,6 +29,7 @@ class RouterConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     refresh_s: float = 0.5
     grpc_threads: int = 64
+    metrics_port: int | None = 0  # Prometheus /metrics on host:port; 0 = any free port, None = off
 
 
 class RouterServer:
@@ -36,17 +40,32 @@ class RouterServer:
         self.config = config
         self.directory = WorkerDirectory(live_workers, config.refresh_s, load_of)
         self.placer = Placer(self.directory, config.placement, match, rng=rng)
-        self.servicer = GenerationServicer(tokenizer, self.directory, self.placer, config.policy)
+        self.metrics = RouterMetrics()
+        self.metrics_endpoint = (MetricsEndpoint(self.metrics.registry, config.host, config.metrics_port)
+                                 if config.metrics_port is not None else None)
+        self.servicer = GenerationServicer(tokenizer, self.directory, self.placer, config.policy,
+                                           self.metrics)
+        self.admin = AdminServicer(self.directory, self.placer, lambda: self.servicer.requests_in_flight,
+                                   self.identity)
         self.health = health.HealthServicer()
         self.address = ""
         self._server: grpc.Server | None = None
+
+    @property
+    def metrics_address(self) -> str:
+        return self.metrics_endpoint.address if self.metrics_endpoint is not None else ""
+
+    def identity(self) -> RouterIdentity:
+        return RouterIdentity(self.address, self.metrics_address, self.config.placement.policy)
 
     def start(self) -> str:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.config.grpc_threads),
                              options=CHANNEL_OPTIONS)
         generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)
+        admin_pb2_grpc.add_AdminServicer_to_server(self.admin, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+                 admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
                  health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
         port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
@@ -54,6 +73,8 @@ class RouterServer:
             raise OSError(f"router: cannot bind {self.config.host}:{self.config.port}; "
                           "is another pdserve running? choose another --port")
         self.directory.start()
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.start()
         server.start()
         self._server = server
         self.address = f"{self.config.host}:{port}"
@@ -65,3 +86,6 @@ class RouterServer:
         if self._server is not None:
             self._server.stop(grace_s).wait()
         self.directory.stop()
+        self.admin.close()
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.stop()

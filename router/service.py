@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ import grpc
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.worker.convert import sampling_from_proto
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
+from router.metrics import RouterMetrics
 from router.placement import AdmissionRefused, Placement, Placer
 from router.policy import NoWorkerError
 from router.workers import WorkerDirectory
@@ -53,10 +55,13 @@ class _Trace:
     received: float = field(default_factory=time.perf_counter)
     prefill_started: float | None = None
     first_token: float | None = None
+    last_token: float | None = None
     prefill_ms: float = 0.0
     transfer_ms: float = 0.0
     prefill_usage: generation_pb2.Usage | None = None
+    usage: generation_pb2.Usage | None = None  # the final one, as sent to the client
     phase: RequestPhase = RequestPhase.RECEIVED
+    code: str | None = None  # gRPC status name once decided; None while running
 
 
 class InvalidPrompt(ValueError):
@@ -96,19 +101,54 @@ def _chat_messages(chat: generation_pb2.ChatMessages) -> list[dict[str, str]]:
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: Tokenizer, directory: WorkerDirectory, placer: Placer,
-                 config: RouterPolicyConfig) -> None:
+                 config: RouterPolicyConfig, metrics: RouterMetrics | None = None) -> None:
         self.tokenizer, self.directory, self.placer, self.config = tokenizer, directory, placer, config
+        self.metrics = metrics or RouterMetrics()
+        self.requests_in_flight = 0
+        self._lock = threading.Lock()
 
     def Generate(self, request, context):  # noqa: N802
         trace = _Trace()
-        rid = request.request_id or uuid.uuid4().hex
-        prompt, sampling = self._validated(request, context)
-        placement = self._place(prompt, request, context)
-        with self.directory.track(placement.decode, placement.prefill):
-            prefill = self._remote_prefill(rid, prompt, sampling, placement, trace, context)
-            yield from self._decode(rid, prompt, sampling, placement, prefill, trace, context)
+        self._count_in_flight(+1)
+        try:
+            yield from self._generate(request, trace, context)
+        finally:
+            self._count_in_flight(-1)
+            self._record(trace, context)
 
-    def _validated(self, request, context):
+    def _count_in_flight(self, delta: int) -> None:
+        with self._lock:
+            self.requests_in_flight += delta
+        self.metrics.in_flight.inc(delta)
+
+    def _generate(self, request, trace: _Trace, context):
+        rid = request.request_id or uuid.uuid4().hex
+        prompt, sampling = self._validated(request, trace, context)
+        unavailable: set[str] = set()  # decode workers that refused or died before the first token
+        while True:
+            placement = self._place(prompt, request, trace, context, exclude=unavailable)
+            with self.directory.track(placement.decode, placement.prefill):
+                prefill = self._remote_prefill(rid, prompt, sampling, placement, trace, context)
+                retry = yield from self._decode(rid, prompt, sampling, placement, prefill, trace, context)
+            if not retry:
+                return
+            unavailable.add(placement.decode.worker_id)
+            self.metrics.decode_retries.inc()
+
+    @staticmethod
+    def _abort(trace: _Trace, context, code: grpc.StatusCode, message: str):
+        trace.code, trace.phase = code.name, RequestPhase.ABORTED
+        context.abort(code, message)
+
+    def _record(self, trace: _Trace, context) -> None:
+        if trace.code is None:  # the client went away mid-stream
+            remaining = context.time_remaining()
+            trace.code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+        usage = trace.usage or generation_pb2.Usage()
+        self.metrics.finished(trace.code, usage.prompt_tokens, usage.cached_tokens,
+                              time.perf_counter() - trace.received)
+
+    def _validated(self, request, trace: _Trace, context):
         try:
             sampling_from_proto(request.sampling)  # range checks before any worker is touched
             prompt = prompt_token_ids(request, self.tokenizer)
@@ -118,20 +158,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                     "(the prompt must leave room for at least 1 generated token)")
             return prompt, request.sampling
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            self._abort(trace, context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    def _place(self, prompt: list[int], request, context) -> Placement:
+    def _place(self, prompt: list[int], request, trace: _Trace, context, exclude=frozenset()) -> Placement:
         try:
-            return self.placer.place(prompt, request.routing, dict(request.routing_weights))
+            with self.metrics.decision.time():
+                return self.placer.place(prompt, request.routing, dict(request.routing_weights), exclude)
         except NoWorkerError as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            self._abort(trace, context, grpc.StatusCode.UNAVAILABLE, str(e))
         except AdmissionRefused as e:
             retry_ms = int(e.retry_after_s * 1000)
             context.set_trailing_metadata((("retry-after-ms", str(retry_ms)),))
             hint = f"; retry after {retry_ms} ms" if retry_ms else ""
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}{hint}")
+            self._abort(trace, context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}{hint}")
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            self._abort(trace, context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     def _timeout(self, context) -> float:
         remaining = context.time_remaining()
@@ -150,19 +191,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             reply = future.result()
         except grpc.RpcError as e:
-            return self._prefill_failed(e, rid, placement, context)
+            return self._prefill_failed(e, rid, placement, trace, context)
         trace.prefill_ms, trace.transfer_ms = reply.prefill_ms, reply.transfer_ms
         trace.prefill_usage = reply.usage
+        self.metrics.remote_prefills.labels(outcome="ok").inc()
         return reply
 
-    def _prefill_failed(self, e: grpc.RpcError, rid: str, placement: Placement, context):
+    def _prefill_failed(self, e: grpc.RpcError, rid: str, placement: Placement, trace: _Trace, context):
         if e.code() in NOT_FALLBACK or not context.is_active():
-            context.abort(e.code(), e.details() or e.code().name)
+            self._abort(trace, context, e.code(), e.details() or e.code().name)
+        self.metrics.remote_prefills.labels(outcome="fallback").inc()
         log.warning("request %s: prefill on %s failed (%s: %s); prefilling on decode worker %s",
                     rid, placement.prefill.worker_id, e.code().name, e.details(), placement.decode.worker_id)
         return None
 
     def _decode(self, rid, prompt, sampling, placement: Placement, prefill, trace: _Trace, context):
+        """Stream the decode worker's replies; True (retry elsewhere) when it was unavailable before
+        the first token, so nothing has reached the client yet and another worker can start afresh."""
         request = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
                                            prefill_here=prefill is None, detokenize=True)
         if prefill is not None:
@@ -170,25 +215,39 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         trace.phase = RequestPhase.DECODING
         call = self.directory.stub(placement.decode.address).Decode(request, timeout=self._timeout(context))
         context.add_callback(call.cancel)
+        sent = False
         try:
             for reply in call:
+                sent = True
                 yield self._response(rid, reply, placement, prefill, trace)
         except grpc.RpcError as e:
+            if e.code() is grpc.StatusCode.UNAVAILABLE and not sent and context.is_active():
+                log.warning("request %s: decode worker %s unavailable before the first token (%s); "
+                            "retrying on another", rid, placement.decode.worker_id, e.details())
+                return True
             trace.phase = RequestPhase.ABORTED
             if context.is_active():
-                context.abort(e.code(), e.details() or e.code().name)
+                self._abort(trace, context, e.code(), e.details() or e.code().name)
+        return False
 
     def _response(self, rid, reply, placement: Placement, prefill, trace: _Trace):
         now = time.perf_counter()
         if trace.first_token is None:
             trace.first_token = now
+            self.metrics.ttft.observe(now - trace.received)
             if prefill is None:
                 trace.prefill_ms = reply.prefill_ms
+        if reply.token_ids:
+            if trace.last_token is not None:
+                self.metrics.itl.observe(now - trace.last_token)
+            trace.last_token = now
+            self.metrics.generated_tokens.inc(len(reply.token_ids))
         out = generation_pb2.GenerateResponse(request_id=rid, text=reply.text, token_ids=reply.token_ids,
                                               finished=reply.finished, finish_reason=reply.finish_reason)
         if reply.finished:
-            trace.phase = RequestPhase.FINISHED
-            out.usage.CopyFrom(_usage(reply.usage, trace.prefill_usage))
+            trace.phase, trace.code = RequestPhase.FINISHED, "OK"
+            trace.usage = _usage(reply.usage, trace.prefill_usage)
+            out.usage.CopyFrom(trace.usage)
             out.timings.CopyFrom(_timings(trace))
             out.decode_worker = placement.decode.worker_id
             out.prefill_worker = placement.prefill.worker_id if prefill is not None else ""

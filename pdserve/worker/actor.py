@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
@@ -43,6 +46,8 @@ class WorkerSpec:
     device: str | None = None
     heartbeat_s: float = 1.0
     liveness_ttl_s: float = 5.0
+    metrics_port: int | None = 0  # Prometheus /metrics; 0 = any free port, None = off
+    drain_grace_s: float = 30.0  # on SIGTERM: how long in-flight requests may take to finish
     namespace: str = "pdserve"
     extra: dict = field(default_factory=dict)
 
@@ -66,15 +71,17 @@ class WorkerActor:
         self.index = RedisPrefixIndex(client, spec.namespace)
         self.epoch = self.registry.next_epoch(spec.worker_id)
         self.publisher = IndexPublisher(self.index, WorkerKey(spec.worker_id, self.epoch))
-        config = WorkerConfig(spec.role, spec.engine_config(), worker_id=spec.worker_id, host=spec.host)
+        config = WorkerConfig(spec.role, spec.engine_config(), worker_id=spec.worker_id, host=spec.host,
+                              node=_node_name(), metrics_port=spec.metrics_port)
         self.server = WorkerServer(config, publisher=self.publisher, epoch=self.epoch)
         address = self.server.start()
         engine = self.server.engine
-        self.info = WorkerInfo(spec.worker_id, spec.role, address, address, socket.gethostname(),
+        self.info = WorkerInfo(spec.worker_id, spec.role, address, address, _node_name(),
                                engine.fingerprint, engine.block_size, engine.pool.num_blocks, self.epoch)
         self.presence = Presence(self.registry, self.publisher, self.info, self._load,
                                  self._cached_hashes, spec.heartbeat_s, spec.liveness_ttl_s)
         self.presence.start()
+        _on_sigterm(self._drain_and_exit)
 
     def _load(self) -> dict[str, int]:
         s = self.server.status()
@@ -96,6 +103,37 @@ class WorkerActor:
     def status(self) -> bytes:
         return self.server.status().SerializeToString()
 
+    def drain(self, grace_s: float | None = None) -> bool:
+        """Leave the registry (the router stops picking this worker within one refresh), refuse new
+        requests, and wait for in-flight ones; True when they all finished within the grace."""
+        self.presence.stop(deregister=True)
+        return self.server.drain(self.spec.drain_grace_s if grace_s is None else grace_s)
+
     def stop(self) -> None:
         self.presence.stop()
         self.server.stop()
+
+    def _drain_and_exit(self) -> None:
+        finished = self.drain()
+        logging.getLogger(__name__).warning("SIGTERM: drained %s (%s); exiting", self.spec.worker_id,
+                                            "all requests finished" if finished else "grace period expired")
+        self.server.stop()
+        os._exit(0)  # NOTE: Ray sees the process end and restarts the actor (max_restarts), new epoch
+
+
+def _on_sigterm(drain: Callable[[], None]) -> None:
+    """SIGTERM (an operator, Kubernetes, `ray stop`) drains on a thread, then exits."""
+    if threading.current_thread() is not threading.main_thread():
+        logging.getLogger(__name__).warning("not on the main thread: SIGTERM will not drain this worker")
+        return
+    signal.signal(signal.SIGTERM,
+                  lambda *_: threading.Thread(target=drain, name="drain", daemon=True).start())
+
+
+def _node_name() -> str:
+    """`host/<Ray node id prefix>` inside Ray, so two raylets on one host stay apart; else the host."""
+    import ray
+
+    if not ray.is_initialized():
+        return socket.gethostname()
+    return f"{socket.gethostname()}/{ray.get_runtime_context().get_node_id()[:8]}"

@@ -7,6 +7,7 @@ Ray actors (prefill_worker/, decode_worker/) and tests construct this directly.
 from __future__ import annotations
 
 import socket
+import time
 import uuid
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -19,10 +20,12 @@ from pdserve.engine.events import KVEventPublisher
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.weights import LoadedModel, load_model
 from pdserve.kvwire import KVLayout
+from pdserve.metrics import MetricsEndpoint
 from pdserve.transfer.grpc_transport import GRPC_OPTIONS, KVTransferServicer
 from pdserve.transfer.receiver import KVReceiver
 from pdserve.transfer.sender import LayerwiseSender
 from pdserve.worker.engine_loop import EngineLoop
+from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.service import WorkerServicer
 from protos.pdserve.v1 import kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -40,6 +43,7 @@ class WorkerConfig:
     max_chunk_bytes: int = 2 << 20
     parked_ttl_s: float = 30.0
     grpc_threads: int = 32
+    metrics_port: int | None = 0  # Prometheus /metrics on host:port; 0 = any free port, None = off
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -60,6 +64,9 @@ class WorkerServer:
         self.loop = EngineLoop(self.engine, layer_hook=self.sender)
         self.epoch = epoch
         self.address = ""
+        self.metrics = WorkerMetrics()
+        self.metrics_endpoint = (MetricsEndpoint(self.metrics.registry, config.host, config.metrics_port)
+                                 if config.metrics_port is not None else None)
         self.health = health.HealthServicer()
         self._server: grpc.Server | None = None
         self.servicer: WorkerServicer | None = None
@@ -72,7 +79,11 @@ class WorkerServer:
             raise OSError(f"worker {self.config.worker_id}: cannot bind "
                           f"{self.config.host}:{self.config.port}")
         self.address = f"{self.config.host}:{port}"
-        self.servicer = WorkerServicer(self.engine, self.loop, self.sender, self.receiver, self.identity())
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.start()
+        self.servicer = WorkerServicer(self.engine, self.loop, self.sender, self.receiver, self.identity(),
+                                       self.metrics)
+        self.metrics.read_status_from(self.servicer.status)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, server)
         kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(self.receiver), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -84,17 +95,36 @@ class WorkerServer:
 
     def identity(self) -> worker_pb2.WorkerStatus:
         c = self.config
+        metrics = self.metrics_endpoint.address if self.metrics_endpoint is not None else ""
         return worker_pb2.WorkerStatus(worker_id=c.worker_id, role=c.role, address=self.address,
-                                       node=c.node, epoch=self.epoch)
+                                       node=c.node, epoch=self.epoch, metrics_address=metrics)
 
     def status(self) -> worker_pb2.WorkerStatus:
         assert self.servicer is not None, "start() the worker first"
         return self.servicer.status()
 
+    def drain(self, grace_s: float) -> bool:
+        """Take no new requests (health NOT_SERVING; Prefill and fresh Decode calls are UNAVAILABLE)
+        and wait up to grace_s for in-flight ones, including KV on its way here, to finish.
+        True when everything finished in time. stop() afterwards."""
+        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.servicer is not None:
+            self.servicer.serving = False
+        deadline = time.monotonic() + grace_s
+        while self.loop.num_streams() or self.engine.pool.num_used_blocks or self.engine.num_parked():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
     def stop(self, grace_s: float = 0.0) -> None:
         self.health.enter_graceful_shutdown()
+        if self.servicer is not None:
+            self.servicer.serving = False
         if self._server is not None:
             self._server.stop(grace_s).wait()
         self.loop.stop()
         if self.servicer is not None:
             self.servicer.close()
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.stop()

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import replace
+from collections import Counter
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -30,22 +31,37 @@ from pdserve.worker.convert import (
     usage_to_proto,
 )
 from pdserve.worker.engine_loop import EngineLoop, RequestStream
+from pdserve.worker.metrics import TRANSFER_OK, WorkerMetrics
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 DEFAULT_TIMEOUT_S = 60.0
 
 
+@dataclass
+class TokenTotals:
+    """Since start, over requests that finished on this worker (read by Status and /metrics)."""
+
+    prompt: int = 0
+    cached: int = 0
+    generated: int = 0
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: LLMEngine, loop: EngineLoop, sender: LayerwiseSender, receiver: KVReceiver,
-                 identity: worker_pb2.WorkerStatus) -> None:
+                 identity: worker_pb2.WorkerStatus, metrics: WorkerMetrics | None = None) -> None:
         self.engine, self.loop, self.sender, self.receiver = engine, loop, sender, receiver
         self.identity = identity
+        self.metrics = metrics or WorkerMetrics()
+        self.serving = True
         self.bytes_sent = 0
+        self.totals = TokenTotals()
+        self.send_outcomes: Counter[str] = Counter()
         self._channels: dict[str, GrpcKVChannel] = {}
         self._lock = threading.Lock()
 
     # --- Prefill ----------------------------------------------------------------------------
     def Prefill(self, request, context):  # noqa: N802
+        self._refuse_if_draining(context)
         rid, prompt = request.request_id, list(request.prompt_token_ids)
         sampling = _sampling_or_abort(request.sampling, context)
         timeout = context.time_remaining() or DEFAULT_TIMEOUT_S
@@ -73,17 +89,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             context.abort(grpc.StatusCode.CANCELLED, f"request {rid} was aborted during prefill")
         computed = time.perf_counter()
         transfer.close()
+        self.metrics.ttft.observe(computed - started)
         try:
             push = transfer.wait()
         except TransferFailed as e:
+            self._count_send(e.kind.value)
             code = getattr(grpc.StatusCode, e.kind.value, grpc.StatusCode.INTERNAL)
             context.abort(code, f"KV transfer to the decode worker failed: {e.message}")
+        self._count_send(TRANSFER_OK)
+        self._count_finished(last.usage, generated=0)
         with self._lock:
             self.bytes_sent += push.bytes_sent
         return worker_pb2.PrefillReply(
             first_token=last.new_token_ids[0], rng_state=rng_state_to_bytes(last.rng_state),
             usage=usage_to_proto(last.usage), bytes_sent=push.bytes_sent, blocks_sent=push.blocks_written,
             prefill_ms=(computed - started) * 1e3, transfer_ms=(time.perf_counter() - computed) * 1e3)
+
+    def _count_send(self, outcome: str) -> None:
+        with self._lock:
+            self.send_outcomes[outcome] += 1
+
+    def _count_finished(self, usage, generated: int) -> None:
+        with self._lock:
+            self.totals.prompt += usage.prompt_tokens
+            self.totals.cached += usage.cached_tokens
+            self.totals.generated += generated
 
     def _channel(self, target: str) -> GrpcKVChannel:
         with self._lock:
@@ -102,6 +132,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                       rng_state_from_bytes(request.rng_state), request.detokenize)
         used_transfer = stream is not None
         if stream is None:
+            self._refuse_if_draining(context)  # transferred KV is served; fresh work goes elsewhere
             try:
                 stream = self.loop.submit(prompt, sampling, rid, detokenize=request.detokenize)
             except (InvalidRequestError, ValueError) as e:
@@ -110,10 +141,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         yield from self._stream_replies(rid, stream, used_transfer, started)
 
     def _stream_replies(self, rid: str, stream: RequestStream, used_transfer: bool, started: float):
-        first, finished = True, False
+        first, finished, last_sent = True, False, started
         try:
             for out in stream:
                 finished = out.finished
+                last_sent = self._observe_latency(first, started, last_sent)
                 reply = worker_pb2.DecodeReply(token_ids=out.new_token_ids, text=out.text_delta,
                                                finished=out.finished, finish_reason=out.finish_reason or "")
                 if first:
@@ -122,10 +154,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     first = False
                 if out.finished:
                     reply.usage.CopyFrom(usage_to_proto(out.usage))
+                    self._count_finished(out.usage, out.usage.completion_tokens)
                 yield reply
         finally:
             if not finished:
                 self.loop.abort(rid)
+
+    def _observe_latency(self, first: bool, started: float, last_sent: float) -> float:
+        now = time.perf_counter()
+        (self.metrics.ttft if first else self.metrics.itl).observe(now - (started if first else last_sent))
+        return now
+
+    def _refuse_if_draining(self, context) -> None:
+        if not self.serving:
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"worker {self.identity.worker_id} is draining and takes no new requests; "
+                          "send it to another worker")
 
     # --- Abort / Status ---------------------------------------------------------------------------
     def Abort(self, request, context):  # noqa: N802
@@ -144,7 +188,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 parked_transfers=e.num_parked(), held_blocks=e.num_held_blocks(),
                 bytes_sent=self.bytes_sent, bytes_received=self.receiver.bytes_received,
                 model_fingerprint=e.fingerprint, block_size=e.block_size)
+        with self._lock:
+            status.prompt_tokens_total, status.cached_tokens_total = self.totals.prompt, self.totals.cached
+            status.generated_tokens_total = self.totals.generated
+            status.send_outcomes.update(self.send_outcomes)
         status.transfer_outcomes.update(self.receiver.outcomes)
+        status.serving = self.serving
         status.MergeFrom(self.identity)
         return status
 

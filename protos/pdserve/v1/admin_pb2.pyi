@@ -1,0 +1,38 @@
+from protos.pdserve.v1 import worker_pb2 as _worker_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ClusterStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerView(_message.Message):
+    __slots__ = ("status", "state", "router_in_flight")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    status: _worker_pb2.WorkerStatus
+    state: str
+    router_in_flight: int
+    def __init__(self, status: _Optional[_Union[_worker_pb2.WorkerStatus, _Mapping]] = ..., state: _Optional[str] = ..., router_in_flight: _Optional[int] = ...) -> None: ...
+
+class ClusterStatusReply(_message.Message):
+    __slots__ = ("router_address", "metrics_address", "routing_policy", "requests_in_flight", "index_available", "workers")
+    ROUTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_POLICY_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    INDEX_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    router_address: str
+    metrics_address: str
+    routing_policy: str
+    requests_in_flight: int
+    index_available: bool
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerView]
+    def __init__(self, router_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., routing_policy: _Optional[str] = ..., requests_in_flight: _Optional[int] = ..., index_available: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerView, _Mapping]]] = ...) -> None: ...
