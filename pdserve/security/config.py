@@ -1,0 +1,102 @@
+"""SecurityConfig: one process's TLS and credentials, composed from the parts in this package."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from pdserve.security.auth import (
+    BearerTokenInterceptor,
+    ClusterSecretInterceptor,
+    check_secret,
+    metadata_interceptors,
+)
+from pdserve.security.tls import ChannelOptions, TLSConfig, add_port, check_key_pair, open_channel
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback addresses; False for 0.0.0.0, '' and every other address."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """What one process serves with and dials with; the default is plaintext and no credentials.
+
+    tls           serve with TLS (cert/key), and dial trusting tls.ca; None = plaintext both ways
+    client_cert   the certificate (and client_key) presented when dialling a mutual-TLS server
+    api_tokens    server: the bearer tokens the public API accepts (empty = no check);
+                  client: the one token it presents
+    cluster_secret  the secret internal services demand and internal clients send (None = no check)
+    """
+
+    tls: TLSConfig | None = None
+    client_cert: str | None = None
+    client_key: str | None = None
+    api_tokens: tuple[str, ...] = ()
+    cluster_secret: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "api_tokens", tuple(self.api_tokens))
+        for n, token in enumerate(self.api_tokens, 1):
+            check_secret(token, f"API token #{n}")
+        if len(set(self.api_tokens)) != len(self.api_tokens):
+            raise ValueError("--api-token-file lists the same token twice")
+        if self.cluster_secret is not None:
+            check_secret(self.cluster_secret, "cluster secret")
+            if self.cluster_secret in self.api_tokens:
+                raise ValueError("the cluster secret must differ from every API token: a holder of a "
+                                 "public token would otherwise reach the internal services")
+        check_key_pair(self.client_cert, self.client_key, "--tls-client-cert", "--tls-client-key")
+        if self.client_cert is not None and self.tls is None:
+            raise ValueError("--tls-client-cert needs TLS (--tls-ca): a client certificate is only sent "
+                             "over a TLS channel")
+
+    def server_interceptors(self, public: bool) -> list[grpc.ServerInterceptor]:
+        """Gates for a server: bearer tokens on the public API, the cluster secret on internal ones."""
+        if public:
+            return [BearerTokenInterceptor(self.api_tokens)] if self.api_tokens else []
+        return [ClusterSecretInterceptor(self.cluster_secret)] if self.cluster_secret is not None else []
+
+    def client_interceptors(self, internal: bool, aio: bool = False) -> list[Any]:
+        """Interceptors that attach this process's credential to every call it makes."""
+        if internal:
+            return metadata_interceptors(cluster_secret=self.cluster_secret, aio=aio)
+        if len(self.api_tokens) > 1:
+            raise ValueError(f"a client presents one API token; this config holds {len(self.api_tokens)}")
+        return metadata_interceptors(token=self.api_tokens[0] if self.api_tokens else None, aio=aio)
+
+    def add_port(self, server: grpc.Server, address: str) -> int:
+        return add_port(server, address, self.tls)
+
+    def open_channel(self, target: str, options: ChannelOptions = (), *, internal: bool,
+                     aio: bool = False) -> Any:
+        """A channel with this config's TLS and the credential for an internal or public service."""
+        return open_channel(target, self.tls, options, aio, client_cert=self.client_cert,
+                            client_key=self.client_key, interceptors=self.client_interceptors(internal, aio))
+
+    def exposure_warnings(self, host: str, public: bool) -> list[str]:
+        """What is open to the network when a server binds host with this config ([] on loopback)."""
+        if is_loopback(host):
+            return []
+        what = "the public API" if public else "internal services"
+        warnings = []
+        if self.tls is None:
+            warnings.append(f"{what} on {host} without TLS: traffic, tokens and secrets travel in clear "
+                            "text (--tls-cert/--tls-key)")
+        if public and not self.api_tokens:
+            warnings.append(f"{what} on {host} without --api-token-file: anyone who can reach it can "
+                            "generate")
+        if not public and self.cluster_secret is None:
+            warnings.append(f"{what} on {host} without --cluster-secret-file: anyone who can reach it can "
+                            "push KV blocks and run requests")
+        return warnings
+
