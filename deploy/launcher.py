@@ -1,7 +1,8 @@
 """`pdserve up`: a whole cluster from one command, and its clean teardown.
 
     start:  Redis (embedded redis-server on a free loopback port, unless --redis-url)
-            -> Ray (local, or attach with --address) -> prefill and decode actors
+            -> Ray (local, or attach with --address) -> prefill and decode actors (each
+               requiring its role's Ray custom resources; SPREAD across nodes or packed)
             -> router (Generation on --port) -> wait until every worker is live in the
             registry and every server answers health checks
     stop:   router, actors (graceful, then killed), Ray (if we started it), Redis (if we
@@ -13,10 +14,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 
 import redis
 
+from deploy.config import ClusterSpec
 from deploy.redis_server import RedisServer, ensure_redis
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.weights import load_model
@@ -28,37 +29,6 @@ from router.server import RouterConfig, RouterServer
 from router.service import RouterPolicyConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ClusterSpec:
-    model_path: str | None = None
-    num_prefill: int = 1
-    num_decode: int = 1
-    host: str = "127.0.0.1"
-    port: int = 50051
-    redis_url: str | None = None
-    ray_address: str | None = None
-    block_size: int = 16
-    kv_dtype: str = "float32"
-    num_blocks: int | None = None
-    kv_cache_gib: float = 1.0
-    max_batched_tokens: int = 2048
-    min_remote_prefill_tokens: int = 32
-    routing: str = "prefix"
-    max_in_flight_per_decode: int = 64
-    namespace: str = "pdserve"
-    max_restarts: int = 3
-    startup_timeout_s: float = 600.0
-    actor_resources: dict[str, dict[str, float]] = field(default_factory=dict)  # role -> custom resources
-
-    def __post_init__(self) -> None:
-        if self.num_decode < 1:
-            raise ValueError(f"--decode must be >= 1, got {self.num_decode}")
-        if self.num_prefill < 0:
-            raise ValueError(f"--prefill must be >= 0, got {self.num_prefill}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
 
 
 class LocalCluster:
@@ -96,13 +66,15 @@ class LocalCluster:
         address = self.router.start()
         self._wait_until_live()
         self.say(f"router   {address} (gRPC pdserve.v1.Generation, health, reflection)")
+        if self.router.metrics_address:
+            self.say(f"metrics  http://{self.router.metrics_address}/metrics")
         return address
 
     def _router(self, client: redis.Redis, tokenizer: Tokenizer, max_context_tokens: int) -> RouterServer:
         s = self.spec
         placement = PlacementConfig(policy=s.routing, min_remote_prefill_tokens=s.min_remote_prefill_tokens,
                                     kv_dtype=s.kv_dtype, max_in_flight_per_decode=s.max_in_flight_per_decode)
-        config = RouterConfig(host=s.host, port=s.port, placement=placement,
+        config = RouterConfig(host=s.host, port=s.port, metrics_port=s.metrics_port, placement=placement,
                               policy=RouterPolicyConfig(max_context_tokens=max_context_tokens))
         # NOTE: the router's own Redis client fails fast: a dead index must cost a request
         # at most one short timeout before the circuit breaker routes by load alone.
@@ -132,7 +104,10 @@ class LocalCluster:
         import ray
 
         roles = ["prefill"] * self.spec.num_prefill + ["decode"] * self.spec.num_decode
-        gpus = ray.cluster_resources().get("GPU", 0) >= len(roles)
+        self._warn_unplaceable(roles)
+        gpus = self.spec.gpus_per_worker
+        if gpus is None:
+            gpus = 1 if ray.cluster_resources().get("GPU", 0) >= len(roles) else 0
         threads = None if gpus else max(1, (os.cpu_count() or 1) // len(roles))
         counts = {"prefill": 0, "decode": 0}
         for role in roles:
@@ -141,14 +116,35 @@ class LocalCluster:
             self.actors[worker_id] = self._actor_class(role).options(
                 name=worker_id, namespace=self.spec.namespace, max_restarts=self.spec.max_restarts,
                 max_concurrency=16,
-                num_cpus=0 if gpus else 1, num_gpus=1 if gpus else 0,
+                num_cpus=0 if gpus else 1, num_gpus=gpus,
                 resources=self.spec.actor_resources.get(role, {}),
+                scheduling_strategy=self.spec.scheduling_strategy,
             ).remote(self._worker_spec(role, worker_id, threads))
         self.say(f"workers  {self.spec.num_prefill} prefill + {self.spec.num_decode} decode "
-                 f"({'1 GPU each' if gpus else f'CPU, {threads} torch threads each'}); loading the model...")
+                 f"({f'{gpus:g} GPU each' if gpus else f'CPU, {threads} torch threads each'}; "
+                 f"placement {self.spec.placement}{self._resources_note()}); loading the model...")
         deadline = self.spec.startup_timeout_s
         for worker_id, actor in self.actors.items():
             self.say(f"  {worker_id:<10} {ray.get(actor.address.remote(), timeout=deadline)}")
+
+    def _warn_unplaceable(self, roles: list[str]) -> None:
+        """Say so when no node offers a resource a role needs: its actors wait, maybe for an autoscaler."""
+        import ray
+
+        offered = ray.cluster_resources()
+        for role in dict.fromkeys(roles):
+            count = roles.count(role)
+            needs = {name: amount * count for name, amount in self.spec.actor_resources.get(role, {}).items()}
+            short = {name: offered.get(name, 0.0) for name, amount in needs.items()
+                     if offered.get(name, 0.0) < amount}
+            if short:
+                self.say(f"warning  {count} {role} workers need {needs}; the Ray cluster offers {short}. "
+                         f"They wait for nodes that do (an autoscaler may add them), up to "
+                         f"{self.spec.startup_timeout_s:.0f} s")
+
+    def _resources_note(self) -> str:
+        pinned = [f"{role} needs {needs}" for role, needs in self.spec.actor_resources.items() if needs]
+        return f", {'; '.join(pinned)}" if pinned else ""
 
     @staticmethod
     def _actor_class(role: str):

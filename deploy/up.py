@@ -1,4 +1,4 @@
-"""`pdserve up`: start the cluster, answer one sample chat, serve until Ctrl-C or SIGTERM."""
+"""`pdserve up`: read the topology, start the cluster, answer a sample chat, serve until Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
@@ -7,17 +7,22 @@ import signal
 import sys
 import threading
 
-from deploy.launcher import ClusterSpec, LocalCluster
+from deploy.config import ClusterSpec, load_config, with_overrides
+from deploy.launcher import LocalCluster
 
 SAMPLE_QUESTION = "What is the capital of France?"
+# `pdserve up` flags (argparse dests) -> the ClusterSpec fields they set; most keep their name
+_RENAMED = {"model": "model_path", "prefill": "num_prefill", "decode": "num_decode", "address": "ray_address"}
+FLAG_FIELDS = {dest: _RENAMED.get(dest, dest) for dest in (
+    "model", "prefill", "decode", "placement", "gpus_per_worker", "host", "port", "metrics_port", "redis_url",
+    "address", "namespace", "block_size", "kv_dtype", "num_blocks", "kv_cache_gib", "max_batched_tokens",
+    "routing", "min_remote_prefill_tokens")}
 
 
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
-    return ClusterSpec(model_path=args.model, num_prefill=args.prefill, num_decode=args.decode,
-                       host=args.host, port=args.port, redis_url=args.redis_url, ray_address=args.address,
-                       block_size=args.block_size, kv_dtype=args.kv_dtype, num_blocks=args.num_blocks,
-                       kv_cache_gib=args.kv_cache_gib, max_batched_tokens=args.max_batched_tokens,
-                       min_remote_prefill_tokens=args.min_remote_prefill_tokens, routing=args.routing)
+    """The --config file's topology (or the defaults), with every flag given on the command line on top."""
+    base = load_config(args.config) if args.config else ClusterSpec()
+    return with_overrides(base, {name: getattr(args, flag) for flag, name in FLAG_FIELDS.items()})
 
 
 def answer_sample(address: str) -> None:
@@ -39,6 +44,8 @@ def run_up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     cluster = LocalCluster(spec_from_args(args))
+    if args.config:
+        print(f"config   {args.config}", flush=True)
     try:
         address = cluster.start()
         if not args.no_sample:

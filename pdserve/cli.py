@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(commands)
     _add_chat(commands)
     _add_up(commands)
+    _add_status(commands)
+    _add_loadtest(commands)
     return parser
 
 
@@ -215,46 +217,65 @@ def _run_chat(args: argparse.Namespace) -> int:
 # --- up -----------------------------------------------------------------------------------------
 
 def _add_up(commands: argparse._SubParsersAction) -> None:
+    from deploy.config import PLACEMENTS, ROUTING_POLICIES, ClusterSpec
+
+    # NOTE: every topology flag defaults to None, meaning "not given": the --config file (or
+    # ClusterSpec's default) then decides, and a flag that is given wins over the file.
+    d = ClusterSpec()
     p = commands.add_parser(
-        "up", help="start a local cluster: embedded Redis, local Ray, workers, router",
+        "up", help="start a cluster: Redis, Ray (local or joined), workers, router",
         description="Start Redis (embedded unless --redis-url), Ray (local unless --address), "
                     "prefill and decode worker actors and the router; answer one sample chat; "
-                    "serve until Ctrl-C or SIGTERM, then tear everything down.")
+                    "serve until Ctrl-C or SIGTERM, then tear everything down. A --config file "
+                    "gives the topology (see deploy/examples/); flags given here override it.")
+    p.add_argument("--config", metavar="FILE.yaml",
+                   help="topology file: model, workers and their Ray resources, placement, cache, "
+                        "router, Redis, Ray address (default: none; the defaults below)")
     p.add_argument("--model", metavar="PATH",
                    help="Hugging Face Llama-family folder or .gguf file "
                         "(default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address the router and workers bind (default: %(default)s, loopback only)")
-    p.add_argument("--port", type=int, default=50051,
-                   help="port of the router's gRPC endpoint (default: %(default)s)")
-    p.add_argument("--prefill", type=int, default=1, metavar="N",
+    p.add_argument("--host",
+                   help=f"address the router and workers bind (default: {d.host}, loopback only)")
+    p.add_argument("--port", type=int,
+                   help=f"port of the router's gRPC endpoint; 0 = any free port (default: {d.port})")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="port of the router's Prometheus /metrics; 0 = any free port "
+                        f"(default: {d.metrics_port})")
+    p.add_argument("--prefill", type=int, metavar="N",
                    help="number of prefill workers; 0 = every prompt is prefilled on a decode worker "
-                        "(default: %(default)s)")
-    p.add_argument("--decode", type=int, default=1, metavar="M",
-                   help="number of decode workers (default: %(default)s)")
+                        f"(default: {d.num_prefill})")
+    p.add_argument("--decode", type=int, metavar="M",
+                   help=f"number of decode workers (default: {d.num_decode})")
+    p.add_argument("--placement", choices=tuple(PLACEMENTS),
+                   help="spread = workers on different Ray nodes where their resources allow; "
+                        f"pack = Ray's default, filling a node first (default: {d.placement})")
+    p.add_argument("--gpus-per-worker", type=float, metavar="N",
+                   help="GPUs each worker actor asks Ray for; 0 = run on CPU (default: 1 when the Ray "
+                        "cluster has a GPU for every worker at start, else 0)")
     p.add_argument("--redis-url", metavar="URL",
                    help="Redis for the registry and prefix index, e.g. redis://host:6379/0 "
                         "(default: start an embedded redis-server on a free loopback port)")
     p.add_argument("--address", metavar="RAY_ADDRESS",
-                   help="Ray cluster to join, e.g. host:6379 or auto (default: start a local Ray)")
-    p.add_argument("--block-size", type=int, default=CacheConfig.block_size,
-                   help="tokens per KV block (default: %(default)s)")
-    p.add_argument("--kv-dtype", default=CacheConfig.kv_dtype, choices=KV_DTYPES,
-                   help="KV cache element type (default: %(default)s)")
+                   help="Ray cluster to join, e.g. host:6379, or auto for the one running on this "
+                        "node (default: start a local Ray)")
+    p.add_argument("--namespace", help=f"Ray namespace and Redis key prefix (default: {d.namespace})")
+    p.add_argument("--block-size", type=int, help=f"tokens per KV block (default: {d.block_size})")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, help=f"KV cache element type (default: {d.kv_dtype})")
     p.add_argument("--num-blocks", type=int, metavar="N",
                    help="KV blocks per worker (default: derived from --kv-cache-gib)")
-    p.add_argument("--kv-cache-gib", type=float, default=CacheConfig.kv_cache_gib,
+    p.add_argument("--kv-cache-gib", type=float,
                    help="KV cache memory per worker in GiB, when --num-blocks is not given "
-                        "(default: %(default)s)")
-    p.add_argument("--max-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
-                   help="token budget of one engine step (chunked prefill) (default: %(default)s)")
-    p.add_argument("--routing", choices=("prefix", "least_load", "round_robin"), default="prefix",
-                   help="placement policy: prefix = KV-aware (send requests where their prefix is "
+                        f"(default: {d.kv_cache_gib:g})")
+    p.add_argument("--max-batched-tokens", type=int,
+                   help="token budget of one engine step (chunked prefill) "
+                        f"(default: {d.max_batched_tokens})")
+    p.add_argument("--routing", choices=ROUTING_POLICIES,
+                   help="routing policy: prefix = KV-aware (send requests where their prefix is "
                         "cached, prefill on the decode worker when it pays); least_load = fewest "
-                        "requests in flight; round_robin = in turn (default: %(default)s)")
-    p.add_argument("--min-remote-prefill-tokens", type=int, default=32, metavar="N",
+                        f"requests in flight; round_robin = in turn (default: {d.routing})")
+    p.add_argument("--min-remote-prefill-tokens", type=int, metavar="N",
                    help="least_load/round_robin: prompts shorter than N tokens are prefilled on the "
-                        "decode worker, with no KV transfer (default: %(default)s)")
+                        f"decode worker, with no KV transfer (default: {d.min_remote_prefill_tokens})")
     p.add_argument("--no-sample", action="store_true",
                    help="do not answer the sample chat after start-up")
     p.set_defaults(handler=_run_up)
@@ -264,6 +285,44 @@ def _run_up(args: argparse.Namespace) -> int:
     from deploy.up import run_up
 
     return run_up(args)
+
+
+# --- status -------------------------------------------------------------------------------------
+
+def _add_status(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "status", help="one table of the running cluster: workers, role, node, state, queue, KV use",
+        description="Ask the router (its Admin ClusterStatus call) for every worker it knows and print "
+                    "role, node, state, queue (waiting/running), KV blocks used, prefix hit rate "
+                    "(cached / prompt tokens), KV bytes sent and received, and failed transfers.")
+    p.add_argument("--router", metavar="HOST:PORT", default="127.0.0.1:50051",
+                   help="the router's gRPC address (default: %(default)s, what `pdserve up` uses)")
+    p.add_argument("--json", action="store_true", help="print the raw status as JSON instead of a table")
+    p.add_argument("--watch", type=float, metavar="SECONDS",
+                   help="print again every SECONDS until Ctrl-C (default: print once)")
+    p.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="deadline for the status call (default: %(default)s)")
+    p.set_defaults(handler=_run_status)
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    from pdserve.status_cli import run_status
+
+    try:
+        return run_status(args)
+    except KeyboardInterrupt:
+        return 0
+
+
+
+# --- loadtest -----------------------------------------------------------------------------------
+
+def _add_loadtest(commands: argparse._SubParsersAction) -> None:
+    # NOTE: loadtest.cli imports only argparse and its pure workloads here; grpc and
+    # matplotlib load when a run starts, so `pdserve --help` stays fast.
+    from loadtest.cli import add_parser
+
+    add_parser(commands)
 
 
 if __name__ == "__main__":

