@@ -16,7 +16,7 @@ KV handoff (prefill/decode disaggregation), see pdserve/transfer/:
         release_reservation frees everything on any failure.
 
 Every public method takes self.lock, so a gRPC thread may call in while the
-engine loop steps.
+engine loop steps; load() alone does not, so liveness and status never wait behind a step.
 
 Validation happens before anything is queued, so a bad request raises
 InvalidRequestError and the engine keeps serving the others.
@@ -73,6 +73,18 @@ class Reservation:
     block_ids: list[int]
     num_cached_blocks: int
     expires_at: float = float("inf")
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    running: int
+    waiting: int
+    num_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    used_blocks: int
+    parked_transfers: int
+    held_blocks: int
 
 
 @dataclass
@@ -207,6 +219,10 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequestError("sampling must be a SamplingParams")
+        bad = next((t for t in sampling.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"sampling.stop_token_ids has {bad}, outside the vocabulary [0, {vocab})")
 
     # --- the step -------------------------------------------------------------------
     def step(self, on_layer_done: StepLayerHook | None = None) -> list[RequestOutput]:
@@ -351,6 +367,18 @@ class LLMEngine:
 
     def num_parked(self) -> int:
         return len(self._parked)
+
+    def load(self) -> EngineLoad:
+        """Counts read WITHOUT the lock. NOTE: a prefill step can hold the lock for seconds on a
+        CPU; a heartbeat or Status call waiting on it would let the worker's lease expire. Each
+        count is a len() of a container the loop mutates, read atomically under the GIL; counts
+        may disagree with each other by one step, never by a torn value."""
+        pool = self.pool
+        return EngineLoad(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                          num_blocks=pool.num_blocks, free_blocks=pool.num_free_blocks,
+                          cached_blocks=pool.num_cached_blocks, used_blocks=pool.num_used_blocks,
+                          parked_transfers=len(self._parked),
+                          held_blocks=sum(map(len, list(self._held.values()))))
 
     def num_held_blocks(self) -> int:
         return sum(len(blocks) for blocks in self._held.values())

@@ -2,4 +2,7 @@
 
     prefill engine --step hook--> LayerwiseSender --frames--> KVChannel --> KVReceiver --> decode engine
                                                      (GrpcKVChannel or LoopbackKVChannel)
+
+faults.py: a debug-only FaultInjectingChannel around the KVChannel (drop, corrupt, delay),
+present only on a worker built with a FaultPlan.
 """

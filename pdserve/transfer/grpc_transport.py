@@ -2,7 +2,9 @@
 
 Both ends set the message size limits explicitly, far above the codec's chunk size
 (frames are at most max_chunk_bytes of payload plus a small header). Failures map
-one to one between FailureKind and gRPC status codes in both directions.
+one to one between FailureKind and gRPC status codes in both directions, except that
+a sender which gives up itself (its frames raise TransferFailed) reports its own kind:
+gRPC would only say UNKNOWN "Exception iterating requests!".
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ GRPC_OPTIONS = [
 
 _TO_STATUS = {kind: getattr(grpc.StatusCode, kind.value) for kind in FailureKind}
 _FROM_STATUS = {status: kind for kind, status in _TO_STATUS.items()}
+
+# NOTE: when a push runs out of time, the client's deadline fires first: it cancels the call,
+# and the cancel reaches the receiver while the receiver's copy of the deadline (sent as a
+# relative timeout, so later by the one-way latency) still has a few ms left. A stream that
+# breaks this close to its deadline broke because of the deadline.
+DEADLINE_SLACK_S = 0.25
 
 
 class _StreamBroken(Exception):
@@ -54,11 +62,18 @@ def _frames_of(request_iterator, context) -> Iterator[Frame]:
         for chunk in request_iterator:
             yield chunk.header, chunk.payload
     except Exception as e:
-        deadline_passed = (context.time_remaining() or 0) <= 0
-        kind = FailureKind.DEADLINE_EXCEEDED if deadline_passed else FailureKind.CANCELLED
-        raise _StreamBroken(f"{type(e).__name__}: {e}", kind) from e
-    if not context.is_active():
-        raise _StreamBroken("the call is no longer active", FailureKind.CANCELLED)
+        raise _StreamBroken(f"{type(e).__name__}: {e}", _why_broken(context)) from e
+    # The receiver stops reading at END, so we get here only when the stream ended early: the
+    # sender half-closed, or gRPC ended the iterator of a call that was cancelled or ran out of
+    # time (without raising, and sometimes before is_active() turns False).
+    if not context.is_active() or context.time_remaining() <= DEADLINE_SLACK_S:
+        raise _StreamBroken("the call ended before END", _why_broken(context))
+
+
+def _why_broken(context) -> FailureKind:
+    if context.time_remaining() <= DEADLINE_SLACK_S:
+        return FailureKind.DEADLINE_EXCEEDED
+    return FailureKind.CANCELLED
 
 
 def serve_kv_transfer(receiver: KVReceiver, host: str = "127.0.0.1", port: int = 0,
@@ -83,16 +98,23 @@ class GrpcKVChannel:
 
     def push(self, frames: Iterator[Frame], timeout_s: float) -> PushResult:
         sent = 0
+        gave_up: TransferFailed | None = None
 
         def chunks():
-            nonlocal sent
-            for header, payload in frames:
-                sent += len(payload)
-                yield kv_transfer_pb2.KVChunk(header=header, payload=payload)
+            nonlocal sent, gave_up
+            try:
+                for header, payload in frames:
+                    sent += len(payload)
+                    yield kv_transfer_pb2.KVChunk(header=header, payload=payload)
+            except TransferFailed as e:  # recorded before gRPC cancels the call with it
+                gave_up = e
+                raise
 
         try:
             reply = self._stub.Push(chunks(), timeout=timeout_s)
         except grpc.RpcError as e:
+            if gave_up is not None:
+                raise gave_up from e
             kind = _FROM_STATUS.get(e.code(), FailureKind.INTERNAL)
             raise TransferFailed(kind, e.details() or str(e.code())) from e
         return PushResult(reply.transfer_id, reply.blocks_written, sent)

@@ -27,6 +27,8 @@ from pdserve.index.registry import WorkerInfo, WorkerRegistry
 from pdserve.worker.presence import Presence
 from pdserve.worker.server import WorkerConfig, WorkerServer
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
 
 @dataclass(frozen=True)
 class WorkerSpec:
@@ -72,7 +74,8 @@ class WorkerActor:
         self.epoch = self.registry.next_epoch(spec.worker_id)
         self.publisher = IndexPublisher(self.index, WorkerKey(spec.worker_id, self.epoch))
         config = WorkerConfig(spec.role, spec.engine_config(), worker_id=spec.worker_id, host=spec.host,
-                              node=_node_name(), metrics_port=spec.metrics_port)
+                              advertise_host=_advertise_host(spec.host), node=_node_name(),
+                              metrics_port=spec.metrics_port)
         self.server = WorkerServer(config, publisher=self.publisher, epoch=self.epoch)
         address = self.server.start()
         engine = self.server.engine
@@ -128,6 +131,17 @@ def _on_sigterm(drain: Callable[[], None]) -> None:
         return
     signal.signal(signal.SIGTERM,
                   lambda *_: threading.Thread(target=drain, name="drain", daemon=True).start())
+
+
+def _advertise_host(bind_host: str) -> str | None:
+    """A worker bound to every interface is dialled at its node's IP (as Ray knows it)."""
+    if bind_host not in WILDCARD_HOSTS:
+        return None
+    import ray
+
+    if ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    return socket.gethostbyname(socket.gethostname())
 
 
 def _node_name() -> str:

@@ -49,6 +49,8 @@ def status_metrics(s: worker_pb2.WorkerStatus) -> dict[str, tuple]:
         "pdserve_worker_prefix_hit_tokens": ("counter", "Prompt tokens served from this worker's prefix "
                                              "cache", s.cached_tokens_total),
         "pdserve_worker_generated_tokens": ("counter", "Tokens generated here", s.generated_tokens_total),
+        "pdserve_worker_preemptions": ("counter", "Times a request here lost its KV blocks to a newer one's "
+                                       "need and was recomputed later", s.preemptions_total),
         "pdserve_worker_kv_bytes_sent": ("counter", "KV bytes pushed to decode workers", s.bytes_sent),
         "pdserve_worker_kv_bytes_received": ("counter", "KV bytes received from prefill workers",
                                              s.bytes_received),

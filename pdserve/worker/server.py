@@ -21,6 +21,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.weights import LoadedModel, load_model
 from pdserve.kvwire import KVLayout
 from pdserve.metrics import MetricsEndpoint
+from pdserve.transfer.faults import FaultInjector, FaultPlan
 from pdserve.transfer.grpc_transport import GRPC_OPTIONS, KVTransferServicer
 from pdserve.transfer.receiver import KVReceiver
 from pdserve.transfer.sender import LayerwiseSender
@@ -37,17 +38,25 @@ class WorkerConfig:
     role: str
     engine: EngineConfig = field(default_factory=EngineConfig)
     worker_id: str = ""  # "" -> role + random suffix
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the address to bind
     port: int = 0
+    advertise_host: str | None = None  # what others dial (registry, transfers); None: host
     node: str = field(default_factory=socket.gethostname)
     max_chunk_bytes: int = 2 << 20
     parked_ttl_s: float = 30.0
+    transfer_timeout_s: float | None = None  # cap on one KV push; None: the Prefill call's remaining time
     grpc_threads: int = 32
     metrics_port: int | None = 0  # Prometheus /metrics on host:port; 0 = any free port, None = off
+    # Debug only: inject faults into this worker's outgoing KV transfers (pdserve/transfer/faults.py).
+    # Set only by code that builds the config; nothing reads it from the environment.
+    fault_plan: FaultPlan | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.transfer_timeout_s is not None and self.transfer_timeout_s <= 0:
+            raise ValueError(f"transfer_timeout_s must be > 0 seconds (None: the Prefill call's deadline), "
+                             f"got {self.transfer_timeout_s}")
         if not self.worker_id:
             object.__setattr__(self, "worker_id", f"{self.role}-{uuid.uuid4().hex[:8]}")
 
@@ -62,6 +71,7 @@ class WorkerServer:
         self.sender = LayerwiseSender(self.engine.kv_cache, self.layout, config.max_chunk_bytes)
         self.receiver = KVReceiver(self.engine, self.layout, config.parked_ttl_s)
         self.loop = EngineLoop(self.engine, layer_hook=self.sender)
+        self.faults = FaultInjector(config.fault_plan) if config.fault_plan is not None else None
         self.epoch = epoch
         self.address = ""
         self.metrics = WorkerMetrics()
@@ -78,11 +88,12 @@ class WorkerServer:
         if port == 0:
             raise OSError(f"worker {self.config.worker_id}: cannot bind "
                           f"{self.config.host}:{self.config.port}")
-        self.address = f"{self.config.host}:{port}"
+        self.address = f"{self.config.advertise_host or self.config.host}:{port}"
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.start()
         self.servicer = WorkerServicer(self.engine, self.loop, self.sender, self.receiver, self.identity(),
-                                       self.metrics)
+                                       self.metrics, transfer_timeout_s=self.config.transfer_timeout_s,
+                                       faults=self.faults)
         self.metrics.read_status_from(self.servicer.status)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, server)
         kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(self.receiver), server)
@@ -111,7 +122,7 @@ class WorkerServer:
         if self.servicer is not None:
             self.servicer.serving = False
         deadline = time.monotonic() + grace_s
-        while self.loop.num_streams() or self.engine.pool.num_used_blocks or self.engine.num_parked():
+        while self.loop.num_streams() or self.engine.load().used_blocks:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.05)

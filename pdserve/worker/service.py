@@ -4,6 +4,9 @@ Prefill (remote prefill for a decode target):
     register the outgoing transfer -> submit(max_tokens=1, hold_blocks) -> layers stream
     out as they are computed -> first token sampled -> END -> wait for the receiver's reply
     -> release the held blocks (they stay in this worker's prefix cache).
+    A failed transfer fails the call with the transfer's FailureKind as its status code, except
+    that CANCELLED and DEADLINE_EXCEEDED become ABORTED: those two codes would say that the
+    Prefill call itself was cancelled or ran out of time, and callers do not retry those.
 Decode:
     resume the parked KV with the prefill worker's first token, or prefill here when told
     to or when no KV arrived (a failed transfer: recompute, so output stays exact) -> stream.
@@ -20,7 +23,8 @@ from dataclasses import dataclass, replace
 import grpc
 
 from pdserve.engine.llm_engine import InvalidRequestError, LLMEngine
-from pdserve.transfer.errors import TransferFailed
+from pdserve.transfer.errors import FailureKind, TransferFailed
+from pdserve.transfer.faults import FaultInjectingChannel, FaultInjector
 from pdserve.transfer.grpc_transport import GrpcKVChannel
 from pdserve.transfer.receiver import KVReceiver
 from pdserve.transfer.sender import LayerwiseSender
@@ -35,6 +39,7 @@ from pdserve.worker.metrics import TRANSFER_OK, WorkerMetrics
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 DEFAULT_TIMEOUT_S = 60.0
+_RETRYABLE_AS_ABORTED = {FailureKind.CANCELLED, FailureKind.DEADLINE_EXCEEDED}
 
 
 @dataclass
@@ -44,19 +49,23 @@ class TokenTotals:
     prompt: int = 0
     cached: int = 0
     generated: int = 0
+    preemptions: int = 0
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: LLMEngine, loop: EngineLoop, sender: LayerwiseSender, receiver: KVReceiver,
-                 identity: worker_pb2.WorkerStatus, metrics: WorkerMetrics | None = None) -> None:
+                 identity: worker_pb2.WorkerStatus, metrics: WorkerMetrics | None = None, *,
+                 transfer_timeout_s: float | None = None, faults: FaultInjector | None = None) -> None:
         self.engine, self.loop, self.sender, self.receiver = engine, loop, sender, receiver
+        self.transfer_timeout_s = transfer_timeout_s  # None: the Prefill call's remaining time
+        self.faults = faults  # None (the default): channels are not wrapped at all
         self.identity = identity
         self.metrics = metrics or WorkerMetrics()
         self.serving = True
         self.bytes_sent = 0
         self.totals = TokenTotals()
         self.send_outcomes: Counter[str] = Counter()
-        self._channels: dict[str, GrpcKVChannel] = {}
+        self._channels: dict[str, GrpcKVChannel | FaultInjectingChannel] = {}
         self._lock = threading.Lock()
 
     # --- Prefill ----------------------------------------------------------------------------
@@ -65,6 +74,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         rid, prompt = request.request_id, list(request.prompt_token_ids)
         sampling = _sampling_or_abort(request.sampling, context)
         timeout = context.time_remaining() or DEFAULT_TIMEOUT_S
+        if self.transfer_timeout_s is not None:
+            timeout = min(timeout, self.transfer_timeout_s)
         started = time.perf_counter()
         transfer = self.sender.start(rid, prompt, request.target_cached_blocks,
                                      self._channel(request.decode_target), timeout)
@@ -94,8 +105,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             push = transfer.wait()
         except TransferFailed as e:
             self._count_send(e.kind.value)
-            code = getattr(grpc.StatusCode, e.kind.value, grpc.StatusCode.INTERNAL)
-            context.abort(code, f"KV transfer to the decode worker failed: {e.message}")
+            context.abort(_prefill_failure_code(e.kind),
+                          f"KV transfer to the decode worker failed ({e.kind.value}): {e.message}")
         self._count_send(TRANSFER_OK)
         self._count_finished(last.usage, generated=0)
         with self._lock:
@@ -114,11 +125,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.totals.prompt += usage.prompt_tokens
             self.totals.cached += usage.cached_tokens
             self.totals.generated += generated
+            self.totals.preemptions += usage.preemptions
 
-    def _channel(self, target: str) -> GrpcKVChannel:
+    def _channel(self, target: str) -> GrpcKVChannel | FaultInjectingChannel:
         with self._lock:
             if target not in self._channels:
-                self._channels[target] = GrpcKVChannel(target)
+                channel = GrpcKVChannel(target)
+                self._channels[target] = channel if self.faults is None else self.faults.wrap(channel)
             return self._channels[target]
 
     # --- Decode -------------------------------------------------------------------------------
@@ -179,18 +192,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return self.status()
 
     def status(self) -> worker_pb2.WorkerStatus:
-        e = self.engine
-        with e.lock:
-            status = worker_pb2.WorkerStatus(
-                active_requests=len(e.scheduler.running), waiting_requests=len(e.scheduler.waiting),
-                num_blocks=e.pool.num_blocks, free_blocks=e.pool.num_free_blocks,
-                cached_blocks=e.pool.num_cached_blocks, used_blocks=e.pool.num_used_blocks,
-                parked_transfers=e.num_parked(), held_blocks=e.num_held_blocks(),
-                bytes_sent=self.bytes_sent, bytes_received=self.receiver.bytes_received,
-                model_fingerprint=e.fingerprint, block_size=e.block_size)
+        e, load = self.engine, self.engine.load()  # never waits behind an engine step
+        status = worker_pb2.WorkerStatus(
+            active_requests=load.running, waiting_requests=load.waiting, num_blocks=load.num_blocks,
+            free_blocks=load.free_blocks, cached_blocks=load.cached_blocks, used_blocks=load.used_blocks,
+            parked_transfers=load.parked_transfers, held_blocks=load.held_blocks,
+            bytes_sent=self.bytes_sent, bytes_received=self.receiver.bytes_received,
+            model_fingerprint=e.fingerprint, block_size=e.block_size)
         with self._lock:
             status.prompt_tokens_total, status.cached_tokens_total = self.totals.prompt, self.totals.cached
             status.generated_tokens_total = self.totals.generated
+            status.preemptions_total = self.totals.preemptions
             status.send_outcomes.update(self.send_outcomes)
         status.transfer_outcomes.update(self.receiver.outcomes)
         status.serving = self.serving
@@ -202,6 +214,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             for channel in self._channels.values():
                 channel.close()
             self._channels.clear()
+
+
+def _prefill_failure_code(kind: FailureKind) -> grpc.StatusCode:
+    if kind in _RETRYABLE_AS_ABORTED:
+        return grpc.StatusCode.ABORTED
+    return getattr(grpc.StatusCode, kind.value, grpc.StatusCode.INTERNAL)
 
 
 def _sampling_or_abort(proto, context):

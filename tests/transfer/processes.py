@@ -1,5 +1,6 @@
 """Out-of-process ends for transfer tests: a decode engine behind a real gRPC KVTransfer
-server, and a sender that can be killed mid-stream. Both run under multiprocessing 'spawn'.
+server, a sender that can be killed mid-stream, and a whole worker (WorkerServer) to kill
+while it streams. All run under multiprocessing 'spawn'.
 
 The control pipe only starts work and reads pool statistics; KV itself always crosses
 the gRPC socket.
@@ -133,3 +134,44 @@ def start_stalling_sender(model_path: str, target: str, prompt: list[int], timeo
         raise TimeoutError("stalling sender never started streaming")
     assert conn.recv() == "streaming"
     return process, conn
+
+
+def _worker_main(conn, model_path: str, config_kwargs: dict) -> None:
+    """A whole WorkerServer (Worker + KVTransfer over gRPC); answers its address, then waits."""
+    from pdserve.engine.config import CacheConfig, EngineConfig
+    from pdserve.engine.weights import load_model
+    from pdserve.worker.server import WorkerConfig, WorkerServer
+
+    torch.set_num_threads(1)
+    engine = EngineConfig(cache=CacheConfig(num_blocks=128), device="cpu")
+    worker = WorkerServer(WorkerConfig(engine=engine, metrics_port=None, **config_kwargs),
+                          load_model(model_path, progress=False))
+    conn.send((worker.config.worker_id, worker.start()))
+    conn.recv()  # "stop"; or the test kills us
+    worker.stop()
+
+
+class WorkerProcess:
+    """A worker in another process, to be SIGKILLed mid-transfer. config_kwargs go to WorkerConfig
+    (a FaultPlan among them: it is plain frozen data, so it crosses the spawn boundary)."""
+
+    def __init__(self, model_path: str, **config_kwargs) -> None:
+        self._conn, child = SPAWN.Pipe()
+        self.process = SPAWN.Process(target=_worker_main, args=(child, model_path, config_kwargs),
+                                     daemon=True)
+        self.process.start()
+        if not self._conn.poll(180):
+            self.process.kill()
+            raise TimeoutError("worker process did not start within 180 s")
+        self.worker_id, self.address = self._conn.recv()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(10)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            self._conn.send("stop")
+            self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()

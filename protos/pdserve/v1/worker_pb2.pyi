@@ -92,7 +92,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "node", "epoch", "active_requests", "waiting_requests", "num_blocks", "free_blocks", "cached_blocks", "used_blocks", "parked_transfers", "held_blocks", "bytes_sent", "bytes_received", "transfer_outcomes", "model_fingerprint", "block_size", "prompt_tokens_total", "cached_tokens_total", "generated_tokens_total", "metrics_address", "serving", "send_outcomes")
+    __slots__ = ("worker_id", "role", "address", "node", "epoch", "active_requests", "waiting_requests", "num_blocks", "free_blocks", "cached_blocks", "used_blocks", "parked_transfers", "held_blocks", "bytes_sent", "bytes_received", "transfer_outcomes", "model_fingerprint", "block_size", "prompt_tokens_total", "cached_tokens_total", "generated_tokens_total", "metrics_address", "serving", "send_outcomes", "preemptions_total")
     class TransferOutcomesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class WorkerStatus(_message.Message):
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     SEND_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -155,4 +156,5 @@ class WorkerStatus(_message.Message):
     metrics_address: str
     serving: bool
     send_outcomes: _containers.ScalarMap[str, int]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., epoch: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., parked_transfers: _Optional[int] = ..., held_blocks: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., transfer_outcomes: _Optional[_Mapping[str, int]] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., metrics_address: _Optional[str] = ..., serving: _Optional[bool] = ..., send_outcomes: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    preemptions_total: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., epoch: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., parked_transfers: _Optional[int] = ..., held_blocks: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., transfer_outcomes: _Optional[_Mapping[str, int]] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., metrics_address: _Optional[str] = ..., serving: _Optional[bool] = ..., send_outcomes: _Optional[_Mapping[str, int]] = ..., preemptions_total: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,336 @@
+"""Injected KV transfer faults (pdserve/transfer/faults.py): every one is detected, no corrupted
+token reaches a client, and the failure counters equal the injections, kind by kind.
+
+First the plan and the injector on the loopback transport (milliseconds), then a router and
+two tiny-model workers in one process over real gRPC, then a prefill worker in another
+process SIGKILLed while it streams.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.sequence import SamplingParams
+from pdserve.metrics import scrape
+from pdserve.transfer.errors import TransferFailed
+from pdserve.transfer.faults import (
+    EXPECTED_FAILURE,
+    Chance,
+    EveryNth,
+    FaultInjector,
+    FaultKind,
+    FaultPlan,
+    FaultRule,
+    Matching,
+    RequestIds,
+)
+from pdserve.transfer.grpc_transport import GrpcKVChannel
+from pdserve.transfer.loopback import LoopbackKVChannel
+from pdserve.worker.server import WorkerConfig, WorkerServer
+from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from router.placement import PlacementConfig
+from router.server import RouterConfig, RouterServer
+from tests.conftest import assert_no_leaks, make_engine
+from tests.transfer.harness import PrefillSide, decode_after_transfer, receiver_for, single_engine_tokens
+from tests.transfer.processes import WorkerProcess
+
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+PROMPT = list(range(300, 350))  # 50 tokens: 4 blocks; 2 layers -> 2 LAYER frames (one per layer)
+
+
+def injector(*rules: FaultRule, seed: int = 0, sleep=time.sleep) -> FaultInjector:
+    return FaultInjector(FaultPlan(rules, seed), sleep=sleep)
+
+
+def chosen(inj: FaultInjector, request_ids: list[str]) -> list[str]:
+    """The request ids whose transfer the injector hits, asked in order."""
+    return [rid for rid in request_ids if inj.choose(rid) is not None]
+
+
+# --- the plan --------------------------------------------------------------------------------------
+def test_selectors_pick_exactly_their_transfers():
+    ids = [f"r{i}" for i in range(1, 10)]
+    assert chosen(injector(FaultRule(FaultKind.DROP, EveryNth(3))), ids) == ["r3", "r6", "r9"]
+    assert chosen(injector(FaultRule(FaultKind.DROP, RequestIds(["r2", "r5"]))), ids) == ["r2", "r5"]
+    assert chosen(injector(FaultRule(FaultKind.DROP, Matching(lambda r: r.endswith("7")))), ids) == ["r7"]
+    assert chosen(injector(FaultRule(FaultKind.DROP, Chance(0.0))), ids) == []
+    assert chosen(injector(FaultRule(FaultKind.DROP, Chance(1.0))), ids) == ids
+
+
+def test_chance_is_reproducible_from_the_seed():
+    ids = [f"r{i}" for i in range(200)]
+    first = chosen(injector(FaultRule(FaultKind.CORRUPT, Chance(0.25)), seed=7), ids)
+    assert first == chosen(injector(FaultRule(FaultKind.CORRUPT, Chance(0.25)), seed=7), ids)
+    assert first != chosen(injector(FaultRule(FaultKind.CORRUPT, Chance(0.25)), seed=8), ids)
+    assert 30 <= len(first) <= 70
+
+
+def test_first_matching_rule_wins_and_hits_once():
+    inj = injector(FaultRule(FaultKind.DELAY, RequestIds({"a"})), FaultRule(FaultKind.DROP, EveryNth(1)))
+    assert inj.choose("a").kind is FaultKind.DELAY
+    assert inj.choose("b").kind is FaultKind.DROP
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: FaultPlan(()), "at least one FaultRule"),
+    (lambda: EveryNth(0), "EveryNth.n must be >= 1"),
+    (lambda: Chance(1.5), r"Chance.probability must be in \[0, 1\]"),
+    (lambda: FaultRule(FaultKind.DROP, EveryNth(1), at_frame=-1), "at_frame must be >= 0"),
+    (lambda: WorkerConfig("prefill", transfer_timeout_s=0), "transfer_timeout_s must be > 0"),
+])
+def test_bad_plans_are_refused_with_the_reason(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_a_worker_has_no_faults_unless_built_with_a_plan():
+    assert WorkerConfig("prefill").fault_plan is None
+
+
+# --- the injector on the loopback transport ----------------------------------------------------------
+@pytest.fixture
+def pair(tiny_loaded):
+    prefill = PrefillSide.of(make_engine(tiny_loaded))
+    decode = make_engine(tiny_loaded)
+    yield prefill, decode
+    for engine in (prefill.engine, decode):
+        assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("kind", [FaultKind.DROP, FaultKind.CORRUPT])
+@pytest.mark.parametrize("at_frame", [0, 1])
+def test_fault_is_reported_by_both_ends_and_recompute_is_exact(pair, tiny_loaded, kind, at_frame):
+    prefill, decode = pair
+    receiver = receiver_for(decode)
+    inj = injector(FaultRule(kind, RequestIds({"hit"}), at_frame=at_frame))
+    with pytest.raises(TransferFailed) as failure:
+        prefill.push("hit", PROMPT, inj.wrap(LoopbackKVChannel(receiver)), sampling=GREEDY)
+    assert failure.value.kind is EXPECTED_FAILURE[kind]
+    assert receiver.outcomes == {EXPECTED_FAILURE[kind].value: 1}
+    assert inj.injected == {kind.value: 1}
+    assert decode.leaked_blocks() == [] and not decode.has_parked("hit")
+    tokens, used = decode_after_transfer(decode, "hit", PROMPT, 0, None, GREEDY)
+    assert not used and tokens == single_engine_tokens(make_engine(tiny_loaded), PROMPT, GREEDY)
+
+
+@pytest.mark.parametrize("rule", [
+    FaultRule(FaultKind.CORRUPT, RequestIds({"someone-else"})),
+    FaultRule(FaultKind.DROP, EveryNth(1), at_frame=2),  # past the last of the 2 LAYER frames
+], ids=["not-selected", "frame-never-reached"])
+def test_transfers_the_plan_does_not_hit_go_through_untouched(pair, tiny_loaded, rule):
+    prefill, decode = pair
+    inj = injector(rule)
+    outcome = prefill.push("clean", PROMPT, inj.wrap(LoopbackKVChannel(receiver_for(decode))),
+                           sampling=GREEDY)
+    tokens, used = decode_after_transfer(decode, "clean", PROMPT, outcome.first_token, outcome.rng_state,
+                                         GREEDY)
+    assert used and tokens == single_engine_tokens(make_engine(tiny_loaded), PROMPT, GREEDY)
+    assert inj.injected == {}
+
+
+def test_delay_sleeps_past_the_push_deadline(pair):
+    prefill, decode = pair
+    slept: list[float] = []
+    inj = injector(FaultRule(FaultKind.DELAY, EveryNth(1), overshoot_s=0.25), sleep=slept.append)
+    outcome = prefill.push("late", PROMPT, inj.wrap(LoopbackKVChannel(receiver_for(decode))), timeout_s=2.0)
+    assert slept == [2.25] and inj.injected == {"delay": 1}  # loopback has no deadline: it completes
+    decode_after_transfer(decode, "late", PROMPT, outcome.first_token, outcome.rng_state)
+
+
+# --- a router, a faulty prefill worker and a decode worker over real gRPC ---------------------------
+@dataclass(frozen=True)
+class Record:
+    worker_id: str
+    role: str
+    address: str
+    epoch: int = 0
+
+
+TRANSFER_DEADLINE_S = 3.0
+# request index -> the LAYER frame its fault hits (each transfer has 2: one per layer)
+DROPPED = {1: 0, 6: 1}
+CORRUPTED = {2: 0, 7: 1}
+DELAYED = {3: 0, 8: 1}
+N_REQUESTS = 12
+
+
+def rid(i: int) -> str:
+    return f"req-{i}"
+
+
+def client_request(i: int) -> Matching:
+    """Workers see the client's request id, or (newer routers) the client's id plus ".suffix"."""
+    return Matching(lambda worker_rid: worker_rid.partition(".")[0] == rid(i))
+
+
+def fault_plan() -> FaultPlan:
+    rules = [FaultRule(kind, client_request(i), at_frame=frame)
+             for kind, hit in ((FaultKind.DROP, DROPPED), (FaultKind.CORRUPT, CORRUPTED),
+                               (FaultKind.DELAY, DELAYED))
+             for i, frame in hit.items()]
+    return FaultPlan(tuple(rules))
+
+
+def distinct_prompt(i: int) -> list[int]:
+    """48 + 3i tokens, a different first block for each i: prefilled remotely, no shared prefix."""
+    return [(i * 37 + j * 11) % 500 + 10 for j in range(48 + 3 * i)]
+
+
+def start_router(tiny_loaded, records: list[Record]) -> RouterServer:
+    placement = PlacementConfig(policy="least_load", min_remote_prefill_tokens=32)
+    router = RouterServer(RouterConfig(port=0, placement=placement), tiny_loaded.tokenizer, lambda: records,
+                          rng=random.Random(0))
+    router.start()
+    return router
+
+
+ENGINE = EngineConfig(cache=CacheConfig(num_blocks=128), device="cpu")
+
+
+@pytest.fixture()
+def faulty_cluster(tiny_loaded):
+    prefill = WorkerServer(WorkerConfig("prefill", ENGINE, transfer_timeout_s=TRANSFER_DEADLINE_S,
+                                        fault_plan=fault_plan()), tiny_loaded)
+    decode = WorkerServer(WorkerConfig("decode", ENGINE), tiny_loaded)
+    records = [Record(w.config.worker_id, w.config.role, w.start()) for w in (prefill, decode)]
+    router = start_router(tiny_loaded, records)
+    yield router, prefill, decode
+    router.stop()
+    for w in (prefill, decode):
+        w.stop()
+
+
+def generate(router: RouterServer, request_id: str, prompt: list[int], timeout: float = 60):
+    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(router.address))
+    sampling = generation_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    request = generation_pb2.GenerateRequest(request_id=request_id, sampling=sampling,
+                                             token_ids=generation_pb2.TokenIds(ids=prompt))
+    return list(stub.Generate(request, timeout=timeout))
+
+
+def value(samples, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def eventually(condition, timeout_s: float, what: str):
+    """condition()'s last value once truthy; fails with `what` and that value after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = condition()
+        if result or time.monotonic() > deadline:
+            assert result, f"{what} (after {timeout_s} s)"
+            return result
+        time.sleep(0.02)
+
+
+def clean(worker: WorkerServer):
+    s = worker.status()
+    return (s.used_blocks, s.parked_transfers, s.held_blocks) == (0, 0, 0) and s
+
+
+def test_injected_faults_are_all_detected_counted_and_recomputed_exactly(faulty_cluster, tiny_loaded):
+    router, prefill, decode = faulty_cluster
+    prompts = {rid(i): distinct_prompt(i) for i in range(N_REQUESTS)}
+    reference = make_engine(tiny_loaded)
+    expected = {r: single_engine_tokens(reference, p, GREEDY) for r, p in prompts.items()}
+    with ThreadPoolExecutor(N_REQUESTS) as pool:
+        replies = dict(zip(prompts, pool.map(lambda r: generate(router, r, prompts[r]), prompts)))
+
+    faulted = {rid(i) for hit in (DROPPED, CORRUPTED, DELAYED) for i in hit}
+    for r, stream in replies.items():
+        assert [t for reply in stream for t in reply.token_ids] == expected[r], r  # zero corrupted tokens
+        assert stream[-1].prefill_worker == ("" if r in faulted else prefill.config.worker_id), r
+
+    n = len(DROPPED)  # of each kind
+    assert prefill.faults.injected == {"drop": n, "corrupt": n, "delay": n}
+    assert decode.faults is None
+    outcomes = {"done": N_REQUESTS - 3 * n, "CANCELLED": n, "DATA_LOSS": n, "DEADLINE_EXCEEDED": n}
+    eventually(lambda: sum(decode.status().transfer_outcomes.values()) == N_REQUESTS, 5,
+               "the decode worker counted every push")
+    assert dict(decode.status().transfer_outcomes) == outcomes
+    assert dict(prefill.status().send_outcomes) == outcomes
+
+    d = scrape(f"http://{decode.status().metrics_address}/metrics")
+    p = scrape(f"http://{prefill.status().metrics_address}/metrics")
+    assert value(d, "pdserve_worker_kv_transfer_failures_total") == 3 * n
+    for outcome, count in outcomes.items():
+        assert value(d, "pdserve_worker_kv_transfers_received_total", outcome=outcome) == count, outcome
+        assert value(p, "pdserve_worker_kv_transfers_sent_total", outcome=outcome) == count, outcome
+    m = scrape(f"http://{router.metrics_address}/metrics")
+    assert value(m, "pdserve_router_remote_prefills_total", outcome="fallback") == 3 * n
+    assert value(m, "pdserve_router_remote_prefills_total", outcome="ok") == N_REQUESTS - 3 * n
+    assert value(m, "pdserve_router_requests_total", code="OK") == N_REQUESTS
+    for worker in (prefill, decode):
+        eventually(lambda w=worker: clean(w), 2, f"{worker.config.role} worker holds no blocks")
+
+
+# --- a prefill worker SIGKILLed mid-transfer ------------------------------------------------------------
+def test_prefill_worker_killed_mid_transfer_frees_the_reservation_and_output_is_exact(
+        tiny_loaded, tiny_model_dir):
+    # DELAY makes "mid-transfer" deterministic: BEGIN and layer 0 are sent, then the sender sleeps.
+    plan = FaultPlan((FaultRule(FaultKind.DELAY, EveryNth(1), at_frame=1),))  # its only transfer
+    prefill = WorkerProcess(str(tiny_model_dir), role="prefill", fault_plan=plan,
+                            transfer_timeout_s=TRANSFER_DEADLINE_S)
+    decode = WorkerServer(WorkerConfig("decode", ENGINE), tiny_loaded)
+    router = None
+    try:
+        records = [Record(prefill.worker_id, "prefill", prefill.address),
+                   Record(decode.config.worker_id, "decode", decode.start())]
+        router = start_router(tiny_loaded, records)
+        prompt = distinct_prompt(5)
+        result: dict[str, list] = {}
+        client = threading.Thread(target=lambda: result.update(replies=generate(router, "victim", prompt)))
+        client.start()
+        eventually(lambda: decode.status().used_blocks > 0, 30, "the transfer reserved blocks on decode")
+        prefill.kill()
+        killed = time.monotonic()
+        eventually(lambda: sum(decode.status().transfer_outcomes.values()) == 1, TRANSFER_DEADLINE_S + 1,
+                   "the decode worker ended the transfer")
+        freed_after = time.monotonic() - killed
+        client.join(30)
+
+        assert freed_after < TRANSFER_DEADLINE_S  # the disconnect freed it, not the deadline
+        assert dict(decode.status().transfer_outcomes) == {"CANCELLED": 1}
+        replies = result["replies"]
+        tokens = [t for reply in replies for t in reply.token_ids]
+        assert tokens == single_engine_tokens(make_engine(tiny_loaded), prompt, GREEDY)
+        assert replies[-1].prefill_worker == "" and replies[-1].decode_worker == decode.config.worker_id
+        m = scrape(f"http://{router.metrics_address}/metrics")
+        assert value(m, "pdserve_router_remote_prefills_total", outcome="fallback") == 1
+        eventually(lambda: clean(decode), 2, "the decode worker holds no blocks")
+    finally:
+        if router is not None:
+            router.stop()
+        decode.stop()
+        prefill.close()
+
+
+def test_kv_parked_for_a_request_prefilled_here_after_all_is_freed_with_it(tiny_loaded):
+    """The prefill worker died after the transfer completed but before it answered: the router
+    falls back to prefill on the decode worker, whose parked KV can never be resumed. It goes
+    when the request ends (the Decode call's abort), not at its TTL."""
+    decode = WorkerServer(WorkerConfig("decode", ENGINE, parked_ttl_s=300), tiny_loaded)
+    try:
+        address = decode.start()
+        PrefillSide.of(make_engine(tiny_loaded)).push("stranded", PROMPT, GrpcKVChannel(address))
+        assert decode.status().parked_transfers == 1
+        stub = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(address))
+        sampling = generation_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        request = worker_pb2.DecodeRequest(request_id="stranded", prompt_token_ids=PROMPT, sampling=sampling,
+                                           prefill_here=True)
+        replies = list(stub.Decode(request, timeout=30))
+        expected = single_engine_tokens(make_engine(tiny_loaded), PROMPT, GREEDY)
+        assert [t for r in replies for t in r.token_ids] == expected
+        assert not replies[0].used_transferred_kv
+        eventually(lambda: clean(decode), 2, "the decode worker holds no blocks")
+    finally:
+        decode.stop()
