@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -34,6 +35,40 @@ def port_is_free(port: int) -> bool:
                    for c in psutil.net_connections(kind="tcp"))
 
 
+def check_loadtest(port: int, out) -> None:
+    """`pdserve loadtest` writes the report and plots, and its counts agree with the router's
+    own Prometheus counters (scraped by the load test before and after, found via Admin)."""
+    command = [sys.executable, "-m", "pdserve.cli", "loadtest", "--router", f"127.0.0.1:{port}",
+               "--workload", "shared-prefix", "-p", "system_prompt_tokens=100", "-p", "question_tokens=8",
+               "-p", "output_tokens=6", "--requests", "8", "--concurrency", "2", "--out", str(out),
+               "--no-progress"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    report = json.loads((out / "report.json").read_text())
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        assert all(report[key][q] > 0 for q in ("p50", "p90", "p99")), (key, report[key])
+    assert report["throughput_tokens_per_s"] > 0 and report["errors"] == {}
+    assert report["counts"]["completed"] == 8 and report["output_tokens_total"] == 8 * 6
+    assert 0 < report["prefix_hit_rate"] < 1 and report["goodput"]["requests"] <= 8
+    server = report["server_metrics"]
+    assert server["error"] is None
+    assert server["pdserve_router_requests_total"] == {"OK": 8}
+    assert server["pdserve_router_generated_tokens_total"] == report["output_tokens_total"]
+    assert server["pdserve_router_prompt_tokens_total"] == report["prompt_tokens_total"]
+    assert server["pdserve_router_cached_tokens_total"] == report["cached_tokens_total"] > 0
+    plots = sorted(p.name for p in out.glob("*.png"))
+    assert plots and all((out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in plots), plots
+
+
+def check_status(port: int) -> None:
+    command = [sys.executable, "-m", "pdserve.cli", "status", "--router", f"127.0.0.1:{port}"]
+    status = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    rows = {line.split()[0]: line.split() for line in status.stdout.splitlines()[2:]}
+    assert set(rows) == {"prefill-0", "decode-0"}
+    assert all(row[3] == "serving" for row in rows.values()), status.stdout
+
+
 @pytest.mark.slow
 def test_up_answers_serves_and_ctrl_c_leaves_nothing(tmp_path):
     port = free_port()
@@ -50,6 +85,8 @@ def test_up_answers_serves_and_ctrl_c_leaves_nothing(tmp_path):
                    "--temperature", "0", "--max-tokens", "8", "Say hello."]
         served = subprocess.run(command, capture_output=True, text=True, timeout=120)
         assert served.returncode == 0 and served.stdout.strip(), served.stderr
+        check_loadtest(port, tmp_path / "loadtest")
+        check_status(port)
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
     finally:
