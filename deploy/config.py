@@ -37,7 +37,7 @@ class ClusterSpec:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int | None = 0  # router's Prometheus port; 0 = any free port, None = none
-    redis_url: str | None = None
+    redis_url: str | None = field(default=None, repr=False)  # may hold a password: not in repr()
     ray_address: str | None = None  # None = start a local Ray; "auto" = the running cluster
     block_size: int = 16
     kv_dtype: str = "float32"
@@ -55,6 +55,21 @@ class ClusterSpec:
     max_restarts: int = 3
     startup_timeout_s: float = 600.0
     actor_resources: dict[str, dict[str, float]] = field(default_factory=dict)  # role -> custom resources
+    # Security (docs/security.md): file paths, read when the cluster starts; None = off.
+    tls_cert: str | None = None  # the certificate the router and every worker serve
+    tls_key: str | None = None
+    tls_ca: str | None = None  # trusted when the router and workers dial each other (and clients: mTLS)
+    tls_require_client_cert: bool = False  # mutual TLS on every server
+    tls_client_cert: str | None = None  # what the router and prefill workers present under mutual TLS
+    tls_client_key: str | None = None
+    api_token_file: str | None = None  # the router's accepted bearer tokens, one per line
+    cluster_secret_file: str | None = None  # the secret of the internal services, one line
+    # The router's request limits. NOTE: the defaults mirror router.limits.RequestLimits (a test
+    # pins them); importing the router here would pull gRPC into this pure module.
+    max_prompt_tokens: int | None = None  # None: the model's context - 1
+    max_tokens_limit: int = 4096
+    max_message_bytes: int = 4 << 20
+    max_concurrent_streams: int = 256
 
     def __post_init__(self) -> None:
         if self.num_decode < 1:
@@ -78,6 +93,36 @@ class ClusterSpec:
                                      "not a custom resource; use gpus_per_worker for GPUs")
                 if amount < 0:
                     raise ValueError(f"{role}.resources.{name} must be >= 0, got {amount}")
+        for name, value in (("router.max_prompt_tokens (--max-prompt-tokens)", self.max_prompt_tokens),
+                            ("router.max_tokens_limit (--max-tokens-limit)", self.max_tokens_limit),
+                            ("router.max_message_bytes (--max-message-bytes)", self.max_message_bytes),
+                            ("router.max_concurrent_streams (--max-concurrent-streams)",
+                             self.max_concurrent_streams)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self._check_tls()
+
+    def _check_tls(self) -> None:
+        """Which TLS settings go together; whether the files exist is checked when the cluster starts."""
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls.cert (--tls-cert) and tls.key (--tls-key) go together: give both or "
+                             "neither")
+        if (self.tls_client_cert is None) != (self.tls_client_key is None):
+            raise ValueError("tls.client_cert (--tls-client-cert) and tls.client_key (--tls-client-key) go "
+                             "together: give both or neither")
+        needs_cert = {"tls.ca (--tls-ca)": self.tls_ca is not None,
+                      "tls.require_client_cert (--tls-require-client-cert)": self.tls_require_client_cert,
+                      "tls.client_cert (--tls-client-cert)": self.tls_client_cert is not None}
+        given = [name for name, on in needs_cert.items() if on]
+        if self.tls_cert is None and given:
+            raise ValueError(f"{', '.join(given)} needs tls.cert and tls.key (--tls-cert, --tls-key): "
+                             "the cluster serves TLS only with a certificate")
+        if self.tls_require_client_cert and (self.tls_ca is None or self.tls_client_cert is None):
+            raise ValueError("tls.require_client_cert (--tls-require-client-cert) needs tls.ca (--tls-ca), "
+                             "the CA of the client certificates, and tls.client_cert/tls.client_key "
+                             "(--tls-client-cert/--tls-client-key), the certificate the router and prefill "
+                             "workers present to the workers (client.pem from `python -m "
+                             "pdserve.security.certs`)")
 
     @property
     def scheduling_strategy(self) -> str:
@@ -93,6 +138,7 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 _NONE = type(None)
 _NUMBER = (int, float)
+_PATH = (str, _NONE)
 # dotted key in the file -> (ClusterSpec field, accepted types); a section is the part before the dot.
 FILE_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "model": ("model_path", (str, _NONE)),
@@ -113,12 +159,28 @@ FILE_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "router.routing": ("routing", (str,)),
     "router.min_remote_prefill_tokens": ("min_remote_prefill_tokens", (int,)),
     "router.max_in_flight_per_decode": ("max_in_flight_per_decode", (int,)),
+    "router.max_prompt_tokens": ("max_prompt_tokens", (int, _NONE)),
+    "router.max_tokens_limit": ("max_tokens_limit", (int,)),
+    "router.max_message_bytes": ("max_message_bytes", (int,)),
+    "router.max_concurrent_streams": ("max_concurrent_streams", (int,)),
     "redis_url": ("redis_url", (str, _NONE)),
     "ray_address": ("ray_address", (str, _NONE)),
     "namespace": ("namespace", (str,)),
+    "tls.cert": ("tls_cert", _PATH),
+    "tls.key": ("tls_key", _PATH),
+    "tls.ca": ("tls_ca", _PATH),
+    "tls.require_client_cert": ("tls_require_client_cert", (bool,)),
+    "tls.client_cert": ("tls_client_cert", _PATH),
+    "tls.client_key": ("tls_client_key", _PATH),
+    "auth.api_token_file": ("api_token_file", _PATH),
+    "auth.cluster_secret_file": ("cluster_secret_file", _PATH),
 }
+# Fields that name a file: a relative path in the file is relative to the file.
+PATH_FIELDS = ("model_path", "tls_cert", "tls_key", "tls_ca", "tls_client_cert", "tls_client_key",
+               "api_token_file", "cluster_secret_file")
 _SECTIONS = sorted({key.split(".")[0] for key in FILE_KEYS if "." in key})
-_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", dict: "a mapping", _NONE: "null"}
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", dict: "a mapping", _NONE: "null",
+               bool: "true or false"}
 
 
 def load_config(path: str | os.PathLike) -> ClusterSpec:
@@ -148,10 +210,12 @@ def spec_from_mapping(document: Any, path: str = "<config>") -> ClusterSpec:
             fields_[name] = value
     if resources:
         fields_["actor_resources"] = resources
-    model = fields_.get("model_path")
-    if model is not None and not os.path.isabs(os.path.expanduser(model)):
-        # NOTE: relative to the file, not to wherever `pdserve up` runs, so a file travels with its model.
-        fields_["model_path"] = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), model))
+    for name in PATH_FIELDS:
+        value = fields_.get(name)
+        if value is not None and not os.path.isabs(os.path.expanduser(value)):
+            # NOTE: relative to the file, not to wherever `pdserve up` runs, so a file travels with its
+            # model and certificates.
+            fields_[name] = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), value))
     try:
         return ClusterSpec(**fields_)
     except ValueError as exc:
@@ -202,8 +266,8 @@ def _unknown(path: str, key: str, known: list[str]) -> None:
 
 
 def _check_type(path: str, key: str, value: Any, types: tuple[type, ...]) -> None:
-    # NOTE: YAML reads `yes`/`on` as True, and bool is an int in Python; no key here is a flag.
-    if isinstance(value, bool) or not isinstance(value, types):
+    # NOTE: YAML reads `yes`/`on` as True, and bool is an int in Python: only a flag key takes one.
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
         names = [_TYPE_NAMES[t] for t in types if not (t is int and float in types)]
         wanted = " or ".join(names)
         raise ValueError(f"{path}: '{key}' must be {wanted}, got {value!r} ({type(value).__name__})")

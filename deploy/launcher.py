@@ -1,12 +1,18 @@
 """`pdserve up`: a whole cluster from one command, and its clean teardown.
 
-    start:  Redis (embedded redis-server on a free loopback port, unless --redis-url)
+    start:  read the security files (certificates, API tokens, cluster secret: a bad one fails
+            here, before anything starts)
+            -> Redis (embedded redis-server on a free loopback port, unless --redis-url)
             -> Ray (local, or attach with --address) -> prefill and decode actors (each
                requiring its role's Ray custom resources; SPREAD across nodes or packed)
             -> router (Generation on --port) -> wait until every worker is live in the
             registry and every server answers health checks
     stop:   router, actors (graceful, then killed), Ray (if we started it), Redis (if we
             started it); Ctrl-C and SIGTERM both lead here, leaving no process or port.
+
+The router gets the whole SecurityConfig (TLS, API tokens, cluster secret); each worker gets
+the TLS file paths and the secret's value in its WorkerSpec and builds its own. A Redis URL
+is only ever printed or logged redacted (its password as ***).
 """
 
 from __future__ import annotations
@@ -23,7 +29,10 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.weights import load_model
 from pdserve.index.redis_index import RedisPrefixIndex
 from pdserve.index.registry import WorkerRegistry
+from pdserve.security import SecurityConfig, TLSConfig, read_secret, read_secrets_file
+from pdserve.security.redis_auth import check_redis_credentials, redact_redis_url
 from pdserve.worker.actor import WorkerSpec
+from router.limits import RequestLimits
 from router.placement import PlacementConfig
 from router.server import RouterConfig, RouterServer
 from router.service import RouterPolicyConfig
@@ -40,6 +49,7 @@ class LocalCluster:
         self.actors: dict[str, object] = {}
         self.router: RouterServer | None = None
         self.registry: WorkerRegistry | None = None
+        self.security = SecurityConfig()  # the router's; read from the spec's files in start()
         self._started_ray = False
 
     # --- start ------------------------------------------------------------------------------
@@ -51,8 +61,15 @@ class LocalCluster:
             raise
 
     def _start(self) -> str:
+        self.security = self._read_security()
+        self.say(f"security {self.security.describe()}")
+        for warning in self.security.exposure_warnings(self.spec.host, public=False):
+            self.say(f"warning  workers: {warning}")  # the router logs its own
         self.redis_url, self.redis_server = ensure_redis(self.spec.redis_url)
-        self.say(f"redis    {self.redis_url}" + (" (embedded)" if self.redis_server else ""))
+        if self.redis_server is None:
+            check_redis_credentials(self.redis_url)  # a refused password fails here, the URL redacted
+        embedded = " (embedded)" if self.redis_server else ""
+        self.say(f"redis    {redact_redis_url(self.redis_url)}{embedded}")
         client = redis.Redis.from_url(self.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self.registry = WorkerRegistry(client, self.spec.namespace)
         self._init_ray()
@@ -70,12 +87,32 @@ class LocalCluster:
             self.say(f"metrics  http://{self.router.metrics_address}/metrics")
         return address
 
+    def _read_security(self) -> SecurityConfig:
+        """The router's SecurityConfig from the spec's files; ValueError names a bad flag or file."""
+        s = self.spec
+        tls = TLSConfig(s.tls_cert, s.tls_key, s.tls_ca, s.tls_require_client_cert) if s.tls_cert else None
+        tokens = read_secrets_file(s.api_token_file, "API token") if s.api_token_file else ()
+        secret = read_secret(file=s.cluster_secret_file, what="cluster secret")
+        return SecurityConfig(tls=tls, client_cert=s.tls_client_cert, client_key=s.tls_client_key,
+                              api_tokens=tokens, cluster_secret=secret)
+
+    def client_security(self) -> SecurityConfig:
+        """How a client dials this cluster's router: its CA, the client certificate, the first API token."""
+        sec = self.security
+        tls = TLSConfig(ca=sec.tls.ca) if sec.tls is not None else None
+        return SecurityConfig(tls=tls, client_cert=sec.client_cert, client_key=sec.client_key,
+                              api_tokens=sec.api_tokens[:1])
+
     def _router(self, client: redis.Redis, tokenizer: Tokenizer, max_context_tokens: int) -> RouterServer:
         s = self.spec
         placement = PlacementConfig(policy=s.routing, min_remote_prefill_tokens=s.min_remote_prefill_tokens,
                                     kv_dtype=s.kv_dtype, max_in_flight_per_decode=s.max_in_flight_per_decode)
+        limits = RequestLimits(max_prompt_tokens=s.max_prompt_tokens, max_tokens_limit=s.max_tokens_limit,
+                               max_message_bytes=s.max_message_bytes,
+                               max_concurrent_streams=s.max_concurrent_streams)
         config = RouterConfig(host=s.host, port=s.port, metrics_port=s.metrics_port, placement=placement,
-                              policy=RouterPolicyConfig(max_context_tokens=max_context_tokens))
+                              policy=RouterPolicyConfig(max_context_tokens=max_context_tokens), limits=limits,
+                              security=self.security)
         # NOTE: the router's own Redis client fails fast: a dead index must cost a request
         # at most one short timeout before the circuit breaker routes by load alone.
         fast = redis.Redis.from_url(self.redis_url, socket_timeout=0.25, socket_connect_timeout=0.25,
@@ -160,7 +197,11 @@ class LocalCluster:
         return WorkerSpec(role=role, worker_id=worker_id, redis_url=self.redis_url, model_path=s.model_path,
                           host=s.host, block_size=s.block_size, kv_dtype=s.kv_dtype, num_blocks=s.num_blocks,
                           kv_cache_gib=s.kv_cache_gib, max_num_batched_tokens=s.max_batched_tokens,
-                          torch_threads=threads, namespace=s.namespace)
+                          torch_threads=threads, namespace=s.namespace,
+                          tls_cert=s.tls_cert, tls_key=s.tls_key, tls_ca=s.tls_ca,
+                          tls_require_client_cert=s.tls_require_client_cert,
+                          tls_client_cert=s.tls_client_cert, tls_client_key=s.tls_client_key,
+                          cluster_secret=self.security.cluster_secret)
 
     def _wait_until_live(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s

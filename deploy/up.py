@@ -9,6 +9,8 @@ import threading
 
 from deploy.config import ClusterSpec, load_config, with_overrides
 from deploy.launcher import LocalCluster
+from pdserve.security import SecurityConfig
+from pdserve.security.redis_auth import RedisAuthFailed
 
 SAMPLE_QUESTION = "What is the capital of France?"
 # `pdserve up` flags (argparse dests) -> the ClusterSpec fields they set; most keep their name
@@ -16,7 +18,9 @@ _RENAMED = {"model": "model_path", "prefill": "num_prefill", "decode": "num_deco
 FLAG_FIELDS = {dest: _RENAMED.get(dest, dest) for dest in (
     "model", "prefill", "decode", "placement", "gpus_per_worker", "host", "port", "metrics_port", "redis_url",
     "address", "namespace", "block_size", "kv_dtype", "num_blocks", "kv_cache_gib", "max_batched_tokens",
-    "routing", "min_remote_prefill_tokens")}
+    "routing", "min_remote_prefill_tokens", "max_prompt_tokens", "max_tokens_limit", "max_message_bytes",
+    "max_concurrent_streams", "tls_cert", "tls_key", "tls_ca", "tls_require_client_cert", "tls_client_cert",
+    "tls_client_key", "api_token_file", "cluster_secret_file")}
 
 
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
@@ -25,10 +29,11 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     return with_overrides(base, {name: getattr(args, flag) for flag, name in FLAG_FIELDS.items()})
 
 
-def answer_sample(address: str) -> None:
+def answer_sample(address: str, security: SecurityConfig) -> None:
     from pdserve.client import PdserveClient
+    from pdserve.client_security import client_kwargs
 
-    with PdserveClient(address, timeout_s=120) as client:
+    with PdserveClient(address, timeout_s=120, **client_kwargs(security)) as client:
         print(f"\nuser: {SAMPLE_QUESTION}\nassistant: ", end="", flush=True)
         stream = client.stream(SAMPLE_QUESTION, temperature=0, max_tokens=64)
         for delta in stream.deltas():
@@ -40,6 +45,19 @@ def answer_sample(address: str) -> None:
               f" · decode {done.decode_worker}]\n", flush=True)
 
 
+def client_flags(spec: ClusterSpec, num_tokens: int) -> str:
+    """The flags a `pdserve generate --router` needs for this cluster ('' when it is open)."""
+    flags = []
+    if spec.tls_ca is not None:
+        flags.append(f"--tls-ca {spec.tls_ca}")
+    if spec.tls_require_client_cert:
+        flags.append(f"--tls-client-cert {spec.tls_client_cert} --tls-client-key {spec.tls_client_key}")
+    if spec.api_token_file is not None:
+        # NOTE: a client sends one token; the router's file may list several.
+        flags.append(f"--api-token-file {spec.api_token_file if num_tokens == 1 else 'ONE-TOKEN-FILE'}")
+    return "".join(f" {flag}" for flag in flags)
+
+
 def run_up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -49,13 +67,17 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         address = cluster.start()
         if not args.no_sample:
-            answer_sample(address)
-        print(f"serving on {address}; try:  pdserve generate --router {address} \"Hello\"\n"
+            answer_sample(address, cluster.client_security())
+        flags = client_flags(cluster.spec, len(cluster.security.api_tokens))
+        print(f"serving on {address}; try:  pdserve generate --router {address}{flags} \"Hello\"\n"
               "press Ctrl-C to stop", flush=True)
         while not stop.wait(0.5):
             pass
     except KeyboardInterrupt:
         pass
+    except RedisAuthFailed as exc:  # a user error, like a bad flag: no traceback
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     finally:
         # NOTE: a second Ctrl-C must not cut the teardown short and strand processes.
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from loadtest.workloads import WORKLOADS, describe_workloads, make_workload, parse_params
+from pdserve.client_security import add_client_security_arguments, security_from_args
 
 DESCRIPTION = (
     "Load-test a running pdserve router: send a workload's requests over gRPC, open loop (Poisson "
@@ -117,6 +118,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
                    help="print the report (or comparison) as JSON instead of a table")
     p.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
+    add_client_security_arguments(p)  # compare mode: the same for --router and --against
 
 
 def run(args: argparse.Namespace) -> int:
@@ -158,7 +160,7 @@ def config_from_args(args: argparse.Namespace):  # -> LoadTestConfig (imported l
         options=RequestOptions(temperature=args.temperature, ignore_eos=args.ignore_eos,
                                routing=args.routing, timeout_s=args.timeout),
         metrics_url=args.metrics_url, progress=not args.no_progress,
-        connect_timeout_s=args.connect_timeout, label=args.label or "")
+        connect_timeout_s=args.connect_timeout, label=args.label or "", security=security_from_args(args))
 
 
 def _run_one(args: argparse.Namespace, config) -> int:

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-import grpc
 from tqdm import tqdm
 
 from loadtest.arrivals import Arrivals, Bounds, ClosedLoop, Poisson, scheduled_offsets
@@ -33,6 +32,8 @@ from loadtest.server_metrics import MetricsProbe, discover_metrics_url
 from loadtest.stats import SLO, RequestRecord, build_report
 from loadtest.workloads import ConversationHistory, RequestSpec, Synthetic, Workload, workload_params
 from pdserve.client import TIMING_FIELDS, USAGE_FIELDS, AsyncPdserveClient, PdserveError
+from pdserve.client_security import client_kwargs
+from pdserve.security import SecurityConfig
 from protos.pdserve.v1 import generation_pb2 as pb
 
 
@@ -59,6 +60,7 @@ class LoadTestConfig:
     progress: bool = False
     connect_timeout_s: float = 10.0
     label: str = ""  # names this run in compare mode
+    security: SecurityConfig | None = None  # TLS and the API token to dial with; None: plaintext, no token
 
     def describe(self) -> dict[str, Any]:
         """The report's record of what was run."""
@@ -88,14 +90,17 @@ def run_loadtest(config: LoadTestConfig, out_dir: str | None = None) -> dict[str
 
 
 async def run_loadtest_async(config: LoadTestConfig) -> RunResult:
-    await wait_for_router(config.router, config.connect_timeout_s)
-    metrics_url = config.metrics_url or await asyncio.to_thread(discover_metrics_url, config.router)
+    security = config.security or SecurityConfig()
+    await wait_for_router(config.router, config.connect_timeout_s, security)
+    metrics_url = config.metrics_url or await asyncio.to_thread(discover_metrics_url, config.router,
+                                                                security=security)
     probe = MetricsProbe(metrics_url) if metrics_url else None
     if probe:
         await asyncio.to_thread(probe.before)
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     specs = config.workload.requests(config.bounds.requests, random.Random(config.seed))
-    async with AsyncPdserveClient(config.router, timeout_s=config.options.timeout_s) as client:
+    async with AsyncPdserveClient(config.router, timeout_s=config.options.timeout_s,
+                                  **client_kwargs(security)) as client:
         run = _Run(client, config)
         with run.progress_bar():
             await run.drive(specs)
@@ -106,9 +111,9 @@ async def run_loadtest_async(config: LoadTestConfig) -> RunResult:
     return RunResult(report, sorted(run.records, key=lambda r: r.index))
 
 
-async def wait_for_router(target: str, timeout_s: float) -> None:
+async def wait_for_router(target: str, timeout_s: float, security: SecurityConfig | None = None) -> None:
     """Raise ValueError (a user error) if no connection to target is made within timeout_s."""
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with (security or SecurityConfig()).open_channel(target, internal=False, aio=True) as channel:
         try:
             await asyncio.wait_for(channel.channel_ready(), timeout_s)
         except TimeoutError:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import urllib.request
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -23,6 +23,9 @@ ROUTER_COUNTERS = (
     "pdserve_router_generated_tokens_total",
 )
 BY_LABEL = "code"
+
+if TYPE_CHECKING:
+    from pdserve.security import SecurityConfig
 
 CounterValue = float | dict[str, float]
 
@@ -65,13 +68,16 @@ def counter_deltas(before: Mapping[str, CounterValue], after: Mapping[str, Count
     return out
 
 
-def discover_metrics_url(router: str, timeout_s: float = 5.0) -> str | None:
-    """The router's own /metrics URL, from its Admin ClusterStatus; None if it does not say."""
+def discover_metrics_url(router: str, timeout_s: float = 5.0, *,
+                         security: SecurityConfig | None = None) -> str | None:
+    """The router's own /metrics URL, from its Admin ClusterStatus; None if it does not say (or
+    refuses: Admin needs the API token, which security carries)."""
     import grpc
 
+    from pdserve.security import SecurityConfig
     from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc
 
-    with grpc.insecure_channel(router) as channel:
+    with (security or SecurityConfig()).open_channel(router, internal=False) as channel:
         try:
             reply = admin_pb2_grpc.AdminStub(channel).ClusterStatus(admin_pb2.ClusterStatusRequest(),
                                                                     timeout=timeout_s)

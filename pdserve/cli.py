@@ -13,9 +13,14 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pdserve import __version__
+from pdserve.client_security import add_client_security_arguments, given_flags
 from pdserve.engine.config import KV_DTYPES, CacheConfig, SchedulerConfig
+
+if TYPE_CHECKING:
+    from deploy.config import ClusterSpec
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30
 
@@ -166,6 +171,7 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--input", metavar="FILE.jsonl",
                    help="read requests from a JSON Lines file, one request object per line")
     p.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
+    add_client_security_arguments(p)
     p.set_defaults(handler=_run_generate)
 
 
@@ -174,6 +180,10 @@ def _run_generate(args: argparse.Namespace) -> int:
         from pdserve.remote_cli import run_remote_generate
 
         return run_remote_generate(args)
+    security_flags = given_flags(args)
+    if security_flags:
+        raise ValueError(f"{', '.join(security_flags)} apply to --router only: --local runs the engine "
+                         "in this process, with no connection to secure")
     from pdserve.generate_cli import run_generate
 
     return run_generate(args)
@@ -205,6 +215,7 @@ def _add_chat(commands: argparse._SubParsersAction) -> None:
                    help="end a reply when it contains TEXT; repeat for several stop strings")
     p.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
                    help="deadline for each reply (default: %(default)s)")
+    add_client_security_arguments(p)
     p.set_defaults(handler=_run_chat)
 
 
@@ -276,9 +287,54 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--min-remote-prefill-tokens", type=int, metavar="N",
                    help="least_load/round_robin: prompts shorter than N tokens are prefilled on the "
                         f"decode worker, with no KV transfer (default: {d.min_remote_prefill_tokens})")
+    _add_up_limits(p, d)
+    _add_up_security(p)
     p.add_argument("--no-sample", action="store_true",
                    help="do not answer the sample chat after start-up")
     p.set_defaults(handler=_run_up)
+
+
+def _add_up_limits(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
+    limits = p.add_argument_group("request limits", "what one Generate call may ask of the router; "
+                                                    "more is refused before any worker is touched")
+    limits.add_argument("--max-prompt-tokens", type=int, metavar="N",
+                        help="longest prompt in tokens, INVALID_ARGUMENT beyond "
+                             "(default: the model's context - 1)")
+    limits.add_argument("--max-tokens-limit", type=int, metavar="N",
+                        help=f"largest max_tokens a request may ask for (default: {d.max_tokens_limit})")
+    limits.add_argument("--max-message-bytes", type=int, metavar="BYTES",
+                        help="largest request message the router accepts; RESOURCE_EXHAUSTED beyond "
+                             f"(default: {d.max_message_bytes})")
+    limits.add_argument("--max-concurrent-streams", type=int, metavar="N",
+                        help="Generate calls in flight at the router; more are refused with "
+                             f"RESOURCE_EXHAUSTED and a retry hint (default: {d.max_concurrent_streams})")
+
+
+def _add_up_security(p: argparse.ArgumentParser) -> None:
+    security = p.add_argument_group(
+        "security", "TLS, API tokens and the cluster secret (docs/security.md); none given = plaintext and "
+                    "open, which is safe only on loopback. Make a development CA with "
+                    "`python -m pdserve.security.certs --out certs/`")
+    security.add_argument("--tls-cert", metavar="FILE",
+                          help="serve TLS on the router and every worker with this certificate "
+                               "(with --tls-key); it must name every address clients and workers dial")
+    security.add_argument("--tls-key", metavar="FILE", help="private key of --tls-cert")
+    security.add_argument("--tls-ca", metavar="FILE",
+                          help="the CA the router and workers trust when they dial each other, and that "
+                               "signs client certificates under --tls-require-client-cert")
+    security.add_argument("--tls-require-client-cert", action="store_true", default=None,
+                          help="mutual TLS: refuse clients without a certificate signed by --tls-ca; needs "
+                               "--tls-client-cert/--tls-client-key for the cluster's own calls")
+    security.add_argument("--tls-client-cert", metavar="FILE",
+                          help="certificate the router and prefill workers present to workers under "
+                               "mutual TLS (client.pem from the development CA)")
+    security.add_argument("--tls-client-key", metavar="FILE", help="private key of --tls-client-cert")
+    security.add_argument("--api-token-file", metavar="FILE",
+                          help="require a bearer token on the router's Generation and Admin APIs: the "
+                               "accepted tokens, one per line (# comments skipped)")
+    security.add_argument("--cluster-secret-file", metavar="FILE",
+                          help="require this secret (one line) on the workers' Worker and KVTransfer "
+                               "services; the router and workers send it to each other")
 
 
 def _run_up(args: argparse.Namespace) -> int:
@@ -302,6 +358,7 @@ def _add_status(commands: argparse._SubParsersAction) -> None:
                    help="print again every SECONDS until Ctrl-C (default: print once)")
     p.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
                    help="deadline for the status call (default: %(default)s)")
+    add_client_security_arguments(p)
     p.set_defaults(handler=_run_status)
 
 

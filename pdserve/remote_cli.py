@@ -13,6 +13,7 @@ import sys
 from typing import Any, TextIO
 
 from pdserve.client import DEFAULT_TIMEOUT_S, Completion, PdserveClient, PdserveError, RouterUnreachable
+from pdserve.client_security import client_kwargs, security_from_args
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "stop_token_ids",
                  "ignore_eos")
@@ -29,7 +30,8 @@ def run_remote_generate(args: argparse.Namespace) -> int:
         raise ValueError("--input reads the prompts from the file; drop PROMPT / --token-ids")
     sampling = sampling_kwargs(args)
     prompt = None if args.input else prompt_kwargs(args)
-    with PdserveClient(args.router, timeout_s=getattr(args, "timeout", DEFAULT_TIMEOUT_S)) as client:
+    timeout_s = getattr(args, "timeout", DEFAULT_TIMEOUT_S)
+    with PdserveClient(args.router, timeout_s=timeout_s, **client_kwargs(security_from_args(args))) as client:
         try:
             if args.input:
                 return _run_jsonl(client, args.input, args, sampling)
@@ -147,7 +149,8 @@ def request_from_json_line(line: str, lineno: int, args: argparse.Namespace) -> 
 # --- chat ---------------------------------------------------------------------------------------
 
 def run_chat(args: argparse.Namespace) -> int:
-    with PdserveClient(args.router, timeout_s=args.timeout) as client:
+    secure = client_kwargs(security_from_args(args))
+    with PdserveClient(args.router, timeout_s=args.timeout, **secure) as client:
         return ChatSession(client, args.system, sampling_kwargs(args)).run()
 
 

@@ -17,25 +17,33 @@ import time
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from pdserve.client_security import security_from_args
 from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc
 
 COLUMNS = ("worker", "role", "node", "state", "queue", "KV used", "hit rate", "sent", "received", "failed")
 
 
 def run_status(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.router) as channel:
+    with security_from_args(args).open_channel(args.router, internal=False) as channel:
         stub = admin_pb2_grpc.AdminStub(channel)
         while True:
             try:
                 reply = stub.ClusterStatus(admin_pb2.ClusterStatusRequest(), timeout=args.timeout)
             except grpc.RpcError as e:
-                print(f"{e.code().name}: cannot read the cluster status from {args.router}: {e.details()}; "
-                      "is the router running (`pdserve up`) and is --router its address?", file=sys.stderr)
+                print(f"{e.code().name}: cannot read the cluster status from {args.router}: {e.details()}"
+                      f"{_hint(e.code())}", file=sys.stderr)
                 return 1
             print(json.dumps(MessageToDict(reply), indent=2) if args.json else render(reply), flush=True)
             if not args.watch:
                 return 0
             time.sleep(args.watch)
+
+
+def _hint(code: grpc.StatusCode) -> str:
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return ("; is the router running (`pdserve up`) and is --router its address? If it serves TLS, "
+                "give --tls-ca")
+    return ""  # e.g. UNAUTHENTICATED: the router's message already names --api-token-file
 
 
 def render(reply: admin_pb2.ClusterStatusReply) -> str:

@@ -23,6 +23,7 @@ shared system prompt) the request stays on D with no transfer at all.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
@@ -41,11 +42,15 @@ class ScoringWeights:
     local_prefill_max_tokens: int = 256  # below this, the uncached part is prefilled on D
 
     def overridden(self, overrides: Mapping[str, float]) -> ScoringWeights:
-        """A copy with per-request overrides; ValueError names an unknown weight."""
+        """A copy with per-request overrides; ValueError names an unknown or out-of-range weight."""
         known = {f.name: f.type for f in fields(self)}
         unknown = sorted(set(overrides) - set(known))
         if unknown:
             raise ValueError(f"unknown routing weight(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        # NOTE: a NaN weight makes every cost NaN (no cheapest option), a negative one rewards load.
+        bad = next(((k, v) for k, v in sorted(overrides.items()) if not (math.isfinite(v) and v >= 0)), None)
+        if bad is not None:
+            raise ValueError(f"routing weight {bad[0]} must be a finite number >= 0, got {bad[1]}")
         cast = {k: int(v) if k == "local_prefill_max_tokens" else float(v) for k, v in overrides.items()}
         return replace(self, **cast)
 

@@ -1,7 +1,19 @@
-"""RouterServer: the Generation service on a port, with gRPC health and reflection."""
+"""RouterServer: the Generation service on a port, with gRPC health and reflection.
+
+The public server takes requests of at most limits.max_message_bytes (gRPC answers a bigger
+one RESOURCE_EXHAUSTED before it is parsed) and has a thread for every Generate stream the
+limits allow, plus some for Admin and health calls; past that, gRPC refuses calls at once
+instead of queueing them.
+
+Security (config.security, None = plaintext and no checks): Generation and Admin demand a
+bearer API token, health and reflection stay open; the port serves TLS when the config has
+a certificate; the router dials workers with the same TLS and the cluster secret
+(router/workers.py). Binding a non-loopback host logs what the config leaves open.
+"""
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -13,12 +25,18 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.metrics import MetricsEndpoint
+from pdserve.security import SecurityConfig
 from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from router.admin import AdminServicer, RouterIdentity
+from router.limits import RequestLimits
 from router.metrics import RouterMetrics
 from router.placement import MatchFn, PlacementConfig, Placer
 from router.service import GenerationServicer, RouterPolicyConfig
 from router.workers import CHANNEL_OPTIONS, WorkerDirectory, WorkerRecord
+
+log = logging.getLogger(__name__)
+
+SPARE_THREADS = 16  # beyond the stream limit: Admin, health, reflection, and refusing extra calls
 
 
 @dataclass(frozen=True)
@@ -27,9 +45,11 @@ class RouterConfig:
     port: int = 50051
     policy: RouterPolicyConfig = field(default_factory=RouterPolicyConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    limits: RequestLimits = field(default_factory=RequestLimits)
     refresh_s: float = 0.5
-    grpc_threads: int = 64
+    grpc_threads: int = 64  # at least; raised to fit limits.max_concurrent_streams
     metrics_port: int | None = 0  # Prometheus /metrics on host:port; 0 = any free port, None = off
+    security: SecurityConfig | None = None  # None: plaintext, no tokens, no cluster secret
 
 
 class RouterServer:
@@ -38,13 +58,14 @@ class RouterServer:
                  load_of: Callable[[str], dict[str, int]] | None = None,
                  rng: random.Random | None = None) -> None:
         self.config = config
-        self.directory = WorkerDirectory(live_workers, config.refresh_s, load_of)
+        self.security = config.security or SecurityConfig()
+        self.directory = WorkerDirectory(live_workers, config.refresh_s, load_of, self.security)
         self.placer = Placer(self.directory, config.placement, match, rng=rng)
         self.metrics = RouterMetrics()
         self.metrics_endpoint = (MetricsEndpoint(self.metrics.registry, config.host, config.metrics_port)
                                  if config.metrics_port is not None else None)
         self.servicer = GenerationServicer(tokenizer, self.directory, self.placer, config.policy,
-                                           self.metrics)
+                                           self.metrics, config.limits)
         self.admin = AdminServicer(self.directory, self.placer, lambda: self.servicer.requests_in_flight,
                                    self.identity)
         self.health = health.HealthServicer()
@@ -59,8 +80,12 @@ class RouterServer:
         return RouterIdentity(self.address, self.metrics_address, self.config.placement.policy)
 
     def start(self) -> str:
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.config.grpc_threads),
-                             options=CHANNEL_OPTIONS)
+        threads = max(self.config.grpc_threads, self.config.limits.max_concurrent_streams + SPARE_THREADS)
+        # NOTE: the servicer refuses streams over the limit with a retry hint; gRPC's own cap is
+        # the backstop, so that a flood of calls cannot queue behind busy threads.
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=self._server_options(),
+                             maximum_concurrent_rpcs=threads,
+                             interceptors=self.security.server_interceptors(public=True))
         generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)
         admin_pb2_grpc.add_AdminServicer_to_server(self.admin, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -68,7 +93,9 @@ class RouterServer:
                  admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
                  health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
-        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        for warning in self.security.exposure_warnings(self.config.host, public=True):
+            log.warning("router: %s", warning)
+        port = self.security.add_port(server, f"{self.config.host}:{self.config.port}")
         if port == 0:
             raise OSError(f"router: cannot bind {self.config.host}:{self.config.port}; "
                           "is another pdserve running? choose another --port")
@@ -80,6 +107,10 @@ class RouterServer:
         self.address = f"{self.config.host}:{port}"
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         return self.address
+
+    def _server_options(self) -> list[tuple[str, int]]:
+        receive = ("grpc.max_receive_message_length", self.config.limits.max_message_bytes)
+        return [o for o in CHANNEL_OPTIONS if o[0] != receive[0]] + [receive]
 
     def stop(self, grace_s: float = 0.0) -> None:
         self.health.enter_graceful_shutdown()

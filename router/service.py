@@ -6,7 +6,13 @@ Lifecycle of a request at the router (RequestPhase):
 A failed remote prefill (worker down, transfer failed) falls back to prefill on the decode
 worker, so the output stays exact; bad input is INVALID_ARGUMENT before any worker is
 touched; a cancelled or expired client call cancels the downstream calls, which free the
-request's blocks on both workers.
+request's blocks on both workers. Before RECEIVED, a call over max_concurrent_streams is
+refused at once (RESOURCE_EXHAUSTED, retry-after-ms trailer); it is never queued. The
+request limits and their checks are in router/limits.py.
+
+Workers see the request under its own id (the client's request_id plus a random suffix), so
+two clients that pick the same request_id never collide on a worker; replies carry the
+client's id.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import grpc
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.worker.convert import sampling_from_proto
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
+from router import limits as lim
+from router.limits import RequestLimits, StreamLimitReached
 from router.metrics import RouterMetrics
 from router.placement import AdmissionRefused, Placement, Placer
 from router.policy import NoWorkerError
@@ -68,13 +76,19 @@ class InvalidPrompt(ValueError):
     pass
 
 
-def prompt_token_ids(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+class _ClientGone(Exception):
+    """The client's call ended (cancelled, or past its deadline) while we waited on a worker."""
+
+
+def prompt_token_ids(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer,
+                     limits: RequestLimits | None = None) -> list[int]:
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise InvalidPrompt("prompt is missing: set one of text, chat or token_ids")
     if kind == "token_ids":
         ids = list(request.token_ids.ids)
     elif kind == "chat":
+        lim.check_chat(len(request.chat.messages), limits or RequestLimits())
         ids = tokenizer.apply_chat_template(_chat_messages(request.chat), add_generation_prompt=True)
     elif request.raw:
         ids = tokenizer.encode(request.text)
@@ -101,35 +115,55 @@ def _chat_messages(chat: generation_pb2.ChatMessages) -> list[dict[str, str]]:
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: Tokenizer, directory: WorkerDirectory, placer: Placer,
-                 config: RouterPolicyConfig, metrics: RouterMetrics | None = None) -> None:
+                 config: RouterPolicyConfig, metrics: RouterMetrics | None = None,
+                 limits: RequestLimits | None = None) -> None:
         self.tokenizer, self.directory, self.placer, self.config = tokenizer, directory, placer, config
         self.metrics = metrics or RouterMetrics()
+        self.limits = limits or RequestLimits()
         self.requests_in_flight = 0
         self._lock = threading.Lock()
 
     def Generate(self, request, context):  # noqa: N802
         trace = _Trace()
-        self._count_in_flight(+1)
+        refused = self._enter()
         try:
+            if refused is not None:
+                self._refuse(trace, context, str(refused), refused.retry_after_s)
             yield from self._generate(request, trace, context)
+        except _ClientGone:
+            pass  # the call is already over; _record names it CANCELLED or DEADLINE_EXCEEDED
         finally:
-            self._count_in_flight(-1)
+            if refused is None:
+                self._leave()
             self._record(trace, context)
 
-    def _count_in_flight(self, delta: int) -> None:
+    def _enter(self) -> StreamLimitReached | None:
+        """Count one more stream in flight, or return the refusal when the limit is reached."""
         with self._lock:
-            self.requests_in_flight += delta
-        self.metrics.in_flight.inc(delta)
+            try:
+                lim.check_streams(self.requests_in_flight, self.limits)
+            except StreamLimitReached as e:
+                return e
+            self.requests_in_flight += 1
+        self.metrics.in_flight.inc()
+        return None
+
+    def _leave(self) -> None:
+        with self._lock:
+            self.requests_in_flight -= 1
+        self.metrics.in_flight.dec()
 
     def _generate(self, request, trace: _Trace, context):
-        rid = request.request_id or uuid.uuid4().hex
         prompt, sampling = self._validated(request, trace, context)
+        rid = request.request_id or uuid.uuid4().hex
+        worker_rid = f"{rid}.{uuid.uuid4().hex[:12]}" if request.request_id else rid
         unavailable: set[str] = set()  # decode workers that refused or died before the first token
         while True:
             placement = self._place(prompt, request, trace, context, exclude=unavailable)
             with self.directory.track(placement.decode, placement.prefill):
-                prefill = self._remote_prefill(rid, prompt, sampling, placement, trace, context)
-                retry = yield from self._decode(rid, prompt, sampling, placement, prefill, trace, context)
+                prefill = self._remote_prefill(worker_rid, prompt, sampling, placement, trace, context)
+                retry = yield from self._decode(worker_rid, rid, prompt, sampling, placement, prefill, trace,
+                                                context)
             if not retry:
                 return
             unavailable.add(placement.decode.worker_id)
@@ -140,6 +174,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         trace.code, trace.phase = code.name, RequestPhase.ABORTED
         context.abort(code, message)
 
+    def _refuse(self, trace: _Trace, context, message: str, retry_after_s: float):
+        """RESOURCE_EXHAUSTED now, with the retry hint also as a retry-after-ms trailer."""
+        context.set_trailing_metadata((("retry-after-ms", str(int(retry_after_s * 1000))),))
+        self._abort(trace, context, grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
     def _record(self, trace: _Trace, context) -> None:
         if trace.code is None:  # the client went away mid-stream
             remaining = context.time_remaining()
@@ -149,16 +188,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                               time.perf_counter() - trace.received)
 
     def _validated(self, request, trace: _Trace, context):
+        """(prompt ids, the sampling proto to send: max_tokens always set), or INVALID_ARGUMENT."""
+        limits, context_tokens = self.limits, self.config.max_context_tokens
         try:
-            sampling_from_proto(request.sampling)  # range checks before any worker is touched
-            prompt = prompt_token_ids(request, self.tokenizer)
-            limit = self.config.max_context_tokens
-            if limit is not None and len(prompt) >= limit:
-                raise InvalidPrompt(f"prompt has {len(prompt):,} tokens; this model's context is {limit:,} "
-                                    "(the prompt must leave room for at least 1 generated token)")
-            return prompt, request.sampling
+            lim.check_request_id(request.request_id, limits)
+            lim.check_sampling(sampling_from_proto(request.sampling), self.tokenizer.vocab_size, limits)
+            prompt = prompt_token_ids(request, self.tokenizer, limits)
+            lim.check_prompt(len(prompt), context_tokens, limits)
+            asked = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else None
+            max_tokens = lim.resolve_max_tokens(asked, len(prompt), context_tokens, limits)
         except ValueError as e:
             self._abort(trace, context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        sampling = generation_pb2.SamplingParams()
+        sampling.CopyFrom(request.sampling)
+        sampling.max_tokens = max_tokens
+        return prompt, sampling
 
     def _place(self, prompt: list[int], request, trace: _Trace, context, exclude=frozenset()) -> Placement:
         try:
@@ -168,9 +212,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._abort(trace, context, grpc.StatusCode.UNAVAILABLE, str(e))
         except AdmissionRefused as e:
             retry_ms = int(e.retry_after_s * 1000)
-            context.set_trailing_metadata((("retry-after-ms", str(retry_ms)),))
             hint = f"; retry after {retry_ms} ms" if retry_ms else ""
-            self._abort(trace, context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}{hint}")
+            self._refuse(trace, context, f"{e}{hint}", e.retry_after_s)
         except ValueError as e:
             self._abort(trace, context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
@@ -190,6 +233,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         context.add_callback(future.cancel)
         try:
             reply = future.result()
+        except grpc.FutureCancelledError:  # our callback: the client cancelled or its deadline passed
+            raise _ClientGone from None
         except grpc.RpcError as e:
             return self._prefill_failed(e, rid, placement, trace, context)
         trace.prefill_ms, trace.transfer_ms = reply.prefill_ms, reply.transfer_ms
@@ -205,10 +250,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     rid, placement.prefill.worker_id, e.code().name, e.details(), placement.decode.worker_id)
         return None
 
-    def _decode(self, rid, prompt, sampling, placement: Placement, prefill, trace: _Trace, context):
+    def _decode(self, worker_rid, rid, prompt, sampling, placement: Placement, prefill, trace: _Trace,
+                context):
         """Stream the decode worker's replies; True (retry elsewhere) when it was unavailable before
         the first token, so nothing has reached the client yet and another worker can start afresh."""
-        request = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+        request = worker_pb2.DecodeRequest(request_id=worker_rid, prompt_token_ids=prompt, sampling=sampling,
                                            prefill_here=prefill is None, detokenize=True)
         if prefill is not None:
             request.first_token, request.rng_state = prefill.first_token, prefill.rng_state

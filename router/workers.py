@@ -2,7 +2,8 @@
 
 The live list is refreshed in the background from a `source` (the Redis registry in a
 cluster); load is the router's own count of requests it has in flight on each worker,
-which is exact for a single router and needs no round trip.
+which is exact for a single router and needs no round trip. Stubs dial with the router's
+SecurityConfig as an internal client: its TLS, and the cluster secret on every call.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Protocol
 
 import grpc
 
+from pdserve.security import SecurityConfig
 from protos.pdserve.v1 import worker_pb2_grpc
 from router.policy import Candidate
 
@@ -34,8 +36,10 @@ class WorkerRecord(Protocol):
 
 class WorkerDirectory:
     def __init__(self, source: Callable[[], Sequence[WorkerRecord]], refresh_s: float = 0.5,
-                 load_source: Callable[[str], dict[str, int]] | None = None) -> None:
+                 load_source: Callable[[str], dict[str, int]] | None = None,
+                 security: SecurityConfig | None = None) -> None:
         self._source = source
+        self._security = security or SecurityConfig()
         self._load_source = load_source
         self._loads: dict[str, dict[str, int]] = {}
         self._refresh_s = refresh_s
@@ -112,7 +116,8 @@ class WorkerDirectory:
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                channel = self._security.open_channel(address, CHANNEL_OPTIONS, internal=True)
+                self._channels[address] = channel
         return worker_pb2_grpc.WorkerStub(channel)
 
     @contextmanager

@@ -46,10 +46,14 @@ def test_every_key_lands_on_its_field(tmp_path):
         cache: {block_size: 32, kv_dtype: bfloat16, kv_cache_gib: 4, num_blocks: 1000}
         scheduler: {max_batched_tokens: 4096}
         router: {port: 0, metrics_port: null, routing: least_load, min_remote_prefill_tokens: 8,
-                 max_in_flight_per_decode: 16}
+                 max_in_flight_per_decode: 16, max_prompt_tokens: 1000, max_tokens_limit: 512,
+                 max_message_bytes: 65536, max_concurrent_streams: 32}
         redis_url: redis://10.0.0.1:6380/0
         ray_address: auto
         namespace: prod
+        tls: {cert: /c/server.pem, key: /c/server-key.pem, ca: /c/ca.pem, require_client_cert: true,
+              client_cert: /c/client.pem, client_key: /c/client-key.pem}
+        auth: {api_token_file: /s/tokens.txt, cluster_secret_file: /s/secret.txt}
     """)
     assert load_config(path) == ClusterSpec(
         model_path="/models/llama.gguf", host="0.0.0.0", num_prefill=2, num_decode=3, placement="spread",
@@ -58,7 +62,10 @@ def test_every_key_lands_on_its_field(tmp_path):
         block_size=32, kv_dtype="bfloat16", kv_cache_gib=4, num_blocks=1000, max_batched_tokens=4096,
         port=0, metrics_port=None, routing="least_load", min_remote_prefill_tokens=8,
         max_in_flight_per_decode=16, redis_url="redis://10.0.0.1:6380/0", ray_address="auto",
-        namespace="prod")
+        namespace="prod", max_prompt_tokens=1000, max_tokens_limit=512, max_message_bytes=65536,
+        max_concurrent_streams=32, tls_cert="/c/server.pem", tls_key="/c/server-key.pem", tls_ca="/c/ca.pem",
+        tls_require_client_cert=True, tls_client_cert="/c/client.pem", tls_client_key="/c/client-key.pem",
+        api_token_file="/s/tokens.txt", cluster_secret_file="/s/secret.txt")
 
 
 def test_a_relative_model_path_is_relative_to_the_file(tmp_path):
@@ -72,7 +79,8 @@ def test_a_relative_model_path_is_relative_to_the_file(tmp_path):
     ("router: {prot: 1}", "unknown key 'router.prot' (did you mean 'router.port'?)"),
     ("cache: {blocks: 8}", "unknown key 'cache.blocks' (did you mean 'cache.num_blocks'?)"),
     ("gpus: 4", "unknown key 'gpus' (known keys: model, host, prefill, decode, placement, gpus_per_worker, "
-                "cache, scheduler, router, redis_url, ray_address, namespace)"),
+                "cache, scheduler, router, redis_url, ray_address, namespace, tls, auth)"),
+    ("tls: {certificate: a.pem}", "unknown key 'tls.certificate' (did you mean 'tls.cert'?)"),
 ])
 def test_an_unknown_key_is_named_with_the_file_and_a_suggestion(tmp_path, text, message):
     path = write(tmp_path, text)
@@ -91,9 +99,13 @@ def test_an_unknown_key_is_named_with_the_file_and_a_suggestion(tmp_path, text, 
     ("decode: {resources: {decode: one}}",
      "'decode.resources.decode' must be a number (units of the Ray resource), got 'one'"),
     ("router: 50051", "'router' must be a mapping of port, metrics_port, routing, min_remote_prefill_tokens, "
-                      "max_in_flight_per_decode, got 50051"),
+                      "max_in_flight_per_decode, max_prompt_tokens, max_tokens_limit, max_message_bytes, "
+                      "max_concurrent_streams, got 50051"),
     ("- model: x", "expected a mapping of keys (model, host, prefill, decode, placement, gpus_per_worker, "
-                   "cache, scheduler, router, redis_url, ray_address, namespace), got list"),
+                   "cache, scheduler, router, redis_url, ray_address, namespace, tls, auth), got list"),
+    ("tls: {require_client_cert: 1}", "'tls.require_client_cert' must be true or false, got 1 (int)"),
+    ("auth: {api_token_file: [a, b]}",
+     "'auth.api_token_file' must be a string or null, got ['a', 'b'] (list)"),
 ])
 def test_a_wrong_type_is_named_with_the_file(tmp_path, text, message):
     path = write(tmp_path, text)
@@ -116,12 +128,47 @@ def test_a_wrong_type_is_named_with_the_file(tmp_path, text, message):
     ("prefill: {resources: {GPU: 1}}", "prefill.resources.GPU: Ray takes GPU as an argument of its own, "
                                        "not a custom resource; use gpus_per_worker for GPUs"),
     ("gpus_per_worker: -1", "gpus_per_worker (--gpus-per-worker) must be >= 0, got -1"),
+    ("router: {max_concurrent_streams: 0}",
+     "router.max_concurrent_streams (--max-concurrent-streams) must be >= 1, got 0"),
+    ("router: {max_prompt_tokens: -5}",
+     "router.max_prompt_tokens (--max-prompt-tokens) must be >= 1, got -5"),
+    ("tls: {cert: a.pem}", "tls.cert (--tls-cert) and tls.key (--tls-key) go together: give both or neither"),
+    ("tls: {ca: ca.pem}", "tls.ca (--tls-ca) needs tls.cert and tls.key (--tls-cert, --tls-key): the "
+                          "cluster serves TLS only with a certificate"),
+    ("tls: {cert: a.pem, key: k.pem, ca: ca.pem, require_client_cert: true}",
+     "tls.require_client_cert (--tls-require-client-cert) needs tls.ca (--tls-ca), the CA of the client "
+     "certificates, and tls.client_cert/tls.client_key (--tls-client-cert/--tls-client-key), the certificate "
+     "the router and prefill workers present to the workers (client.pem from `python -m "
+     "pdserve.security.certs`)"),
 ])
 def test_a_bad_value_is_named_with_the_file(tmp_path, text, message):
     path = write(tmp_path, text)
     with pytest.raises(ValueError) as error:
         load_config(path)
     assert str(error.value) == f"{path}: {message}"
+
+
+def test_relative_certificate_and_secret_paths_are_relative_to_the_file(tmp_path):
+    path = write(tmp_path, """
+        tls: {cert: certs/server.pem, key: certs/server-key.pem, ca: /etc/pdserve/ca.pem}
+        auth: {api_token_file: ../tokens.txt, cluster_secret_file: secret.txt}
+    """, "conf.yaml")
+    (tmp_path / "conf").mkdir()
+    spec = load_config(path.rename(tmp_path / "conf" / "conf.yaml"))
+    assert (spec.tls_cert, spec.tls_key, spec.tls_ca) == (
+        str(tmp_path / "conf" / "certs" / "server.pem"), str(tmp_path / "conf" / "certs" / "server-key.pem"),
+        "/etc/pdserve/ca.pem")
+    assert (spec.api_token_file, spec.cluster_secret_file) == (str(tmp_path / "tokens.txt"),
+                                                               str(tmp_path / "conf" / "secret.txt"))
+
+
+def test_request_limit_defaults_mirror_the_router():
+    from router.limits import RequestLimits
+
+    spec, limits = ClusterSpec(), RequestLimits()
+    assert (spec.max_prompt_tokens, spec.max_tokens_limit, spec.max_message_bytes,
+            spec.max_concurrent_streams) == (limits.max_prompt_tokens, limits.max_tokens_limit,
+                                             limits.max_message_bytes, limits.max_concurrent_streams)
 
 
 def test_invalid_yaml_and_a_missing_file(tmp_path):
@@ -202,6 +249,29 @@ def test_every_up_flag_sets_a_field():
     assert topology_flags == set(FLAG_FIELDS)
     assert set(FLAG_FIELDS.values()) <= set(ClusterSpec.__dataclass_fields__)
     assert all(vars(args)[name] is None for name in FLAG_FIELDS)  # None = not given
+
+
+def test_security_and_limit_flags_set_their_fields():
+    spec = up_spec("--tls-cert", "s.pem", "--tls-key", "k.pem", "--tls-ca", "ca.pem",
+                   "--tls-require-client-cert", "--tls-client-cert", "c.pem", "--tls-client-key", "ck.pem",
+                   "--api-token-file", "t.txt", "--cluster-secret-file", "x.txt",
+                   "--max-prompt-tokens", "100", "--max-tokens-limit", "50",
+                   "--max-message-bytes", "4096", "--max-concurrent-streams", "8")
+    assert spec == ClusterSpec(tls_cert="s.pem", tls_key="k.pem", tls_ca="ca.pem",
+                               tls_require_client_cert=True, tls_client_cert="c.pem", tls_client_key="ck.pem",
+                               api_token_file="t.txt", cluster_secret_file="x.txt", max_prompt_tokens=100,
+                               max_tokens_limit=50, max_message_bytes=4096, max_concurrent_streams=8)
+    assert up_spec().tls_require_client_cert is False  # not given: the file's (or the default) stands
+
+
+def test_up_help_lists_the_security_and_limit_flags(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--tls-cert", "--tls-key", "--tls-ca", "--tls-require-client-cert", "--tls-client-cert",
+                 "--tls-client-key", "--api-token-file", "--cluster-secret-file", "--max-prompt-tokens",
+                 "--max-tokens-limit", "--max-message-bytes", "--max-concurrent-streams"):
+        assert flag in out
 
 
 def test_a_bad_file_is_a_usage_error(tmp_path, capsys):

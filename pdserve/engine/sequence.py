@@ -33,9 +33,15 @@ class SequenceStatus(enum.Enum):
         return self.value in ("stop", "length", "abort")
 
 
+GREEDY_BELOW = 1e-5  # a smaller temperature samples as greedy (as vLLM does)
+# NOTE: logits / temperature overflows float32 to inf once temperature is below ~1e-37, and the
+# softmax is then NaN; long before that the distribution is the argmax anyway.
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. temperature 0 is greedy; top_k 0 and top_p 1 are off."""
+    """How to pick tokens. temperature 0 (or below GREEDY_BELOW) is greedy; top_k 0 and top_p 1
+    are off. seed: any uint64."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -57,10 +63,14 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, got {min(self.stop_token_ids)}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass

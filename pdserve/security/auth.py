@@ -155,7 +155,7 @@ class BearerTokenInterceptor(_MetadataGate):
         header = _metadata_value(details, AUTHORIZATION_KEY)
         if header is None:
             return ("missing bearer token: send metadata 'authorization: Bearer <token>' "
-                    "(the pdserve CLI and client take --api-token-file / api_token=)")
+                    "(the pdserve CLI takes --api-token-file FILE, PdserveClient metadata=)")
         if not isinstance(header, str):
             return "the authorization metadata must be text, 'Bearer <token>'"
         scheme, _, token = header.partition(" ")

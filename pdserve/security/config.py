@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -11,6 +11,7 @@ import grpc
 from pdserve.security.auth import (
     BearerTokenInterceptor,
     ClusterSecretInterceptor,
+    auth_metadata,
     check_secret,
     metadata_interceptors,
 )
@@ -36,13 +37,16 @@ class SecurityConfig:
     api_tokens    server: the bearer tokens the public API accepts (empty = no check);
                   client: the one token it presents
     cluster_secret  the secret internal services demand and internal clients send (None = no check)
+
+    NOTE: the tokens and the secret are left out of repr(), so a config that ends up in a log
+    line or a traceback does not print them.
     """
 
     tls: TLSConfig | None = None
     client_cert: str | None = None
     client_key: str | None = None
-    api_tokens: tuple[str, ...] = ()
-    cluster_secret: str | None = None
+    api_tokens: tuple[str, ...] = field(default=(), repr=False)
+    cluster_secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_tokens", tuple(self.api_tokens))
@@ -68,11 +72,34 @@ class SecurityConfig:
 
     def client_interceptors(self, internal: bool, aio: bool = False) -> list[Any]:
         """Interceptors that attach this process's credential to every call it makes."""
+        token, secret = self._client_credential(internal)
+        return metadata_interceptors(token=token, cluster_secret=secret, aio=aio)
+
+    def client_metadata(self, internal: bool) -> tuple[tuple[str, str], ...]:
+        """The same credential as metadata pairs, for APIs that take metadata per call (PdserveClient)."""
+        token, secret = self._client_credential(internal)
+        return auth_metadata(token=token, cluster_secret=secret)
+
+    def _client_credential(self, internal: bool) -> tuple[str | None, str | None]:
+        """(token, cluster secret) a client sends: the secret to internal services, a token to the API."""
         if internal:
-            return metadata_interceptors(cluster_secret=self.cluster_secret, aio=aio)
+            return None, self.cluster_secret
         if len(self.api_tokens) > 1:
             raise ValueError(f"a client presents one API token; this config holds {len(self.api_tokens)}")
-        return metadata_interceptors(token=self.api_tokens[0] if self.api_tokens else None, aio=aio)
+        return (self.api_tokens[0] if self.api_tokens else None), None
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        """TLS channel credentials (with the client certificate, if any); None for plaintext."""
+        if self.tls is None:
+            return None
+        return self.tls.channel_credentials(self.client_cert, self.client_key)
+
+    def describe(self) -> str:
+        """What is on, for a start-up line: 'TLS (mutual) · 2 API tokens · cluster secret'."""
+        tls = "off" if self.tls is None else "mutual" if self.tls.require_client_cert else "on"
+        tokens = f"{len(self.api_tokens)} API token{'s' if len(self.api_tokens) != 1 else ''}"
+        return (f"TLS {tls} · {tokens if self.api_tokens else 'API tokens off'} · "
+                f"cluster secret {'on' if self.cluster_secret is not None else 'off'}")
 
     def add_port(self, server: grpc.Server, address: str) -> int:
         return add_port(server, address, self.tls)

@@ -5,6 +5,10 @@ Both ends set the message size limits explicitly, far above the codec's chunk si
 one to one between FailureKind and gRPC status codes in both directions, except that
 a sender which gives up itself (its frames raise TransferFailed) reports its own kind:
 gRPC would only say UNKNOWN "Exception iterating requests!".
+
+The client channel dials as an internal client of the given SecurityConfig (TLS and the
+cluster secret). A decode worker that refuses the secret fails the push as INTERNAL (no
+FailureKind is "unauthenticated"), with the receiver's message saying why.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from concurrent import futures
 
 import grpc
 
+from pdserve.security import SecurityConfig
 from pdserve.transfer.errors import FailureKind, TransferFailed
 from pdserve.transfer.receiver import KVReceiver
 from pdserve.transfer.sender import Frame, PushResult
@@ -91,9 +96,9 @@ def serve_kv_transfer(receiver: KVReceiver, host: str = "127.0.0.1", port: int =
 class GrpcKVChannel:
     """Client end: pushes one transfer's frames per call over a shared gRPC channel."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, security: SecurityConfig | None = None) -> None:
         self.target = target
-        self._channel = grpc.insecure_channel(target, options=GRPC_OPTIONS)
+        self._channel = (security or SecurityConfig()).open_channel(target, GRPC_OPTIONS, internal=True)
         self._stub = kv_transfer_pb2_grpc.KVTransferStub(self._channel)
 
     def push(self, frames: Iterator[Frame], timeout_s: float) -> PushResult:

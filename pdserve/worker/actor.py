@@ -24,6 +24,7 @@ from pdserve.index.base import WorkerKey
 from pdserve.index.publisher import IndexPublisher
 from pdserve.index.redis_index import RedisPrefixIndex
 from pdserve.index.registry import WorkerInfo, WorkerRegistry
+from pdserve.security import SecurityConfig, TLSConfig
 from pdserve.worker.presence import Presence
 from pdserve.worker.server import WorkerConfig, WorkerServer
 
@@ -32,11 +33,16 @@ WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything an actor needs, as plain values (it crosses a process boundary)."""
+    """Everything an actor needs, as plain values (it crosses a process boundary).
+
+    Security travels as file paths (read on the worker's node, so they must exist there) and
+    the cluster secret's value; the actor builds its SecurityConfig itself. The Redis URL (it
+    may hold a password) and the secret are left out of repr().
+    """
 
     role: str
     worker_id: str
-    redis_url: str
+    redis_url: str = field(repr=False)
     model_path: str | None = None
     host: str = "127.0.0.1"
     block_size: int = 16
@@ -51,6 +57,13 @@ class WorkerSpec:
     metrics_port: int | None = 0  # Prometheus /metrics; 0 = any free port, None = off
     drain_grace_s: float = 30.0  # on SIGTERM: how long in-flight requests may take to finish
     namespace: str = "pdserve"
+    tls_cert: str | None = None  # None: plaintext
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    tls_require_client_cert: bool = False
+    tls_client_cert: str | None = None  # presented when pushing KV to a mutual-TLS decode worker
+    tls_client_key: str | None = None
+    cluster_secret: str | None = field(default=None, repr=False)  # None: no check
     extra: dict = field(default_factory=dict)
 
     def engine_config(self) -> EngineConfig:
@@ -59,6 +72,13 @@ class WorkerSpec:
         return EngineConfig(model_path=self.model_path, cache=cache, device=self.device,
                             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens),
                             num_threads=self.torch_threads)
+
+    def security_config(self) -> SecurityConfig:
+        """What the worker serves with (TLS, the cluster secret) and dials decode workers with."""
+        tls = (TLSConfig(self.tls_cert, self.tls_key, self.tls_ca, self.tls_require_client_cert)
+               if self.tls_cert is not None else None)
+        return SecurityConfig(tls=tls, client_cert=self.tls_client_cert, client_key=self.tls_client_key,
+                              cluster_secret=self.cluster_secret)
 
 
 class WorkerActor:
@@ -75,7 +95,7 @@ class WorkerActor:
         self.publisher = IndexPublisher(self.index, WorkerKey(spec.worker_id, self.epoch))
         config = WorkerConfig(spec.role, spec.engine_config(), worker_id=spec.worker_id, host=spec.host,
                               advertise_host=_advertise_host(spec.host), node=_node_name(),
-                              metrics_port=spec.metrics_port)
+                              metrics_port=spec.metrics_port, security=spec.security_config())
         self.server = WorkerServer(config, publisher=self.publisher, epoch=self.epoch)
         address = self.server.start()
         engine = self.server.engine

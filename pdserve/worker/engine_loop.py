@@ -3,12 +3,15 @@
     submit()/resume() --register a RequestStream--> engine.add_request / resume_transferred
     loop thread: while work: outputs = engine.step(hook); each output -> its stream's queue
     abort(): engine.abort (blocks freed now) and the stream ends with finish_reason "abort"
+    a step that raises: every request in flight is aborted (blocks freed) and its stream ends
+    with finish_reason "error"; the loop keeps serving new requests
 
 A stream is registered before its request reaches the engine, so no output is missed.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Iterator
@@ -17,6 +20,8 @@ import torch
 
 from pdserve.engine.llm_engine import InvalidRequestError, LLMEngine, RequestOutput, StepLayerHook
 from pdserve.engine.sequence import SamplingParams, Usage
+
+log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05  # also the cadence at which expired parked transfers are swept
 
@@ -118,9 +123,25 @@ class EngineLoop:
                     return
                 if not self.engine.has_unfinished():
                     self._wake.wait(timeout=_IDLE_WAIT_S)
-            for output in self.engine.step(on_layer_done=self.layer_hook):
+            try:
+                outputs = self.engine.step(on_layer_done=self.layer_hook)
+            except Exception:  # NOTE: one bad step must not take the worker down with it
+                log.exception("engine step failed; failing the %d requests in flight", len(self._streams))
+                self._fail_in_flight()
+                continue
+            for output in outputs:
                 self._deliver(output)
             self.steps += 1
+
+    def _fail_in_flight(self) -> None:
+        for request_id in list(self._streams):
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                log.exception("could not abort %s after the failed step", request_id)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put(RequestOutput(request_id, [], "", True, "error", Usage()))
 
     def _deliver(self, output: RequestOutput) -> None:
         stream = self._streams.get(output.request_id)

@@ -2,10 +2,15 @@
 
 The Worker, KVTransfer and health services share one port, so a worker has one address.
 Ray actors (prefill_worker/, decode_worker/) and tests construct this directly.
+
+Security (config.security, None = plaintext and no checks): Worker and KVTransfer demand
+the cluster secret, health stays open, and the port serves TLS when the config has a
+certificate. The same config dials decode workers for KV pushes (an internal client).
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 import uuid
@@ -21,6 +26,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.weights import LoadedModel, load_model
 from pdserve.kvwire import KVLayout
 from pdserve.metrics import MetricsEndpoint
+from pdserve.security import SecurityConfig
 from pdserve.transfer.faults import FaultInjector, FaultPlan
 from pdserve.transfer.grpc_transport import GRPC_OPTIONS, KVTransferServicer
 from pdserve.transfer.receiver import KVReceiver
@@ -29,6 +35,8 @@ from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.service import WorkerServicer
 from protos.pdserve.v1 import kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
 
@@ -50,6 +58,7 @@ class WorkerConfig:
     # Debug only: inject faults into this worker's outgoing KV transfers (pdserve/transfer/faults.py).
     # Set only by code that builds the config; nothing reads it from the environment.
     fault_plan: FaultPlan | None = None
+    security: SecurityConfig | None = None  # None: plaintext, no cluster secret
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -65,6 +74,7 @@ class WorkerServer:
     def __init__(self, config: WorkerConfig, loaded: LoadedModel | None = None,
                  publisher: KVEventPublisher | None = None, epoch: int = 0) -> None:
         self.config = config
+        self.security = config.security or SecurityConfig()
         loaded = loaded or load_model(config.engine.model_path, progress=False)
         self.engine = LLMEngine(loaded, config.engine, publisher)
         self.layout = KVLayout.of_cache(self.engine.kv_cache, self.engine.fingerprint)
@@ -83,8 +93,11 @@ class WorkerServer:
 
     def start(self) -> str:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.config.grpc_threads),
-                             options=GRPC_OPTIONS)
-        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+                             options=GRPC_OPTIONS,
+                             interceptors=self.security.server_interceptors(public=False))
+        for warning in self.security.exposure_warnings(self.config.host, public=False):
+            log.warning("worker %s: %s", self.config.worker_id, warning)
+        port = self.security.add_port(server, f"{self.config.host}:{self.config.port}")
         if port == 0:
             raise OSError(f"worker {self.config.worker_id}: cannot bind "
                           f"{self.config.host}:{self.config.port}")
@@ -93,7 +106,7 @@ class WorkerServer:
             self.metrics_endpoint.start()
         self.servicer = WorkerServicer(self.engine, self.loop, self.sender, self.receiver, self.identity(),
                                        self.metrics, transfer_timeout_s=self.config.transfer_timeout_s,
-                                       faults=self.faults)
+                                       faults=self.faults, security=self.security)
         self.metrics.read_status_from(self.servicer.status)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, server)
         kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(self.receiver), server)

@@ -11,6 +11,7 @@ Decode:
     resume the parked KV with the prefill worker's first token, or prefill here when told
     to or when no KV arrived (a failed transfer: recompute, so output stays exact) -> stream.
 A cancelled or expired call aborts the request on this worker: its blocks are freed at once.
+KV channels to decode workers dial with this worker's SecurityConfig (TLS, cluster secret).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, replace
 import grpc
 
 from pdserve.engine.llm_engine import InvalidRequestError, LLMEngine
+from pdserve.security import SecurityConfig
 from pdserve.transfer.errors import FailureKind, TransferFailed
 from pdserve.transfer.faults import FaultInjectingChannel, FaultInjector
 from pdserve.transfer.grpc_transport import GrpcKVChannel
@@ -55,10 +57,12 @@ class TokenTotals:
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: LLMEngine, loop: EngineLoop, sender: LayerwiseSender, receiver: KVReceiver,
                  identity: worker_pb2.WorkerStatus, metrics: WorkerMetrics | None = None, *,
-                 transfer_timeout_s: float | None = None, faults: FaultInjector | None = None) -> None:
+                 transfer_timeout_s: float | None = None, faults: FaultInjector | None = None,
+                 security: SecurityConfig | None = None) -> None:
         self.engine, self.loop, self.sender, self.receiver = engine, loop, sender, receiver
         self.transfer_timeout_s = transfer_timeout_s  # None: the Prefill call's remaining time
         self.faults = faults  # None (the default): channels are not wrapped at all
+        self.security = security  # how KV channels dial decode workers; None: plaintext
         self.identity = identity
         self.metrics = metrics or WorkerMetrics()
         self.serving = True
@@ -95,8 +99,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def _finish_prefill(self, rid, stream: RequestStream, transfer, started: float, context):
         last = next(o for o in stream if o.finished)
-        if last.finish_reason == "abort":
+        if last.finish_reason in ("abort", "error"):
             transfer.abort()
+            if last.finish_reason == "error":
+                context.abort(grpc.StatusCode.INTERNAL, f"the engine failed while prefilling {rid} (see the "
+                              "worker's log); the router prefills it elsewhere")
             context.abort(grpc.StatusCode.CANCELLED, f"request {rid} was aborted during prefill")
         computed = time.perf_counter()
         transfer.close()
@@ -130,7 +137,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _channel(self, target: str) -> GrpcKVChannel | FaultInjectingChannel:
         with self._lock:
             if target not in self._channels:
-                channel = GrpcKVChannel(target)
+                channel = GrpcKVChannel(target, self.security)
                 self._channels[target] = channel if self.faults is None else self.faults.wrap(channel)
             return self._channels[target]
 
@@ -151,13 +158,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             except (InvalidRequestError, ValueError) as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         context.add_callback(lambda: self.loop.abort(rid))
-        yield from self._stream_replies(rid, stream, used_transfer, started)
+        yield from self._stream_replies(rid, stream, used_transfer, started, context)
 
-    def _stream_replies(self, rid: str, stream: RequestStream, used_transfer: bool, started: float):
+    def _stream_replies(self, rid: str, stream: RequestStream, used_transfer: bool, started: float, context):
         first, finished, last_sent = True, False, started
         try:
             for out in stream:
                 finished = out.finished
+                if out.finish_reason == "error":
+                    context.abort(grpc.StatusCode.INTERNAL, f"the engine failed while decoding {rid} "
+                                  "(see the worker's log); the worker is still serving, retry the request")
                 last_sent = self._observe_latency(first, started, last_sent)
                 reply = worker_pb2.DecodeReply(token_ids=out.new_token_ids, text=out.text_delta,
                                                finished=out.finished, finish_reason=out.finish_reason or "")

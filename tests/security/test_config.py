@@ -36,6 +36,26 @@ def test_a_client_presents_one_token():
         SecurityConfig(api_tokens=("tok-a", "tok-b")).client_interceptors(internal=False)
 
 
+def test_client_metadata_carries_the_credential_for_the_side_dialled():
+    config = SecurityConfig(api_tokens=("tok-a",), cluster_secret="secret-1")
+    assert config.client_metadata(internal=False) == (("authorization", "Bearer tok-a"),)
+    assert config.client_metadata(internal=True) == (("x-pdserve-cluster-secret", "secret-1"),)
+    assert SecurityConfig().client_metadata(internal=False) == ()
+    with pytest.raises(ValueError, match="a client presents one API token"):
+        SecurityConfig(api_tokens=("tok-a", "tok-b")).client_metadata(internal=False)
+
+
+def test_channel_credentials_only_with_tls(dev_certs):
+    assert SecurityConfig().channel_credentials() is None
+    assert SecurityConfig(tls=TLSConfig(ca=dev_certs.ca)).channel_credentials() is not None
+
+
+def test_describe_and_repr_never_show_a_credential(dev_certs):
+    config = SecurityConfig(tls=dev_certs.server_tls(), api_tokens=("tok-a",), cluster_secret="secret-1")
+    assert config.describe() == "TLS on · 1 API token · cluster secret on"
+    assert "tok-a" not in repr(config) and "secret-1" not in repr(config)
+
+
 def test_cluster_secret_must_differ_from_api_tokens():
     with pytest.raises(ValueError, match="cluster secret must differ from every API token"):
         SecurityConfig(api_tokens=("same",), cluster_secret="same")
