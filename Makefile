@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.setup-done
 PROTOS := $(wildcard protos/*.proto protos/pdserve/v1/*.proto)
 
 # Benchmarks run by `make bench`, in order; add a module with `BENCH_MODULES += bench.<name>`.
-BENCH_MODULES := bench.engine bench.kv_transfer bench.router
+BENCH_MODULES := bench.engine bench.kv_transfer bench.router bench.disagg
 
 .DEFAULT_GOAL := help
 .PHONY: help setup protos test up bench lint clean distclean

@@ -17,6 +17,7 @@ import pytest
 import ray
 import redis
 
+from pdserve.client import PdserveError
 from pdserve.engine.hashing import cache_salt, hash_blocks
 from pdserve.engine.sequence import SamplingParams
 from pdserve.index.redis_index import RedisPrefixIndex
@@ -83,6 +84,34 @@ def test_killed_decode_worker_requests_retry_elsewhere_and_it_restarts_under_a_n
     after = wait_for_epoch(cluster_1p2d, victim, above=before["epoch"])
     assert after["pid"] != before["pid"]
     assert held_by(cluster_1p2d, prompts[0]).get(victim, 0) == 0  # the old epoch's entries do not count
+    assert not wait_until_clean(cluster_1p2d)
+
+
+def finish_or_fail(stream) -> tuple[str, object, float]:
+    """("ok", completion, end time) or (status code, message, end time)."""
+    try:
+        return "ok", stream.result(), time.monotonic()
+    except PdserveError as e:
+        return e.code, str(e), time.monotonic()
+
+
+def test_streams_under_way_on_a_killed_decode_worker_end_unavailable_within_10_s(cluster_1p2d, expected):
+    prompts, tokens = expected
+    with client_of(cluster_1p2d) as client, cf.ThreadPoolExecutor(4) as pool:
+        streams = [client.stream(token_ids=p, temperature=0, max_tokens=40) for p in prompts[:4]]
+        assert all(first.token_ids for first in pool.map(lambda s: next(iter(s)), streams))
+        victim = "decode-1"
+        before = describe(cluster_1p2d, victim)
+        os.kill(before["pid"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        ends = list(pool.map(finish_or_fail, streams))
+    failed = [(code, message) for code, message, _ in ends if code != "ok"]
+    assert failed and {code for code, _ in failed} == {"UNAVAILABLE"}, failed  # least_load put 2 there
+    assert max(end for _, _, end in ends) - killed_at < 10.0
+    for i, (code, done, _) in enumerate(ends):
+        if code == "ok":
+            assert done.decode_worker != victim and done.token_ids == tokens[i]
+    wait_for_epoch(cluster_1p2d, victim, above=before["epoch"])
     assert not wait_until_clean(cluster_1p2d)
 
 
