@@ -41,14 +41,15 @@ class Cluster:
 
 
 @contextmanager
-def running_cluster(loaded: LoadedModel, limits: RequestLimits, num_blocks: int = 128,
-                    routing: str = "least_load") -> Iterator[Cluster]:
+def running_cluster(loaded: LoadedModel, limits: RequestLimits | None = None, num_blocks: int = 128,
+                    routing: str = "least_load", metrics_port: int | None = None) -> Iterator[Cluster]:
     engine = EngineConfig(cache=CacheConfig(num_blocks=num_blocks), device="cpu")
     workers = [WorkerServer(WorkerConfig(role, engine), loaded) for role in ("prefill", "decode")]
     records = [info(w, w.start()) for w in workers]
     placement = PlacementConfig(policy=routing, min_remote_prefill_tokens=32)
     policy = RouterPolicyConfig(max_context_tokens=TINY_CONTEXT)
-    config = RouterConfig(port=0, placement=placement, policy=policy, limits=limits, metrics_port=None)
+    config = RouterConfig(port=0, placement=placement, policy=policy, limits=limits or RequestLimits(),
+                          metrics_port=metrics_port)
     router = RouterServer(config, loaded.tokenizer, lambda: records, rng=random.Random(0))
     router.start()
     cluster = Cluster(router, workers)

@@ -3,41 +3,18 @@ in one process over real gRPC sockets (tiny model)."""
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass
-
 import grpc
 import pytest
 
-from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.metrics import scrape
-from pdserve.worker.server import WorkerConfig, WorkerServer
 from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
-from router.placement import PlacementConfig
-from router.server import RouterConfig, RouterServer
-
-
-@dataclass(frozen=True)
-class Record:
-    worker_id: str
-    role: str
-    address: str
-    epoch: int = 0
+from tests.router.inprocess import running_cluster
 
 
 @pytest.fixture()
 def cluster(tiny_loaded):
-    engine = EngineConfig(cache=CacheConfig(num_blocks=128), device="cpu")
-    workers = [WorkerServer(WorkerConfig(role, engine), tiny_loaded) for role in ("prefill", "decode")]
-    records = [Record(w.config.worker_id, w.config.role, w.start()) for w in workers]
-    placement = PlacementConfig(policy="least_load", min_remote_prefill_tokens=32)
-    config = RouterConfig(port=0, placement=placement)
-    router = RouterServer(config, tiny_loaded.tokenizer, lambda: records, rng=random.Random(0))
-    router.start()
-    yield router, workers
-    router.stop()
-    for w in workers:
-        w.stop()
+    with running_cluster(tiny_loaded, metrics_port=0) as c:
+        yield c.router, c.workers
 
 
 def generate(router, prompt: list[int], max_tokens: int = 6, timeout: float = 60):
