@@ -49,7 +49,7 @@ test: setup ## run the test suite
 	if [ $$rc -eq 5 ]; then echo "make test: pytest ran no tests (none collected, or all deselected); check testpaths in pyproject.toml and PYTEST_ARGS" >&2; exit 1; fi; \
 	exit $$rc
 
-up: setup ## serve SmolLM2 locally (for now: the engine in-process on a sample chat)
+up: setup ## start the local cluster (Redis, Ray, 1 prefill + 1 decode worker, router on 127.0.0.1:50051), answer a sample chat, serve until Ctrl-C
 	$(VENV)/bin/pdserve up $(UP_ARGS)
 
 bench: setup ## run the benchmarks in BENCH_MODULES, printing JSON
