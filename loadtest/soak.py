@@ -84,8 +84,19 @@ class Soak:
 
     # --- faults -------------------------------------------------------------------------------
     def inject(self, minute: int) -> None:
-        kind = FAULTS[minute % len(FAULTS)]
-        at = time.time()
+        """Inject this minute's fault; a fault that cannot be injected (its worker is gone) is
+        recorded as such, and the soak goes on."""
+        kind, at = FAULTS[minute % len(FAULTS)], time.time()
+        try:
+            self._inject(kind, minute)
+        except Exception as e:
+            self.faults.append({"minute": minute, "fault": kind, "at": at, "error": f"not injected: {e}"})
+            print(f"[soak] minute {minute}: could not inject {kind}: {e}", flush=True)
+            return
+        self.faults.append({"minute": minute, "fault": kind, "at": at})
+        print(f"[soak] minute {minute}: injected {kind}", flush=True)
+
+    def _inject(self, kind: str, minute: int) -> None:
         if kind == "redis-down":
             self.cluster.redis_server.kill()
             threading.Timer(self.args.redis_down_s, self.cluster.redis_server.start).start()
@@ -93,8 +104,6 @@ class Soak:
             worker = "prefill-0" if kind == "kill-prefill" else f"decode-{minute % 2}"
             pid = self._describe(worker)["pid"]
             os.kill(pid, signal.SIGTERM if kind == "drain-decode" else signal.SIGKILL)
-        self.faults.append({"minute": minute, "fault": kind, "at": at})
-        print(f"[soak] minute {minute}: injected {kind}", flush=True)
 
     def _describe(self, worker_id: str) -> dict:
         import ray
@@ -116,7 +125,10 @@ class Soak:
         rss, fds = process_usage(os.getpid())
         sample = Sample(label, rss, fds)
         for worker_id, status in statuses.items():
-            w_rss, w_fds = process_usage(self._describe(worker_id)["pid"])
+            try:
+                w_rss, w_fds = process_usage(self._describe(worker_id)["pid"])
+            except Exception:  # the actor is gone (Ray gave up restarting it): record what Status said
+                w_rss = w_fds = 0
             sample.workers[worker_id] = {"rss": w_rss, "fds": w_fds, "used_blocks": status.used_blocks,
                                          "free_blocks": status.free_blocks, "num_blocks": status.num_blocks,
                                          "epoch": status.epoch}
@@ -163,12 +175,13 @@ class Soak:
 
         router = self.cluster.start()
         capacity_cfg = self.load_config(router, ClosedLoop(self.args.capacity_concurrency),
-                                        self.args.capacity_s, 100_000, "capacity")
+                                        self.args.capacity_s, 10_000, "capacity")
         capacity = asyncio.run(run_loadtest_async(capacity_cfg)).report
         rate = max(0.05, self.args.load * (capacity["requests_per_s"] or 0.0))
         baseline = self.sample("baseline", idle=True)
         soak_s = self.args.minutes * 60.0
-        soak_cfg = self.load_config(router, Poisson(rate), soak_s, 1_000_000, f"soak at {rate:.2f}/s")
+        expected = int(rate * soak_s * 2) + 10  # a bound for the progress bar; the duration ends the run
+        soak_cfg = self.load_config(router, Poisson(rate), soak_s, expected, f"soak at {rate:.2f}/s")
         result: dict[str, Any] = {}
         runner = threading.Thread(target=lambda: result.update(
             run=asyncio.run(run_loadtest_async(soak_cfg))), name="soak-load")
