@@ -112,7 +112,11 @@ class RedisServer:
         return self._proc is not None and self._proc.poll() is None
 
     def start(self) -> str:
-        """Start the server and wait until it answers PING; returns its URL."""
+        """Start the server and wait until it answers PING; returns its URL.
+
+        NOTE: the server is killed when the THREAD that started it exits (PR_SET_PDEATHSIG is
+        per thread), so call this from a thread that outlives the server, never a Timer.
+        """
         if self.running:
             raise RuntimeError(f"redis-server is already running on port {self.port} (pid {self.pid})")
         self._reap()  # a previous process that died on its own, and its directory

@@ -98,8 +98,11 @@ class Soak:
 
     def _inject(self, kind: str, minute: int) -> None:
         if kind == "redis-down":
+            # NOTE: restarted from this (main) thread: redis-server dies with the thread that
+            # started it, so a Timer thread would kill it again at once.
             self.cluster.redis_server.kill()
-            threading.Timer(self.args.redis_down_s, self.cluster.redis_server.start).start()
+            time.sleep(self.args.redis_down_s)
+            self.cluster.redis_server.start()
         else:
             worker = "prefill-0" if kind == "kill-prefill" else f"decode-{minute % 2}"
             pid = self._describe(worker)["pid"]

@@ -14,13 +14,14 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.index.base import WorkerKey
+from pdserve.index.base import StoreUnavailable, WorkerKey
 from pdserve.index.publisher import IndexPublisher
 from pdserve.index.redis_index import RedisPrefixIndex
 from pdserve.index.registry import WorkerInfo, WorkerRegistry
@@ -55,6 +56,7 @@ class WorkerSpec:
     heartbeat_s: float = 1.0
     liveness_ttl_s: float = 5.0
     metrics_port: int | None = 0  # Prometheus /metrics; 0 = any free port, None = off
+    redis_wait_s: float = 300.0  # at start: how long to wait for an unreachable Redis
     drain_grace_s: float = 30.0  # on SIGTERM: how long in-flight requests may take to finish
     namespace: str = "pdserve"
     tls_cert: str | None = None  # None: plaintext
@@ -91,7 +93,8 @@ class WorkerActor:
         client = redis.Redis.from_url(spec.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self.registry = WorkerRegistry(client, spec.namespace)
         self.index = RedisPrefixIndex(client, spec.namespace)
-        self.epoch = self.registry.next_epoch(spec.worker_id)
+        self.epoch = _when_redis_answers(lambda: self.registry.next_epoch(spec.worker_id), spec.redis_wait_s,
+                                         spec.worker_id)
         self.publisher = IndexPublisher(self.index, WorkerKey(spec.worker_id, self.epoch))
         config = WorkerConfig(spec.role, spec.engine_config(), worker_id=spec.worker_id, host=spec.host,
                               advertise_host=_advertise_host(spec.host), node=_node_name(),
@@ -142,6 +145,23 @@ class WorkerActor:
                                             "all requests finished" if finished else "grace period expired")
         self.server.stop()
         os._exit(0)  # NOTE: Ray sees the process end and restarts the actor (max_restarts), new epoch
+
+
+def _when_redis_answers(call: Callable[[], int], wait_s: float, worker_id: str) -> int:
+    """call(), retried every second while Redis is unreachable, for at most wait_s.
+
+    NOTE: a worker Ray restarts while Redis is down must not fail its constructor: Ray counts
+    each failure as a restart and gives up after max_restarts (the soak found this).
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return call()
+        except StoreUnavailable as e:
+            if time.monotonic() >= deadline:
+                raise
+            logging.getLogger(__name__).warning("%s: waiting for Redis to take an epoch: %s", worker_id, e)
+            time.sleep(1.0)
 
 
 def _on_sigterm(drain: Callable[[], None]) -> None:

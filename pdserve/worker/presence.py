@@ -36,7 +36,10 @@ class Presence:
         self._thread = threading.Thread(target=self._run, name="presence", daemon=True)
 
     def start(self) -> None:
-        self.registry.register(self.info, self.ttl_s)
+        try:
+            self.registry.register(self.info, self.ttl_s)
+        except StoreUnavailable as e:  # the heartbeat registers once Redis answers again
+            log.warning("could not register %s yet: %s", self.info.worker_id, e)
         self._thread.start()
 
     def stop(self, deregister: bool = True) -> None:

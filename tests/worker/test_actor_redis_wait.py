@@ -1,0 +1,48 @@
+"""A worker that starts (or Ray restarts) while Redis is unreachable waits for it, then registers.
+
+Before, its constructor failed at once (the epoch is a Redis INCR); Ray counts that as a
+restart and gives up after max_restarts, which the soak run hit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+
+from deploy.redis_server import RedisServer
+from pdserve.index.registry import WorkerRegistry
+from pdserve.worker.actor import WorkerActor, WorkerSpec
+
+
+@pytest.mark.slow
+def test_a_worker_starting_while_redis_is_down_waits_and_registers():
+    server = RedisServer()
+    url = server.start()
+    server.kill()
+    spec = WorkerSpec(role="decode", worker_id="decode-w", redis_url=url, num_blocks=16, torch_threads=1,
+                      metrics_port=None, namespace="t-wait", redis_wait_s=60.0)
+    outcome: dict = {}
+
+    def construct() -> None:
+        try:
+            outcome["actor"] = WorkerActor(spec)
+        except Exception as e:  # what the test reports if the wait does not happen
+            outcome["error"] = e
+
+    builder = threading.Thread(target=construct)
+    builder.start()
+    time.sleep(2.0)
+    server.start()  # from this (long-lived) thread: redis-server dies with the thread that started it
+    builder.join(120)
+    try:
+        assert "error" not in outcome, outcome.get("error")
+        actor = outcome["actor"]
+        live = WorkerRegistry(redis.Redis.from_url(url), "t-wait").live_workers()
+        assert [(w.worker_id, w.epoch) for w in live] == [("decode-w", actor.epoch)]
+    finally:
+        if "actor" in outcome:
+            outcome["actor"].stop()
+        server.stop()
