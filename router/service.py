@@ -230,7 +230,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                             target_cached_blocks=placement.decode_cached_blocks)
         future = self.directory.stub(placement.prefill.address).Prefill.future(
             request, timeout=self._timeout(context))
-        context.add_callback(future.cancel)
+        if not context.add_callback(future.cancel):  # the client is already gone
+            future.cancel()
         try:
             reply = future.result()
         except grpc.FutureCancelledError:  # our callback: the client cancelled or its deadline passed
@@ -260,7 +261,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             request.first_token, request.rng_state = prefill.first_token, prefill.rng_state
         trace.phase = RequestPhase.DECODING
         call = self.directory.stub(placement.decode.address).Decode(request, timeout=self._timeout(context))
-        context.add_callback(call.cancel)
+        if not context.add_callback(call.cancel):  # the client is already gone
+            call.cancel()
         sent = False
         try:
             for reply in call:

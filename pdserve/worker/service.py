@@ -90,7 +90,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             transfer.abort()
             self.sender.finish(rid)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        context.add_callback(lambda: (transfer.abort(), self.loop.abort(rid)))
+        _on_call_end(context, lambda: (transfer.abort(), self.loop.abort(rid)))
         try:
             return self._finish_prefill(rid, stream, transfer, started, context)
         finally:
@@ -157,7 +157,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 stream = self.loop.submit(prompt, sampling, rid, detokenize=request.detokenize)
             except (InvalidRequestError, ValueError) as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        context.add_callback(lambda: self.loop.abort(rid))
+        _on_call_end(context, lambda: self.loop.abort(rid))
         yield from self._stream_replies(rid, stream, used_transfer, started, context)
 
     def _stream_replies(self, rid: str, stream: RequestStream, used_transfer: bool, started: float, context):
@@ -230,6 +230,13 @@ def _prefill_failure_code(kind: FailureKind) -> grpc.StatusCode:
     if kind in _RETRYABLE_AS_ABORTED:
         return grpc.StatusCode.ABORTED
     return getattr(grpc.StatusCode, kind.value, grpc.StatusCode.INTERNAL)
+
+
+def _on_call_end(context, callback) -> None:
+    """Run callback when the call ends. NOTE: add_callback returns False, and never calls it,
+    when the call has already ended (a client that cancelled at once): run it now instead."""
+    if not context.add_callback(callback):
+        callback()
 
 
 def _sampling_or_abort(proto, context):
