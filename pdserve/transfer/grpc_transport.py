@@ -71,14 +71,17 @@ def _frames_of(request_iterator, context) -> Iterator[Frame]:
     # The receiver stops reading at END, so we get here only when the stream ended early: the
     # sender half-closed, or gRPC ended the iterator of a call that was cancelled or ran out of
     # time (without raising, and sometimes before is_active() turns False).
-    if not context.is_active() or context.time_remaining() <= DEADLINE_SLACK_S:
+    if not context.is_active() or _near_deadline(context):
         raise _StreamBroken("the call ended before END", _why_broken(context))
 
 
+def _near_deadline(context) -> bool:
+    remaining = context.time_remaining()  # None: the sender set no deadline
+    return remaining is not None and remaining <= DEADLINE_SLACK_S
+
+
 def _why_broken(context) -> FailureKind:
-    if context.time_remaining() <= DEADLINE_SLACK_S:
-        return FailureKind.DEADLINE_EXCEEDED
-    return FailureKind.CANCELLED
+    return FailureKind.DEADLINE_EXCEEDED if _near_deadline(context) else FailureKind.CANCELLED
 
 
 def serve_kv_transfer(receiver: KVReceiver, host: str = "127.0.0.1", port: int = 0,
