@@ -16,12 +16,19 @@ pkg_resources and its client, which starts its *own* embedded server on first us
 The child gets PR_SET_PDEATHSIG so that it dies with the thread that started it
 (a crashed test run or launcher leaves no redis-server behind), and its own session
 so that Ctrl-C in a terminal reaches the launcher, which then stops Redis last.
+
+NOTE: the death signal is set by a tiny Python program that the child execs first (it then
+execs redis-server), not by a preexec_fn. A preexec_fn makes Python fork() the whole
+multi-threaded process and run the fork handlers of every native library in the child; in a
+process that also runs Ray and gRPC, something there left an alarm armed in the child (timers
+survive exec), and the restarted redis-server died of a kernel SIGALRM 3 s after it answered
+PING (the soak's first redis-down fault, traced with strace). Without a preexec_fn, subprocess
+uses vfork+exec and no code of this process runs in the child
+(tests/index/test_redis_server.py::test_fork_handlers_do_not_reach_the_server).
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import importlib.util
 import os
 import shutil
@@ -31,14 +38,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
 import redis
-
-_PR_SET_PDEATHSIG = 1
-
 
 class RedisStartError(RuntimeError):
     """redis-server did not come up; the message says what to check."""
@@ -69,15 +72,25 @@ def redis_url(port: int, password: str | None = None, db: int = 0) -> str:
     return f"redis://{auth}127.0.0.1:{port}/{db}"
 
 
-def _death_signal_hook() -> Callable[[], None] | None:
-    """A preexec_fn that makes the child get SIGKILL when its parent thread exits (Linux only).
+# Run as `python -I -S -c _DEATH_SIGNAL_EXEC PARENT_PID EXE ARGS...`: arm SIGKILL on parent death
+# (prctl option 1 is PR_SET_PDEATHSIG), give up if the parent is already gone, then become EXE
+# (the death signal survives exec).
+_DEATH_SIGNAL_EXEC = """
+import ctypes, os, signal, sys
+if ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:
+    sys.exit("prctl(PR_SET_PDEATHSIG) failed: errno %d" % ctypes.get_errno())
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(0)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
 
-    prctl is looked up here, in the parent: the child between fork and exec should only call it.
-    """
+
+def with_death_signal(command: list[str]) -> list[str]:
+    """command, run so that it gets SIGKILL when the thread that starts it exits (Linux only;
+    elsewhere command unchanged)."""
     if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    return functools.partial(prctl, _PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        return command
+    return [sys.executable, "-I", "-S", "-c", _DEATH_SIGNAL_EXEC, str(os.getpid()), *command]
 
 
 class RedisServer:
@@ -160,9 +173,8 @@ class RedisServer:
     def _launch(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="pdserve-redis-")
         self._proc = subprocess.Popen(
-            self._command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.STDOUT, cwd=self._dir, start_new_session=True,
-            preexec_fn=_death_signal_hook())
+            with_death_signal(self._command()), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT, cwd=self._dir, start_new_session=True)
         self._wait_ready()
 
     def _command(self) -> list[str]:

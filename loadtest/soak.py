@@ -44,6 +44,7 @@ class Sample:
     label: str
     router_rss: int
     router_fds: int
+    redis_pid: int | None  # None: the embedded redis-server is not running
     workers: dict[str, dict[str, int]] = field(default_factory=dict)  # id -> rss, fds, used, free
 
 
@@ -60,8 +61,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-tokens", type=int, default=32, help="mean output length (default: %(default)s)")
     p.add_argument("--redis-down-s", type=float, default=20.0,
                    help="how long the redis-down fault keeps Redis dead (default: %(default)s)")
+    p.add_argument("--faults", default=",".join(FAULTS),
+                   help="comma-separated faults injected in turn, one a minute; any of "
+                        f"{', '.join(FAULTS)} (default: all, in that order)")
     p.add_argument("--out", default="loadtest/out/soak", help="output folder (default: %(default)s)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.faults = [f.strip() for f in args.faults.split(",") if f.strip()]
+    unknown = sorted(set(args.faults) - set(FAULTS))
+    if unknown or not args.faults:
+        p.error(f"--faults: unknown {unknown or 'empty list'}; choose from {', '.join(FAULTS)}")
+    return args
 
 
 def process_usage(pid: int) -> tuple[int, int]:
@@ -86,7 +95,7 @@ class Soak:
     def inject(self, minute: int) -> None:
         """Inject this minute's fault; a fault that cannot be injected (its worker is gone) is
         recorded as such, and the soak goes on."""
-        kind, at = FAULTS[minute % len(FAULTS)], time.time()
+        kind, at = self.args.faults[minute % len(self.args.faults)], time.time()
         try:
             self._inject(kind, minute)
         except Exception as e:
@@ -126,7 +135,7 @@ class Soak:
                 break
             time.sleep(1.0)
         rss, fds = process_usage(os.getpid())
-        sample = Sample(label, rss, fds)
+        sample = Sample(label, rss, fds, self.cluster.redis_server.pid)
         for worker_id, status in statuses.items():
             try:
                 w_rss, w_fds = process_usage(self._describe(worker_id)["pid"])

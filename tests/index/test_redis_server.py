@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import errno
 import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
 
 import pytest
 import redis
 
 from deploy.redis_server import RedisServer, ensure_redis
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def port_is_free(port: int) -> bool:
@@ -92,3 +99,39 @@ def test_ensure_redis_starts_one_only_without_a_url():
     finally:
         server.stop()
     assert server.pid is None and port_is_free(server.port)
+
+
+def _run_python(code: str, timeout_s: float = 60) -> str:
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                            timeout=timeout_s, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_server_dies_with_the_thread_that_started_it():
+    pid = int(_run_python("""
+        import threading, time
+        from deploy.redis_server import RedisServer
+        server = RedisServer()
+        t = threading.Thread(target=server.start)
+        t.start(); t.join()
+        print(server.pid)
+    """))
+    deadline = time.monotonic() + 10
+    while not process_gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process_gone(pid)
+
+
+def test_fork_handlers_do_not_reach_the_server():
+    # Code that runs in a forked child (here a Python at-fork hook arming alarm(1)) once killed
+    # a restarted server: timers survive exec. The server must be exec'd without running it.
+    out = _run_python("""
+        import os, signal, time
+        from deploy.redis_server import RedisServer
+        os.register_at_fork(after_in_child=lambda: signal.alarm(1))
+        with RedisServer() as server:
+            time.sleep(2.5)
+            print("running" if server.running else f"died {server._proc.returncode}")
+    """)
+    assert out.strip() == "running"
