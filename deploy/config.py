@@ -27,6 +27,11 @@ ROUTING_POLICIES = ("prefix", "least_load", "round_robin")
 # resources allow; pack lets Ray fill one node first (its default).
 PLACEMENTS = {"pack": "DEFAULT", "spread": "SPREAD"}
 _RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+# Set in every worker process unless worker_env says otherwise. MALLOC_ARENA_MAX: glibc gives each
+# thread that allocates its own malloc arena and rarely returns their free memory; a worker's
+# gRPC threads then grew its RSS by ~70 MB over 6 minutes of load, flat with 2 arenas
+# (docs/reliability.md, soak control runs).
+DEFAULT_WORKER_ENV = {"MALLOC_ARENA_MAX": "2"}
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,9 @@ class ClusterSpec:
     # autoscaling cluster has no GPU node yet at start, so its config says 1 explicitly.
     gpus_per_worker: float | None = None
     namespace: str = "pdserve"
-    max_restarts: int = 3
+    # -1: Ray restarts a dead worker every time, as a serving cluster must; N >= 0: at most N times.
+    max_restarts: int = -1
+    worker_env: dict[str, str] = field(default_factory=dict)  # over DEFAULT_WORKER_ENV, in each worker
     startup_timeout_s: float = 600.0
     actor_resources: dict[str, dict[str, float]] = field(default_factory=dict)  # role -> custom resources
     # Security (docs/security.md): file paths, read when the cluster starts; None = off.
@@ -100,7 +107,17 @@ class ClusterSpec:
                              self.max_concurrent_streams)):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.max_restarts < -1:
+            raise ValueError(f"max_restarts must be -1 (always restart) or >= 0, got {self.max_restarts}")
+        for name, value in self.worker_env.items():
+            if not isinstance(name, str) or not isinstance(value, str) or not name or "=" in name:
+                raise ValueError(f"worker_env: {name!r}: {value!r} must map a variable name to a string "
+                                 "(quote numbers in YAML: MALLOC_ARENA_MAX: \"4\")")
         self._check_tls()
+
+    @property
+    def worker_environment(self) -> dict[str, str]:
+        return {**DEFAULT_WORKER_ENV, **self.worker_env}
 
     def _check_tls(self) -> None:
         """Which TLS settings go together; whether the files exist is checked when the cluster starts."""
@@ -166,6 +183,8 @@ FILE_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "redis_url": ("redis_url", (str, _NONE)),
     "ray_address": ("ray_address", (str, _NONE)),
     "namespace": ("namespace", (str,)),
+    "max_restarts": ("max_restarts", (int,)),
+    "worker_env": ("worker_env", (dict,)),
     "tls.cert": ("tls_cert", _PATH),
     "tls.key": ("tls_key", _PATH),
     "tls.ca": ("tls_ca", _PATH),

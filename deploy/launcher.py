@@ -152,7 +152,7 @@ class LocalCluster:
             counts[role] += 1
             self.actors[worker_id] = self._actor_class(role).options(
                 name=worker_id, namespace=self.spec.namespace, max_restarts=self.spec.max_restarts,
-                max_concurrency=16,
+                max_concurrency=16, runtime_env={"env_vars": self.spec.worker_environment},
                 num_cpus=0 if gpus else 1, num_gpus=gpus,
                 resources=self.spec.actor_resources.get(role, {}),
                 scheduling_strategy=self.spec.scheduling_strategy,

@@ -32,7 +32,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -42,6 +41,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import redis
+
 
 class RedisStartError(RuntimeError):
     """redis-server did not come up; the message says what to check."""

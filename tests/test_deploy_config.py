@@ -54,6 +54,8 @@ def test_every_key_lands_on_its_field(tmp_path):
         tls: {cert: /c/server.pem, key: /c/server-key.pem, ca: /c/ca.pem, require_client_cert: true,
               client_cert: /c/client.pem, client_key: /c/client-key.pem}
         auth: {api_token_file: /s/tokens.txt, cluster_secret_file: /s/secret.txt}
+        max_restarts: 5
+        worker_env: {MALLOC_ARENA_MAX: "4", OMP_WAIT_POLICY: PASSIVE}
     """)
     assert load_config(path) == ClusterSpec(
         model_path="/models/llama.gguf", host="0.0.0.0", num_prefill=2, num_decode=3, placement="spread",
@@ -65,7 +67,15 @@ def test_every_key_lands_on_its_field(tmp_path):
         namespace="prod", max_prompt_tokens=1000, max_tokens_limit=512, max_message_bytes=65536,
         max_concurrent_streams=32, tls_cert="/c/server.pem", tls_key="/c/server-key.pem", tls_ca="/c/ca.pem",
         tls_require_client_cert=True, tls_client_cert="/c/client.pem", tls_client_key="/c/client-key.pem",
-        api_token_file="/s/tokens.txt", cluster_secret_file="/s/secret.txt")
+        api_token_file="/s/tokens.txt", cluster_secret_file="/s/secret.txt", max_restarts=5,
+        worker_env={"MALLOC_ARENA_MAX": "4", "OMP_WAIT_POLICY": "PASSIVE"})
+
+
+def test_workers_restart_always_and_get_two_malloc_arenas_unless_told_otherwise():
+    assert ClusterSpec().max_restarts == -1
+    assert ClusterSpec().worker_environment == {"MALLOC_ARENA_MAX": "2"}
+    assert ClusterSpec(worker_env={"MALLOC_ARENA_MAX": "8", "X": "1"}).worker_environment == {
+        "MALLOC_ARENA_MAX": "8", "X": "1"}
 
 
 def test_a_relative_model_path_is_relative_to_the_file(tmp_path):
@@ -79,7 +89,8 @@ def test_a_relative_model_path_is_relative_to_the_file(tmp_path):
     ("router: {prot: 1}", "unknown key 'router.prot' (did you mean 'router.port'?)"),
     ("cache: {blocks: 8}", "unknown key 'cache.blocks' (did you mean 'cache.num_blocks'?)"),
     ("gpus: 4", "unknown key 'gpus' (known keys: model, host, prefill, decode, placement, gpus_per_worker, "
-                "cache, scheduler, router, redis_url, ray_address, namespace, tls, auth)"),
+                "cache, scheduler, router, redis_url, ray_address, namespace, max_restarts, worker_env, "
+                "tls, auth)"),
     ("tls: {certificate: a.pem}", "unknown key 'tls.certificate' (did you mean 'tls.cert'?)"),
 ])
 def test_an_unknown_key_is_named_with_the_file_and_a_suggestion(tmp_path, text, message):
@@ -102,7 +113,8 @@ def test_an_unknown_key_is_named_with_the_file_and_a_suggestion(tmp_path, text, 
                       "max_in_flight_per_decode, max_prompt_tokens, max_tokens_limit, max_message_bytes, "
                       "max_concurrent_streams, got 50051"),
     ("- model: x", "expected a mapping of keys (model, host, prefill, decode, placement, gpus_per_worker, "
-                   "cache, scheduler, router, redis_url, ray_address, namespace, tls, auth), got list"),
+                   "cache, scheduler, router, redis_url, ray_address, namespace, max_restarts, worker_env, "
+                   "tls, auth), got list"),
     ("tls: {require_client_cert: 1}", "'tls.require_client_cert' must be true or false, got 1 (int)"),
     ("auth: {api_token_file: [a, b]}",
      "'auth.api_token_file' must be a string or null, got ['a', 'b'] (list)"),
@@ -132,6 +144,9 @@ def test_a_wrong_type_is_named_with_the_file(tmp_path, text, message):
      "router.max_concurrent_streams (--max-concurrent-streams) must be >= 1, got 0"),
     ("router: {max_prompt_tokens: -5}",
      "router.max_prompt_tokens (--max-prompt-tokens) must be >= 1, got -5"),
+    ("max_restarts: -2", "max_restarts must be -1 (always restart) or >= 0, got -2"),
+    ("worker_env: {MALLOC_ARENA_MAX: 4}", "worker_env: 'MALLOC_ARENA_MAX': 4 must map a variable name to a "
+                                          'string (quote numbers in YAML: MALLOC_ARENA_MAX: "4")'),
     ("tls: {cert: a.pem}", "tls.cert (--tls-cert) and tls.key (--tls-key) go together: give both or neither"),
     ("tls: {ca: ca.pem}", "tls.ca (--tls-ca) needs tls.cert and tls.key (--tls-cert, --tls-key): the "
                           "cluster serves TLS only with a certificate"),

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, replace
 
 import grpc
@@ -41,6 +41,7 @@ from pdserve.worker.metrics import TRANSFER_OK, WorkerMetrics
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 DEFAULT_TIMEOUT_S = 60.0
+MAX_KV_PEER_CHANNELS = 64  # KV channels a prefill worker keeps open, one per decode worker address
 _RETRYABLE_AS_ABORTED = {FailureKind.CANCELLED, FailureKind.DEADLINE_EXCEEDED}
 
 
@@ -69,7 +70,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.bytes_sent = 0
         self.totals = TokenTotals()
         self.send_outcomes: Counter[str] = Counter()
-        self._channels: dict[str, GrpcKVChannel | FaultInjectingChannel] = {}
+        # NOTE: one channel per decode worker address, least recently used first. A decode worker
+        # that restarts comes back on a new port, so without a bound this grows by one channel
+        # per restart for the life of the process.
+        self._channels: OrderedDict[str, GrpcKVChannel | FaultInjectingChannel] = OrderedDict()
         self._lock = threading.Lock()
 
     # --- Prefill ----------------------------------------------------------------------------
@@ -135,11 +139,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.totals.preemptions += usage.preemptions
 
     def _channel(self, target: str) -> GrpcKVChannel | FaultInjectingChannel:
+        """The KV channel to target; past MAX_KV_PEER_CHANNELS peers the least recently used is
+        closed (its peer is most likely a decode worker that restarted on another port)."""
+        evicted = []
         with self._lock:
-            if target not in self._channels:
+            if target in self._channels:
+                self._channels.move_to_end(target)
+            else:
                 channel = GrpcKVChannel(target, self.security)
                 self._channels[target] = channel if self.faults is None else self.faults.wrap(channel)
-            return self._channels[target]
+                while len(self._channels) > MAX_KV_PEER_CHANNELS:
+                    evicted.append(self._channels.popitem(last=False)[1])
+            channel = self._channels[target]
+        for old in evicted:
+            old.close()
+        return channel
 
     # --- Decode -------------------------------------------------------------------------------
     def Decode(self, request, context):  # noqa: N802

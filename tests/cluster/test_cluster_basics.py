@@ -164,3 +164,13 @@ def test_status_reports_both_workers(cluster_1p1d):
     status = worker_status(cluster_1p1d)
     assert set(status) == {"prefill-0", "decode-0"}
     assert {s.role for s in status.values()} == {"prefill", "decode"}
+
+
+def test_worker_processes_run_with_the_worker_environment(cluster_1p1d):
+    import ray
+
+    for actor in cluster_1p1d.actors.values():
+        pid = ray.get(actor.describe.remote(), timeout=60)["pid"]
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        assert environ[b"MALLOC_ARENA_MAX"] == b"2"

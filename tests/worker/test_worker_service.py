@@ -99,3 +99,18 @@ def test_cancelled_decode_frees_blocks(workers):
     while decode.status().used_blocks and time.monotonic() < deadline:
         time.sleep(0.02)
     assert_clean(decode)
+
+
+def test_kv_channels_are_bounded_least_recently_used_closed_first(workers, monkeypatch):
+    import pdserve.worker.service as service
+
+    monkeypatch.setattr(service, "MAX_KV_PEER_CHANNELS", 2)
+    servicer = workers[0].servicer
+    first, second = servicer._channel("127.0.0.1:1"), servicer._channel("127.0.0.1:2")
+    assert servicer._channel("127.0.0.1:1") is first  # reused, and now the most recent
+    servicer._channel("127.0.0.1:3")
+
+    assert list(servicer._channels) == ["127.0.0.1:1", "127.0.0.1:3"]
+    with pytest.raises(ValueError, match="closed channel"):
+        second.push(iter(()), timeout_s=1)
+    servicer.close()
