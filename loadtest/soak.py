@@ -4,39 +4,51 @@
 
 Not part of `make test` (it takes as long as --minutes). The run:
 
-  1. start a cluster (1 prefill + 2 decode, SmolLM2) on local Ray and an embedded Redis;
+  1. start a cluster (2 prefill + 3 decode, SmolLM2) on local Ray and an embedded Redis;
   2. capacity: a closed loop at --capacity-concurrency for --capacity-s seconds; capacity =
-     completed requests / s;
+     completed requests / s (this also warms every process up before the baseline);
   3. soak: Poisson arrivals at --load x capacity for --minutes, a `synthetic` workload, while
-     a fault is injected at the start of every minute, in turn:
-        kill-decode   SIGKILL a decode worker's process (Ray restarts it under a new epoch)
-        drain-decode  SIGTERM a decode worker (drain: in-flight streams finish, then restart)
-        redis-down    kill the Redis server for 20 s, then start it again (empty)
-        kill-prefill  SIGKILL the prefill worker's process
-  4. samples: before the soak and after it, each once the cluster is idle and all three workers
-     are registered (the final one waits for the last fault to heal): the router process's
-     resident memory and open file descriptors, and each worker's KV blocks (used must be 0,
-     free must equal the pool) and its process's RSS and fds; plus one sample under load near
-     the end of every minute, for the trend.
+     a fault is injected at the start of every minute, in turn (--faults picks which):
+        kill-decode   SIGKILL decode-0 or decode-1 (in turn); Ray restarts it, new epoch
+        drain-decode  SIGTERM decode-0 or decode-1 (drain: in-flight streams finish, restart)
+        redis-down    kill the Redis server for --redis-down-s, then start it again (empty)
+        kill-prefill  SIGKILL prefill-0
+        none          nothing (a control run: --faults none)
+     prefill-1 and decode-2 are never killed: they live through every fault's effects (aborted
+     transfers, retries sent their way, Redis gone), so their drift is that of a process that
+     served the whole soak. Both load runs are `python -m loadtest` in a process of their own,
+     as a real client is, so the router's figures (this process: router, Ray driver, sampler)
+     exclude the client; their reports land in OUT/capacity/ and OUT/soak/.
+  4. samples: before the soak and after it, each once the cluster is idle and every worker is
+     registered (the final one waits for the last fault to heal), after a garbage collection
+     in this process: the router process's resident memory and open descriptors (and those
+     by kind), and per worker its KV blocks (used must be 0, free must equal the pool), pid,
+     epoch, RSS and descriptors; plus one sample under load near the end of every minute.
 
-Drift = (final - baseline) / baseline per resource. A worker a fault restarted is a new
-process, so its RSS/fds drift compares a fresh process with a warmed one; soak.json lists
-each worker's epoch so the reader can tell. Errors are expected only while a fault is live
-(streams on a killed worker end UNAVAILABLE); every one is counted by status.
+Drift = (final - baseline) / baseline per resource. The target (< 1%) is judged on the router
+and on every worker process that lived through the soak; a worker a fault restarted is a new
+process, so its figures are listed but not judged. KV blocks are judged on every worker. Each
+failed request is attributed to the last fault injected before it ended.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
-import threading
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 FAULTS = ("kill-decode", "drain-decode", "redis-down", "kill-prefill")
+CONTROL = "none"
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -44,6 +56,7 @@ class Sample:
     label: str
     router_rss: int
     router_fds: int
+    router_fd_kinds: dict[str, int]
     redis_pid: int | None  # None: the embedded redis-server is not running
     workers: dict[str, dict[str, int]] = field(default_factory=dict)  # id -> rss, fds, used, free
 
@@ -63,21 +76,45 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="how long the redis-down fault keeps Redis dead (default: %(default)s)")
     p.add_argument("--faults", default=",".join(FAULTS),
                    help="comma-separated faults injected in turn, one a minute; any of "
-                        f"{', '.join(FAULTS)} (default: all, in that order)")
+                        f"{', '.join(FAULTS + (CONTROL,))} (default: the first four, in that order)")
     p.add_argument("--out", default="loadtest/out/soak", help="output folder (default: %(default)s)")
     args = p.parse_args(argv)
     args.faults = [f.strip() for f in args.faults.split(",") if f.strip()]
-    unknown = sorted(set(args.faults) - set(FAULTS))
+    unknown = sorted(set(args.faults) - set(FAULTS + (CONTROL,)))
     if unknown or not args.faults:
-        p.error(f"--faults: unknown {unknown or 'empty list'}; choose from {', '.join(FAULTS)}")
+        p.error(f"--faults: unknown {unknown or 'empty list'}; choose from {', '.join(FAULTS + (CONTROL,))}")
     return args
 
 
-def process_usage(pid: int) -> tuple[int, int]:
+def process_usage(pid: int) -> tuple[int, int, dict[str, int]]:
+    """Resident bytes, open descriptors, and those descriptors by kind."""
     import psutil
 
     proc = psutil.Process(pid)
-    return proc.memory_info().rss, proc.num_fds()
+    return proc.memory_info().rss, proc.num_fds(), fd_kinds(proc)
+
+
+def fd_kinds(proc) -> dict[str, int]:
+    """Open descriptors by kind, so that a drift in their number says what grew: TCP sockets by
+    state ("tcp ESTABLISHED"), other sockets, pipes, anon inodes ("anon_inode:[eventfd]"),
+    files by path."""
+    kinds: dict[str, int] = {}
+    tcp = 0
+    for conn in proc.net_connections(kind="tcp"):
+        kinds[f"tcp {conn.status}"] = kinds.get(f"tcp {conn.status}", 0) + 1
+        tcp += 1
+    fd_dir = f"/proc/{proc.pid}/fd"
+    for fd in os.listdir(fd_dir):
+        try:
+            target = os.readlink(os.path.join(fd_dir, fd))
+        except OSError:
+            continue  # closed between listdir and readlink
+        kind = target.split(":", 1)[0] if target.startswith(("socket:", "pipe:")) else target
+        kinds[kind] = kinds.get(kind, 0) + 1
+    other_sockets = kinds.pop("socket", 0) - tcp  # unix and others (a race can make it < 0)
+    if other_sockets > 0:
+        kinds["socket (not tcp)"] = other_sockets
+    return kinds
 
 
 class Soak:
@@ -85,11 +122,12 @@ class Soak:
         from deploy.launcher import ClusterSpec, LocalCluster
 
         self.args = args
-        spec = ClusterSpec(num_prefill=1, num_decode=2, port=0, num_blocks=512, routing="prefix",
+        spec = ClusterSpec(num_prefill=2, num_decode=3, port=0, num_blocks=512, routing="prefix",
                            namespace="soak")
         self.cluster = LocalCluster(spec, say=lambda line: print(f"[soak] {line}", flush=True))
         self.faults: list[dict[str, Any]] = []
         self.samples: list[Sample] = []
+        self.load_proc: subprocess.Popen | None = None
 
     # --- faults -------------------------------------------------------------------------------
     def inject(self, minute: int) -> None:
@@ -106,6 +144,8 @@ class Soak:
         print(f"[soak] minute {minute}: injected {kind}", flush=True)
 
     def _inject(self, kind: str, minute: int) -> None:
+        if kind == CONTROL:
+            return
         if kind == "redis-down":
             # NOTE: restarted from this (main) thread: redis-server dies with the thread that
             # started it, so a Timer thread would kill it again at once.
@@ -125,23 +165,27 @@ class Soak:
     # --- samples ------------------------------------------------------------------------------
     def sample(self, label: str, idle: bool, timeout_s: float = 180.0) -> Sample:
         """Router RSS/fds and, per worker, process RSS/fds and KV blocks. With idle=True, first
-        wait until all three workers are registered and no block is in use (a leak never gets
-        there: the wait times out and the sample records what it saw)."""
+        wait until every worker is registered and no block is in use (a leak never gets there:
+        the wait times out and the sample records what it saw), then collect garbage here."""
         deadline = time.monotonic() + timeout_s
         while True:
             statuses = self._statuses()
-            settled = len(statuses) == 3 and all(s.used_blocks == 0 for s in statuses.values())
+            settled = (len(statuses) == len(self.cluster.actors)
+                       and all(s.used_blocks == 0 for s in statuses.values()))
             if not idle or settled or time.monotonic() > deadline:
                 break
             time.sleep(1.0)
-        rss, fds = process_usage(os.getpid())
-        sample = Sample(label, rss, fds, self.cluster.redis_server.pid)
+        if idle:
+            gc.collect()  # cyclic garbage is not a leak; a reachable object survives this
+        sample = Sample(label, *process_usage(os.getpid()), self.cluster.redis_server.pid)
         for worker_id, status in statuses.items():
             try:
-                w_rss, w_fds = process_usage(self._describe(worker_id)["pid"])
+                pid = self._describe(worker_id)["pid"]
+                w_rss, w_fds, w_kinds = process_usage(pid)
             except Exception:  # the actor is gone (Ray gave up restarting it): record what Status said
-                w_rss = w_fds = 0
-            sample.workers[worker_id] = {"rss": w_rss, "fds": w_fds, "used_blocks": status.used_blocks,
+                pid, w_rss, w_fds, w_kinds = 0, 0, 0, {}
+            sample.workers[worker_id] = {"pid": pid, "rss": w_rss, "fds": w_fds, "fd_kinds": w_kinds,
+                                         "used_blocks": status.used_blocks,
                                          "free_blocks": status.free_blocks, "num_blocks": status.num_blocks,
                                          "epoch": status.epoch}
         self.samples.append(sample)
@@ -167,66 +211,93 @@ class Soak:
         return out
 
     # --- the run ------------------------------------------------------------------------------
-    def load_config(self, router: str, arrivals, duration_s: float, requests: int, label: str):
-        from loadtest.arrivals import Bounds
-        from loadtest.runner import LoadTestConfig, RequestOptions
-        from loadtest.workloads import Synthetic
+    def load_command(self, router: str, name: str, arrival: list[str], duration_s: float,
+                     requests: int) -> list[str]:
+        """`python -m loadtest` sending the soak's synthetic workload; its report goes to OUT/name."""
+        return [sys.executable, "-m", "loadtest", "--router", router, "--workload", "synthetic",
+                "-p", f"input_tokens={self.args.input_tokens}",
+                "-p", f"output_tokens={self.args.output_tokens}", "-p", "range_ratio=0.5",
+                *arrival, "--duration", str(duration_s), "--requests", str(requests),
+                "--seed", str(len(self.samples)), "--timeout", "120", "--label", name,
+                "--out", os.path.join(self.args.out, name)]
 
-        workload = Synthetic(input_tokens=self.args.input_tokens, output_tokens=self.args.output_tokens,
-                             range_ratio=0.5)
-        return LoadTestConfig(router=router, workload=workload, arrivals=arrivals,
-                              bounds=Bounds(requests, duration_s), seed=len(self.samples),
-                              options=RequestOptions(timeout_s=120), progress=True, label=label)
+    def run_load(self, command: list[str]) -> subprocess.Popen:
+        self.load_proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
+        return self.load_proc
+
+    def load_report(self, name: str, proc: subprocess.Popen) -> dict[str, Any]:
+        if proc.wait() != 0:
+            raise RuntimeError(f"the {name} load run exited with code {proc.returncode}; its "
+                               "error is printed above")
+        with open(os.path.join(self.args.out, name, "report.json"), encoding="utf-8") as f:
+            return json.load(f)
 
     def run(self) -> dict[str, Any]:
-        import asyncio
-
-        from loadtest.arrivals import ClosedLoop, Poisson
-        from loadtest.report import write_outputs
-        from loadtest.runner import run_loadtest_async
-
         router = self.cluster.start()
-        capacity_cfg = self.load_config(router, ClosedLoop(self.args.capacity_concurrency),
-                                        self.args.capacity_s, 10_000, "capacity")
-        capacity = asyncio.run(run_loadtest_async(capacity_cfg)).report
+        closed_loop = ["--concurrency", str(self.args.capacity_concurrency)]
+        capacity_cmd = self.load_command(router, "capacity", closed_loop, self.args.capacity_s, 10_000)
+        capacity = self.load_report("capacity", self.run_load(capacity_cmd))
         rate = max(0.05, self.args.load * (capacity["requests_per_s"] or 0.0))
         baseline = self.sample("baseline", idle=True)
         soak_s = self.args.minutes * 60.0
-        expected = int(rate * soak_s * 2) + 10  # a bound for the progress bar; the duration ends the run
-        soak_cfg = self.load_config(router, Poisson(rate), soak_s, expected, f"soak at {rate:.2f}/s")
-        result: dict[str, Any] = {}
-        runner = threading.Thread(target=lambda: result.update(
-            run=asyncio.run(run_loadtest_async(soak_cfg))), name="soak-load")
-        runner.start()
+        expected = int(rate * soak_s * 2) + 10  # a bound only: the duration ends the run
+        load = self.run_load(self.load_command(router, "soak", ["--rate", f"{rate:.4f}"], soak_s, expected))
         started = time.monotonic()
         for minute in range(self.args.minutes):
             _sleep_until(started + minute * 60.0 + 5.0)
             self.inject(minute)
             _sleep_until(started + minute * 60.0 + 55.0)
             self.sample(f"minute {minute}", idle=False)
-        runner.join()
+        report = self.load_report("soak", load)
         final = self.sample("final", idle=True)
-        write_outputs(self.args.out, result["run"].report, result["run"].records)
-        return self.summary(capacity, rate, result["run"].report, baseline, final)
+        return self.summary(capacity, rate, report, baseline, final)
 
     def summary(self, capacity, rate, report, baseline: Sample, final: Sample) -> dict[str, Any]:
-        drift = {"router_rss": _drift(baseline.router_rss, final.router_rss),
-                 "router_fds": _drift(baseline.router_fds, final.router_fds)}
+        drift: dict[str, dict[str, Any]] = {"router": {
+            "rss": _drift(baseline.router_rss, final.router_rss),
+            "fds": _drift(baseline.router_fds, final.router_fds), "restarted": False}}
         for worker_id, before in baseline.workers.items():
             after = final.workers.get(worker_id, {})
-            for key in ("rss", "fds", "free_blocks"):
-                drift[f"{worker_id}_{key}"] = _drift(before[key], after.get(key))
+            drift[worker_id] = {key: _drift(before[key], after.get(key))
+                                for key in ("rss", "fds", "free_blocks")}
+            drift[worker_id]["restarted"] = after.get("pid") != before["pid"]
         leaked = {w: v["used_blocks"] for w, v in final.workers.items() if v["used_blocks"]}
+        judged = {name: d for name, d in drift.items() if not d["restarted"]}
+        pools_whole = all(d["free_blocks"] == 0 for name, d in drift.items() if name != "router")
+        within = all(d[k] is not None and abs(d[k]) < 0.01 for d in judged.values() for k in ("rss", "fds"))
+        target_met = not leaked and len(final.workers) == len(baseline.workers) and pools_whole and within
         return {"capacity_requests_per_s": capacity["requests_per_s"], "soak_rate": rate,
                 "minutes": self.args.minutes, "faults": self.faults,
                 "counts": report["counts"], "errors": report["errors"],
+                "errors_by_fault": self.errors_by_fault(report),
                 "ttft_ms": report["ttft_ms"], "itl_ms": report["itl_ms"],
-                "drift": drift,
-                "within_1_percent": {k: v is not None and abs(v) < 0.01 for k, v in drift.items()},
+                "drift": drift, "judged": sorted(judged), "drift_target_met": target_met,
                 "blocks_in_use_at_end": leaked, "workers_back": sorted(final.workers),
                 "samples": [vars(s) for s in self.samples]}
 
+    def errors_by_fault(self, report: dict[str, Any]) -> dict[str, Any]:
+        """Each failed request, attributed to the last fault injected before it ended; with the
+        longest time from that injection to a failure, per fault."""
+        started = datetime.fromisoformat(report["started_at"]).timestamp()
+        out: dict[str, Any] = {}
+        with open(os.path.join(self.args.out, "soak", "requests.jsonl"), encoding="utf-8") as f:
+            failed = [r for r in map(json.loads, f) if r["status"] != "OK"]
+        for record in failed:
+            ended = started + record["end_s"]
+            fault = max((x for x in self.faults if x["at"] <= ended), key=lambda x: x["at"], default=None)
+            key = f"minute {fault['minute']} {fault['fault']}" if fault else "before any fault"
+            entry = out.setdefault(key, {"count": 0, "statuses": {}, "latest_s_after_fault": 0.0})
+            entry["count"] += 1
+            entry["statuses"][record["status"]] = entry["statuses"].get(record["status"], 0) + 1
+            if fault:
+                latest = max(entry["latest_s_after_fault"], ended - fault["at"])
+                entry["latest_s_after_fault"] = round(latest, 1)
+        return out
+
     def stop(self) -> None:
+        if self.load_proc is not None and self.load_proc.poll() is None:
+            self.load_proc.kill()  # interrupted: the client goes first
+            self.load_proc.wait()
         self.cluster.stop()
 
 
@@ -251,8 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.out, "soak.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
     print(json.dumps({k: summary[k] for k in ("capacity_requests_per_s", "soak_rate", "counts", "errors",
-                                             "drift", "blocks_in_use_at_end")}, indent=2))
-    return 0 if not summary["blocks_in_use_at_end"] else 1
+                                             "errors_by_fault", "drift", "drift_target_met",
+                                             "blocks_in_use_at_end")}, indent=2))
+    return 0 if summary["drift_target_met"] else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,91 @@
+"""loadtest.soak's bookkeeping (the soak itself runs for minutes and is not part of `make test`):
+its flags, drift judgement, and attribution of failed requests to faults."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from loadtest.soak import Sample, Soak, _drift, parse_args
+
+MIB = 1 << 20
+
+
+def soak_with(tmp_path, faults=()) -> Soak:
+    soak = Soak.__new__(Soak)  # no cluster: only the bookkeeping is under test
+    soak.args = SimpleNamespace(out=str(tmp_path), minutes=2)
+    soak.faults = list(faults)
+    soak.samples = []
+    return soak
+
+
+def worker(pid: int, rss_mib: float, fds: int = 50, used: int = 0, free: int = 512) -> dict:
+    return {"pid": pid, "rss": int(rss_mib * MIB), "fds": fds, "used_blocks": used, "free_blocks": free}
+
+
+def report(started_at: str = "2026-11-29T12:00:00+00:00") -> dict:
+    return {"counts": {}, "errors": {}, "ttft_ms": {}, "itl_ms": {}, "started_at": started_at}
+
+
+def summarize(tmp_path, baseline_workers: dict, final_workers: dict, router=(300, 50),
+              final_router=(300, 50)):
+    (tmp_path / "soak").mkdir(exist_ok=True)
+    (tmp_path / "soak" / "requests.jsonl").write_text("")
+    baseline = Sample("baseline", router[0] * MIB, router[1], {}, 1, baseline_workers)
+    final = Sample("final", final_router[0] * MIB, final_router[1], {}, 1, final_workers)
+    return soak_with(tmp_path).summary({"requests_per_s": 1.0}, 0.7, report(), baseline, final)
+
+
+def test_faults_flag_takes_a_list_and_refuses_unknown_names():
+    assert parse_args([]).faults == ["kill-decode", "drain-decode", "redis-down", "kill-prefill"]
+    assert parse_args(["--faults", "none"]).faults == ["none"]
+    assert parse_args(["--faults", "redis-down, kill-prefill"]).faults == ["redis-down", "kill-prefill"]
+    with pytest.raises(SystemExit):
+        parse_args(["--faults", "kill-router"])
+
+
+def test_drift_is_relative_and_none_without_a_baseline():
+    assert _drift(100, 101) == 0.01
+    assert _drift(100, 97) == -0.03
+    assert _drift(0, 5) is None and _drift(5, None) is None
+
+
+def test_a_restarted_worker_is_listed_but_not_judged(tmp_path):
+    summary = summarize(tmp_path, {"decode-0": worker(10, 1500), "decode-2": worker(12, 1500)},
+                        {"decode-0": worker(99, 1400), "decode-2": worker(12, 1505)})
+    assert summary["drift"]["decode-0"]["restarted"] and summary["drift"]["decode-0"]["rss"] < -0.06
+    assert summary["judged"] == ["decode-2", "router"]
+    assert summary["drift_target_met"]
+
+
+@pytest.mark.parametrize("final_workers, final_router", [
+    ({"decode-2": worker(12, 1520)}, (300, 50)),  # +1.3% RSS on a worker that lived through
+    ({"decode-2": worker(12, 1500, fds=51)}, (300, 50)),  # one more descriptor of 50
+    ({"decode-2": worker(12, 1500)}, (297, 50)),  # router shrank by 1%
+    ({"decode-2": worker(12, 1500, used=3, free=509)}, (300, 50)),  # blocks still in use
+    ({}, (300, 50)),  # a worker did not come back
+])
+def test_the_target_fails_on_judged_drift_a_leak_or_a_missing_worker(tmp_path, final_workers, final_router):
+    summary = summarize(tmp_path, {"decode-2": worker(12, 1500)}, final_workers, final_router=final_router)
+    assert not summary["drift_target_met"]
+
+
+def test_failed_requests_are_attributed_to_the_last_fault_before_they_ended(tmp_path):
+    started = 1_795_953_600.0  # 2026-11-29T12:00:00Z
+    faults = [{"minute": 0, "fault": "kill-decode", "at": started + 5},
+              {"minute": 1, "fault": "redis-down", "at": started + 65}]
+    records = [{"status": "OK", "end_s": 10.0}, {"status": "UNAVAILABLE", "end_s": 7.5},
+               {"status": "UNAVAILABLE", "end_s": 20.0}, {"status": "CANCELLED", "end_s": 3.0},
+               {"status": "INTERNAL", "end_s": 70.0}]
+    (tmp_path / "soak").mkdir()
+    (tmp_path / "soak" / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    out = soak_with(tmp_path, faults).errors_by_fault(report())
+
+    assert out == {
+        "minute 0 kill-decode": {"count": 2, "statuses": {"UNAVAILABLE": 2}, "latest_s_after_fault": 15.0},
+        "before any fault": {"count": 1, "statuses": {"CANCELLED": 1}, "latest_s_after_fault": 0.0},
+        "minute 1 redis-down": {"count": 1, "statuses": {"INTERNAL": 1}, "latest_s_after_fault": 5.0},
+    }
