@@ -104,7 +104,8 @@ async def run_loadtest_async(config: LoadTestConfig) -> RunResult:
         run = _Run(client, config)
         with run.progress_bar():
             await run.drive(specs)
-    meta = {**config.describe(), "started_at": started_at, "stopped_by": run.stopped_by()}
+    meta = {**config.describe(), "started_at": started_at, "started_unix_s": round(run.started_unix_s, 3),
+            "stopped_by": run.stopped_by()}
     report = build_report(run.records, duration_s=run.duration_s(), slo=config.slo, skipped=run.skipped,
                           meta=meta)
     report["server_metrics"] = await asyncio.to_thread(probe.after) if probe else None
@@ -142,6 +143,7 @@ class _Run:
         self._turn_done: dict[tuple[int, int], asyncio.Event] = {}
         self._failed_conversations: set[int] = set()
         self._t0 = time.perf_counter()
+        self.started_unix_s = time.time()  # the wall-clock instant of now() == 0 (send_s, end_s)
         self._bar: tqdm | None = None
 
     def now(self) -> float:

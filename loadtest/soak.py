@@ -20,10 +20,11 @@ Not part of `make test` (it takes as long as --minutes). The run:
      as a real client is, so the router's figures (this process: router, Ray driver, sampler)
      exclude the client; their reports land in OUT/capacity/ and OUT/soak/.
   4. samples: before the soak and after it, each once the cluster is idle and every worker is
-     registered (the final one waits for the last fault to heal), after a garbage collection
-     in this process: the router process's resident memory and open descriptors (and those
-     by kind), and per worker its KV blocks (used must be 0, free must equal the pool), pid,
-     epoch, RSS and descriptors; plus one sample under load near the end of every minute.
+     registered (the final one waits for the last fault to heal), after release_free_heap()
+     in this process (gc, then malloc_trim, so that RSS counts live memory): the router
+     process's resident memory and open descriptors (and those by kind), and per worker its
+     KV blocks (used must be 0, free must equal the pool), pid, epoch, RSS and descriptors;
+     plus one sample under load near the end of every minute.
 
 Drift = (final - baseline) / baseline per resource. The target (< 1%) is judged on the router
 and on every worker process that lived through the soak; a worker a fault restarted is a new
@@ -34,15 +35,16 @@ failed request is attributed to the last fault injected before it ended.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -96,13 +98,15 @@ def process_usage(pid: int) -> tuple[int, int, dict[str, int]]:
 
 def fd_kinds(proc) -> dict[str, int]:
     """Open descriptors by kind, so that a drift in their number says what grew: TCP sockets by
-    state ("tcp ESTABLISHED"), other sockets, pipes, anon inodes ("anon_inode:[eventfd]"),
+    state ("tcp ESTABLISHED"), unix sockets, other sockets (a TCP socket whose connection is gone
+    but whose descriptor is still open shows here), pipes, anon inodes ("anon_inode:[eventfd]"),
     files by path."""
     kinds: dict[str, int] = {}
-    tcp = 0
-    for conn in proc.net_connections(kind="tcp"):
-        kinds[f"tcp {conn.status}"] = kinds.get(f"tcp {conn.status}", 0) + 1
-        tcp += 1
+    listed = 0
+    for conn in proc.net_connections(kind="inet") + proc.net_connections(kind="unix"):
+        kind = f"{'unix' if conn.family == socket.AF_UNIX else 'tcp'} {conn.status or ''}".strip()
+        kinds[kind] = kinds.get(kind, 0) + 1
+        listed += 1
     fd_dir = f"/proc/{proc.pid}/fd"
     for fd in os.listdir(fd_dir):
         try:
@@ -111,10 +115,19 @@ def fd_kinds(proc) -> dict[str, int]:
             continue  # closed between listdir and readlink
         kind = target.split(":", 1)[0] if target.startswith(("socket:", "pipe:")) else target
         kinds[kind] = kinds.get(kind, 0) + 1
-    other_sockets = kinds.pop("socket", 0) - tcp  # unix and others (a race can make it < 0)
+    other_sockets = kinds.pop("socket", 0) - listed  # a race can make it < 0
     if other_sockets > 0:
-        kinds["socket (not tcp)"] = other_sockets
+        kinds["socket (other)"] = other_sockets
     return kinds
+
+
+def release_free_heap() -> None:
+    """Collect cyclic garbage, then hand glibc's free heap pages back to the kernel (malloc_trim),
+    so this process's RSS counts live memory, not what the allocator happens to keep. A leak is
+    live memory and survives both."""
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 class Soak:
@@ -176,7 +189,7 @@ class Soak:
                 break
             time.sleep(1.0)
         if idle:
-            gc.collect()  # cyclic garbage is not a leak; a reachable object survives this
+            release_free_heap()
         sample = Sample(label, *process_usage(os.getpid()), self.cluster.redis_server.pid)
         for worker_id, status in statuses.items():
             try:
@@ -278,7 +291,7 @@ class Soak:
     def errors_by_fault(self, report: dict[str, Any]) -> dict[str, Any]:
         """Each failed request, attributed to the last fault injected before it ended; with the
         longest time from that injection to a failure, per fault."""
-        started = datetime.fromisoformat(report["started_at"]).timestamp()
+        started = report["started_unix_s"]  # send_s and end_s count from this instant
         out: dict[str, Any] = {}
         with open(os.path.join(self.args.out, "soak", "requests.jsonl"), encoding="utf-8") as f:
             failed = [r for r in map(json.loads, f) if r["status"] != "OK"]
