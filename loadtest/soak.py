@@ -88,23 +88,51 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def process_usage(pid: int) -> tuple[int, int, dict[str, int]]:
+def process_usage(pid: int, peers: Peers | None = None) -> tuple[int, int, dict[str, int]]:
     """Resident bytes, open descriptors, and those descriptors by kind."""
     import psutil
 
     proc = psutil.Process(pid)
-    return proc.memory_info().rss, proc.num_fds(), fd_kinds(proc)
+    return proc.memory_info().rss, proc.num_fds(), fd_kinds(proc, peers)
 
 
-def fd_kinds(proc) -> dict[str, int]:
+class Peers:
+    """Who is at the other end of a loopback TCP connection: every TCP socket on this machine by
+    its local address, then the owning process by the names given (router, worker ids, redis),
+    else by its process name (raylet, gcs_server, ...)."""
+
+    def __init__(self, names: dict[int, str]) -> None:
+        import psutil
+
+        self.names = dict(names)
+        self.owner = {(c.laddr.ip, c.laddr.port): c.pid for c in psutil.net_connections(kind="tcp")
+                      if c.laddr and c.pid}
+
+    def of(self, conn) -> str:
+        import psutil
+
+        pid = self.owner.get((conn.raddr.ip, conn.raddr.port)) if conn.raddr else None
+        if pid is None:
+            return "?"
+        if pid not in self.names:
+            try:
+                self.names[pid] = psutil.Process(pid).name()
+            except psutil.Error:
+                self.names[pid] = "?"
+        return self.names[pid]
+
+
+def fd_kinds(proc, peers: Peers | None = None) -> dict[str, int]:
     """Open descriptors by kind, so that a drift in their number says what grew: TCP sockets by
-    state ("tcp ESTABLISHED"), unix sockets, other sockets (a TCP socket whose connection is gone
-    but whose descriptor is still open shows here), pipes, anon inodes ("anon_inode:[eventfd]"),
-    files by path."""
+    state and, with peers, by the process at the other end ("tcp ESTABLISHED redis"); unix
+    sockets; other sockets (a TCP socket whose connection is gone but whose descriptor is still
+    open shows here); pipes; anon inodes ("anon_inode:[eventfd]"); files by path."""
     kinds: dict[str, int] = {}
     listed = 0
     for conn in proc.net_connections(kind="inet") + proc.net_connections(kind="unix"):
         kind = f"{'unix' if conn.family == socket.AF_UNIX else 'tcp'} {conn.status or ''}".strip()
+        if peers is not None and conn.family != socket.AF_UNIX and conn.status == "ESTABLISHED":
+            kind += f" {peers.of(conn)}"
         kinds[kind] = kinds.get(kind, 0) + 1
         listed += 1
     fd_dir = f"/proc/{proc.pid}/fd"
@@ -190,11 +218,19 @@ class Soak:
             time.sleep(1.0)
         if idle:
             release_free_heap()
-        sample = Sample(label, *process_usage(os.getpid()), self.cluster.redis_server.pid)
+        pids = {}
+        for worker_id in statuses:
+            try:
+                pids[worker_id] = self._describe(worker_id)["pid"]
+            except Exception:  # the actor is gone (Ray gave up restarting it)
+                pass
+        peers = Peers({os.getpid(): "router", self.cluster.redis_server.pid or 0: "redis",
+                       **{pid: worker_id for worker_id, pid in pids.items()}})
+        sample = Sample(label, *process_usage(os.getpid(), peers), self.cluster.redis_server.pid)
         for worker_id, status in statuses.items():
             try:
-                pid = self._describe(worker_id)["pid"]
-                w_rss, w_fds, w_kinds = process_usage(pid)
+                pid = pids[worker_id]
+                w_rss, w_fds, w_kinds = process_usage(pid, peers)
             except Exception:  # the actor is gone (Ray gave up restarting it): record what Status said
                 pid, w_rss, w_fds, w_kinds = 0, 0, 0, {}
             sample.workers[worker_id] = {"pid": pid, "rss": w_rss, "fds": w_fds, "fd_kinds": w_kinds,
