@@ -39,6 +39,7 @@ import ctypes
 import gc
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -169,6 +170,7 @@ class Soak:
         self.faults: list[dict[str, Any]] = []
         self.samples: list[Sample] = []
         self.load_proc: subprocess.Popen | None = None
+        self.router = ""
 
     # --- faults -------------------------------------------------------------------------------
     def inject(self, minute: int) -> None:
@@ -207,16 +209,13 @@ class Soak:
     def sample(self, label: str, idle: bool, timeout_s: float = 180.0) -> Sample:
         """Router RSS/fds and, per worker, process RSS/fds and KV blocks. With idle=True, first
         wait until every worker is registered and no block is in use (a leak never gets there:
-        the wait times out and the sample records what it saw), then collect garbage here."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            statuses = self._statuses()
-            settled = (len(statuses) == len(self.cluster.actors)
-                       and all(s.used_blocks == 0 for s in statuses.values()))
-            if not idle or settled or time.monotonic() > deadline:
-                break
-            time.sleep(1.0)
+        the wait times out and the sample records what it saw), open every KV channel
+        (touch_every_pair), wait again, and release this process's free heap."""
+        statuses = self._statuses()
         if idle:
+            self._wait_settled(timeout_s)
+            self.touch_every_pair()
+            statuses = self._wait_settled(timeout_s)
             release_free_heap()
         pids = {}
         for worker_id in statuses:
@@ -239,6 +238,37 @@ class Soak:
                                          "epoch": status.epoch}
         self.samples.append(sample)
         return sample
+
+    def _wait_settled(self, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            statuses = self._statuses()
+            settled = (len(statuses) == len(self.cluster.actors)
+                       and all(s.used_blocks == 0 for s in statuses.values()))
+            if settled or time.monotonic() > deadline:
+                return statuses
+            time.sleep(1.0)
+
+    def touch_every_pair(self) -> None:
+        """Send one short round-robin request per (prefill, decode) pair, so that every KV channel
+        the soak can use is open when an idle sample is taken: a prefill worker opens its channel
+        to a decode worker on its first transfer there, and which pairs the load happened to use
+        would otherwise show as descriptor drift. Round robin turns the prefill and the decode
+        choice once per remote request, so P x D requests in a row visit every pair when P and D
+        are coprime (2 and 3 here)."""
+        import grpc
+
+        from loadtest.workloads import TOKEN_ID_RANGE
+        from pdserve.client import PdserveClient
+
+        spec, rng = self.cluster.spec, random.Random(len(self.samples))
+        with PdserveClient(self.router, timeout_s=120) as client:
+            for _ in range(spec.num_prefill * spec.num_decode):
+                prompt = [rng.randrange(*TOKEN_ID_RANGE) for _ in range(64)]  # >= 32: prefilled remotely
+                try:
+                    client.generate(token_ids=prompt, max_tokens=2, temperature=0, routing="round_robin")
+                except grpc.RpcError as e:  # a worker not back yet: this pair stays as it is
+                    print(f"[soak] touch_every_pair: {e.code().name}: {e.details()}", flush=True)
 
     def _statuses(self) -> dict:
         import grpc
@@ -282,7 +312,7 @@ class Soak:
             return json.load(f)
 
     def run(self) -> dict[str, Any]:
-        router = self.cluster.start()
+        router = self.router = self.cluster.start()
         closed_loop = ["--concurrency", str(self.args.capacity_concurrency)]
         capacity_cmd = self.load_command(router, "capacity", closed_loop, self.args.capacity_s, 10_000)
         capacity = self.load_report("capacity", self.run_load(capacity_cmd))
