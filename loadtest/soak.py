@@ -45,6 +45,7 @@ import socket
 import subprocess
 import sys
 import time
+import tracemalloc
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--faults", default=",".join(FAULTS),
                    help="comma-separated faults injected in turn, one a minute; any of "
                         f"{', '.join(FAULTS + (CONTROL,))} (default: the first four, in that order)")
+    p.add_argument("--trace-memory", action="store_true",
+                   help="trace Python allocations in this process (router, Ray driver, sampler) with "
+                        "tracemalloc and write the 25 biggest growths from baseline to the end to "
+                        "OUT/tracemalloc.txt; slows the router somewhat")
     p.add_argument("--out", default="loadtest/out/soak", help="output folder (default: %(default)s)")
     args = p.parse_args(argv)
     args.faults = [f.strip() for f in args.faults.split(",") if f.strip()]
@@ -318,6 +323,7 @@ class Soak:
         capacity = self.load_report("capacity", self.run_load(capacity_cmd))
         rate = max(0.05, self.args.load * (capacity["requests_per_s"] or 0.0))
         baseline = self.sample("baseline", idle=True)
+        traced = tracemalloc.take_snapshot() if tracemalloc.is_tracing() else None
         soak_s = self.args.minutes * 60.0
         expected = int(rate * soak_s * 2) + 10  # a bound only: the duration ends the run
         load = self.run_load(self.load_command(router, "soak", ["--rate", f"{rate:.4f}"], soak_s, expected))
@@ -329,6 +335,9 @@ class Soak:
             self.sample(f"minute {minute}", idle=False)
         report = self.load_report("soak", load)
         final = self.sample("final", idle=True)
+        if traced is not None:
+            out = os.path.join(self.args.out, "tracemalloc.txt")
+            write_memory_growth(traced, tracemalloc.take_snapshot(), out)
         return self.summary(capacity, rate, report, baseline, final)
 
     def summary(self, capacity, rate, report, baseline: Sample, final: Sample) -> dict[str, Any]:
@@ -380,6 +389,16 @@ class Soak:
         self.cluster.stop()
 
 
+def write_memory_growth(before, after, path: str, top: int = 25) -> None:
+    """The allocation sites (10-frame tracebacks) whose live Python memory grew the most."""
+    lines = [f"traced Python memory now: {tracemalloc.get_traced_memory()[0] / 2**20:.1f} MiB", ""]
+    for stat in after.compare_to(before, "traceback")[:top]:
+        lines.append(f"{stat.size_diff / 1024:+.1f} KiB in {stat.count_diff:+d} blocks")
+        lines.extend(f"    {line}" for line in stat.traceback.format())
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def _drift(before: float | None, after: float | None) -> float | None:
     if not before or after is None:
         return None
@@ -393,6 +412,8 @@ def _sleep_until(t: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    if args.trace_memory:
+        tracemalloc.start(10)
     soak = Soak(args)
     try:
         summary = soak.run()

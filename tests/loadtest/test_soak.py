@@ -89,3 +89,22 @@ def test_failed_requests_are_attributed_to_the_last_fault_before_they_ended(tmp_
         "before any fault": {"count": 1, "statuses": {"CANCELLED": 1}, "latest_s_after_fault": 0.0},
         "minute 1 redis-down": {"count": 1, "statuses": {"INTERNAL": 1}, "latest_s_after_fault": 5.0},
     }
+
+
+def test_memory_growth_names_the_allocation_site(tmp_path):
+    import tracemalloc
+
+    from loadtest.soak import write_memory_growth
+
+    tracemalloc.start(5)
+    try:
+        before = tracemalloc.take_snapshot()
+        kept = [bytearray(4096) for _ in range(64)]  # the growth: 256 KiB from this line
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    write_memory_growth(before, after, str(tmp_path / "tracemalloc.txt"))
+    text = (tmp_path / "tracemalloc.txt").read_text()
+    first = text.split("\n\n", 1)[1].splitlines()
+    assert 256 <= float(first[0].split()[0]) < 300  # KiB: the biggest growth comes first
+    assert any("test_soak.py" in line for line in first[1:6]) and len(kept) == 64
