@@ -62,7 +62,8 @@ class Sample:
     router_fds: int
     router_fd_kinds: dict[str, int]
     redis_pid: int | None  # None: the embedded redis-server is not running
-    workers: dict[str, dict[str, int]] = field(default_factory=dict)  # id -> rss, fds, used, free
+    # worker id -> pid, rss, fds, fd_kinds, used_blocks, free_blocks, num_blocks, epoch
+    workers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -216,12 +217,13 @@ class Soak:
         wait until every worker is registered and no block is in use (a leak never gets there:
         the wait times out and the sample records what it saw), open every KV channel
         (touch_every_pair), wait again, and release this process's free heap."""
-        statuses = self._statuses()
         if idle:
             self._wait_settled(timeout_s)
             self.touch_every_pair()
             statuses = self._wait_settled(timeout_s)
             release_free_heap()
+        else:
+            statuses = self._statuses()
         pids = {}
         for worker_id in statuses:
             try:
