@@ -30,6 +30,7 @@ from pdserve.worker.presence import Presence
 from pdserve.worker.server import WorkerConfig, WorkerServer
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+REDIS_TIMEOUT_S = 1.0  # per Redis call: connect, answer, and wait for the worker's one connection
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class WorkerActor:
         logging.basicConfig(level=logging.INFO,
                             format=f"%(asctime)s {spec.worker_id} %(levelname)s %(message)s")
         self.spec = spec
-        client = redis.Redis.from_url(spec.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        client = redis_client(spec.redis_url)
         self.registry = WorkerRegistry(client, spec.namespace)
         self.index = RedisPrefixIndex(client, spec.namespace)
         self.epoch = _when_redis_answers(lambda: self.registry.next_epoch(spec.worker_id), spec.redis_wait_s,
@@ -145,6 +146,17 @@ class WorkerActor:
                                             "all requests finished" if finished else "grace period expired")
         self.server.stop()
         os._exit(0)  # NOTE: Ray sees the process end and restarts the actor (max_restarts), new epoch
+
+
+def redis_client(url: str, timeout_s: float = REDIS_TIMEOUT_S) -> redis.Redis:
+    """A client with exactly one connection, which the heartbeat thread and the engine's index
+    publisher take in turn (a caller waits at most timeout_s for it, then sees the store as
+    unavailable, as it would a Redis that does not answer). One connection, not a pool that grows
+    when the two threads happen to overlap: a worker's descriptor count stays fixed (the soak
+    judges it), and Redis serves every worker with one connection each."""
+    pool = redis.BlockingConnectionPool.from_url(url, max_connections=1, timeout=timeout_s,
+                                                 socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    return redis.Redis(connection_pool=pool)
 
 
 def _when_redis_answers(call: Callable[[], int], wait_s: float, worker_id: str) -> int:

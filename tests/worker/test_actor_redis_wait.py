@@ -13,8 +13,9 @@ import pytest
 import redis
 
 from deploy.redis_server import RedisServer
+from pdserve.index.base import StoreUnavailable
 from pdserve.index.registry import WorkerRegistry
-from pdserve.worker.actor import WorkerActor, WorkerSpec
+from pdserve.worker.actor import WorkerActor, WorkerSpec, redis_client
 
 
 @pytest.mark.slow
@@ -46,3 +47,36 @@ def test_a_worker_starting_while_redis_is_down_waits_and_registers():
         if "actor" in outcome:
             outcome["actor"].stop()
         server.stop()
+
+
+def test_a_worker_holds_one_redis_connection_however_its_threads_overlap():
+    """The heartbeat thread and the engine's index publisher share the worker's client. With
+    redis-py's default pool, two calls that overlap open a second connection, which the soak saw
+    as a worker's descriptor count going up by one; the worker's client has exactly one."""
+    with RedisServer() as server:
+        admin = redis.Redis.from_url(server.url)
+        before = len(admin.client_list())
+        client = redis_client(server.url)
+        registry = WorkerRegistry(client, "t-one")
+        threads = [threading.Thread(target=lambda: [registry.live_workers() for _ in range(200)])
+                   for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(admin.client_list()) - before == 1
+        client.close()
+        admin.close()
+
+
+def test_a_caller_that_waits_too_long_for_the_connection_sees_the_store_unavailable():
+    with RedisServer() as server:
+        client = redis_client(server.url, timeout_s=0.2)
+        held = client.connection_pool.get_connection()  # the heartbeat, stuck on a slow call
+        try:
+            with pytest.raises(StoreUnavailable, match="Redis did not answer"):
+                WorkerRegistry(client, "t-busy").live_workers()
+        finally:
+            client.connection_pool.release(held)
+        assert WorkerRegistry(client, "t-busy").live_workers() == []
+        client.close()
