@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -23,6 +24,9 @@ from router.policy import Candidate
 
 log = logging.getLogger(__name__)
 
+# A channel to an address no live worker has had for this long, with no request of ours on it, is
+# closed: a restarted worker comes back on a new port, and each old channel would otherwise stay.
+CHANNEL_RETIRE_S = 30.0
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
                    ("grpc.max_receive_message_length", 64 << 20)]
 
@@ -37,8 +41,9 @@ class WorkerRecord(Protocol):
 class WorkerDirectory:
     def __init__(self, source: Callable[[], Sequence[WorkerRecord]], refresh_s: float = 0.5,
                  load_source: Callable[[str], dict[str, int]] | None = None,
-                 security: SecurityConfig | None = None) -> None:
+                 security: SecurityConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._source = source
+        self._clock = clock
         self._security = security or SecurityConfig()
         self._load_source = load_source
         self._loads: dict[str, dict[str, int]] = {}
@@ -46,6 +51,8 @@ class WorkerDirectory:
         self._workers: dict[str, WorkerRecord] = {}
         self._in_flight: Counter[str] = Counter()
         self._channels: dict[str, grpc.Channel] = {}
+        self._absent_since: dict[str, float] = {}  # channel address -> when no live worker had it
+        self._requests_on: Counter[str] = Counter()  # channel address -> our requests in flight there
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._refresh_loop, name="worker-directory", daemon=True)
@@ -56,7 +63,8 @@ class WorkerDirectory:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
         with self._lock:
             for channel in self._channels.values():
                 channel.close()
@@ -72,6 +80,23 @@ class WorkerDirectory:
         with self._lock:
             self._workers = workers
             self._loads = loads
+            retired = self._retire_channels({w.address for w in workers.values()})
+        for channel in retired:
+            channel.close()
+
+    def _retire_channels(self, live_addresses: set[str]) -> list[grpc.Channel]:
+        """Channels whose address has been without a live worker for CHANNEL_RETIRE_S and carries
+        none of our requests, taken out of the cache (the caller closes them). Holds the lock."""
+        now, retired = self._clock(), []
+        for address in list(self._channels):
+            if address in live_addresses:
+                self._absent_since.pop(address, None)
+                continue
+            since = self._absent_since.setdefault(address, now)
+            if now - since >= CHANNEL_RETIRE_S and not self._requests_on[address]:
+                retired.append(self._channels.pop(address))
+                del self._absent_since[address]
+        return retired
 
     def _read_loads(self, workers: dict[str, WorkerRecord]) -> dict[str, dict[str, int]]:
         if self._load_source is None:
@@ -124,10 +149,16 @@ class WorkerDirectory:
     def track(self, *candidates: Candidate | None) -> Iterator[None]:
         """Count a request as in flight on these workers for the duration of the block."""
         ids = [c.worker_id for c in candidates if c is not None]
+        addresses = [c.address for c in candidates if c is not None]
         with self._lock:
             self._in_flight.update(ids)
+            self._requests_on.update(addresses)
         try:
             yield
         finally:
             with self._lock:
                 self._in_flight.subtract(ids)
+                self._requests_on.subtract(addresses)
+                for address in addresses:
+                    if self._requests_on[address] <= 0:
+                        del self._requests_on[address]

@@ -1,0 +1,115 @@
+"""The router's channel cache: a channel to an address that no live worker has any more (a
+restarted worker comes back on a new port) is closed once it has been gone CHANNEL_RETIRE_S
+and no request of ours is on it; before, every restart left one open channel behind."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from pdserve.security import SecurityConfig
+from router.policy import Candidate
+from router.workers import CHANNEL_RETIRE_S, WorkerDirectory
+
+
+@dataclass
+class Record:
+    worker_id: str
+    role: str
+    address: str
+    epoch: int = 1
+
+
+class RecordingSecurity(SecurityConfig):
+    """Plaintext channels, remembered so the test can see which were closed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened: dict[str, list[grpc.Channel]] = {}
+
+    def open_channel(self, target, options=(), *, internal, aio=False):
+        channel = super().open_channel(target, options, internal=internal, aio=aio)
+        self.opened.setdefault(target, []).append(channel)
+        return channel
+
+
+def is_closed(channel: grpc.Channel) -> bool:
+    try:
+        channel.unary_unary("/probe/Probe")(b"", timeout=0.01)
+    except ValueError:  # grpc: "Cannot invoke RPC on closed channel!"
+        return True
+    except grpc.RpcError:  # open, nobody listening
+        return False
+    return False
+
+
+class Directory:
+    def __init__(self) -> None:
+        self.live = [Record("decode-0", "decode", "127.0.0.1:1001")]
+        self.now = 0.0
+        self.security = RecordingSecurity()
+        self.directory = WorkerDirectory(lambda: self.live, security=self.security, clock=lambda: self.now)
+        self.directory.refresh()
+
+    def restart_worker(self) -> None:
+        self.live = [Record("decode-0", "decode", "127.0.0.1:1002", epoch=2)]
+
+    def after(self, seconds: float) -> None:
+        self.now += seconds
+        self.directory.refresh()
+
+
+@pytest.fixture
+def cluster():
+    c = Directory()
+    yield c
+    c.directory.stop()
+
+
+def test_a_channel_to_a_restarted_workers_old_address_is_closed_after_the_grace(cluster):
+    cluster.directory.stub("127.0.0.1:1001")
+    old = cluster.security.opened["127.0.0.1:1001"][0]
+    cluster.restart_worker()
+    cluster.after(1.0)
+    cluster.after(CHANNEL_RETIRE_S - 2.0)
+    assert not is_closed(old)  # within the grace: the worker may be back in a moment
+    cluster.after(2.0)
+    assert is_closed(old)
+
+
+def test_a_channel_that_carries_a_request_stays_open_until_the_request_ends(cluster):
+    cluster.directory.stub("127.0.0.1:1001")
+    old = cluster.security.opened["127.0.0.1:1001"][0]
+    with cluster.directory.track(Candidate("decode-0", "127.0.0.1:1001", 0)):
+        cluster.restart_worker()
+        cluster.after(1.0)
+        cluster.after(CHANNEL_RETIRE_S + 1.0)
+        assert not is_closed(old)  # a draining worker's stream is finishing on it
+    cluster.after(1.0)
+    assert is_closed(old)
+
+
+def test_an_address_that_comes_back_keeps_its_channel(cluster):
+    cluster.directory.stub("127.0.0.1:1001")
+    original = cluster.live
+    cluster.live = []  # e.g. Redis restarted empty: workers re-register within a heartbeat
+    cluster.after(CHANNEL_RETIRE_S - 1.0)
+    cluster.live = original
+    cluster.after(2.0)
+    cluster.live = []
+    cluster.after(CHANNEL_RETIRE_S - 1.0)  # the absence is counted afresh
+    cluster.directory.stub("127.0.0.1:1001")
+    assert len(cluster.security.opened["127.0.0.1:1001"]) == 1
+    assert not is_closed(cluster.security.opened["127.0.0.1:1001"][0])
+
+
+def test_a_retired_address_gets_a_new_channel_when_asked_again(cluster):
+    cluster.directory.stub("127.0.0.1:1001")
+    cluster.restart_worker()
+    cluster.after(1.0)
+    cluster.after(CHANNEL_RETIRE_S)
+    cluster.directory.stub("127.0.0.1:1001")
+    first, second = cluster.security.opened["127.0.0.1:1001"]
+    assert is_closed(first) and not is_closed(second)
