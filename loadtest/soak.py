@@ -6,22 +6,26 @@ Not part of `make test` (it takes as long as --minutes). The run:
 
   1. start a cluster (2 prefill + 3 decode, SmolLM2) on local Ray and an embedded Redis;
   2. capacity: a closed loop at --capacity-concurrency for --capacity-s seconds; capacity =
-     completed requests / s (this also warms every process up before the baseline);
-  3. soak: Poisson arrivals at --load x capacity for --minutes, a `synthetic` workload, while
-     a fault is injected at the start of every minute, in turn (--faults picks which):
+     completed requests / s;
+  3. warm-up, then soak: Poisson arrivals at --load x capacity, a `synthetic` workload, for
+     --warmup-minutes and then for --minutes, while a fault is injected at the start of every
+     minute, in turn (--faults picks which):
         kill-decode   SIGKILL decode-0 or decode-1 (in turn); Ray restarts it, new epoch
         drain-decode  SIGTERM decode-0 or decode-1 (drain: in-flight streams finish, restart)
         redis-down    kill the Redis server for --redis-down-s, then start it again (empty)
         kill-prefill  SIGKILL prefill-0
         none          nothing (a control run: --faults none)
+     The warm-up (by default one minute per fault) is there so that what a fault path costs
+     the first time it runs (an allocator's high-water mark under a new mix of shapes, a
+     decode worker's first replay) is paid before the baseline: drift is what keeps growing.
      prefill-1 and decode-2 are never killed: they live through every fault's effects (aborted
      transfers, retries sent their way, Redis gone), so their drift is that of a process that
-     served the whole soak. Both load runs are `python -m loadtest` in a process of their own,
+     served the whole soak. Every load run is `python -m loadtest` in a process of its own,
      as a real client is, so the router's figures (this process: router, Ray driver, sampler)
-     exclude the client; their reports land in OUT/capacity/ and OUT/soak/.
-  4. samples: before the soak and after it, each once the cluster is idle and every worker is
-     registered (the final one waits for the last fault to heal), after release_free_heap()
-     in this process (gc, then malloc_trim, so that RSS counts live memory): the router
+     exclude the client; their reports land in OUT/capacity/, OUT/warmup/ and OUT/soak/.
+  4. samples: after the warm-up (the baseline) and after the soak, each once the cluster is
+     idle and every worker is registered (each waits for the last fault to heal), after
+     release_free_heap() in this process (gc, then malloc_trim, so that RSS counts live memory): the router
      process's resident memory and open descriptors (and those by kind), and per worker its
      KV blocks (used must be 0, free must equal the pool), pid, epoch, RSS and descriptors;
      plus one sample under load near the end of every minute.
@@ -82,6 +86,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--faults", default=",".join(FAULTS),
                    help="comma-separated faults injected in turn, one a minute; any of "
                         f"{', '.join(FAULTS + (CONTROL,))} (default: the first four, in that order)")
+    p.add_argument("--warmup-minutes", type=int, default=None,
+                   help="minutes of the same load and faults before the baseline sample, so that what "
+                        "each fault path costs once (allocator high-water marks, a decode worker's "
+                        "first replay, channels to restarted workers) is not counted as drift "
+                        "(default: one per fault in --faults; 0: none)")
     p.add_argument("--trace-memory", action="store_true",
                    help="trace Python allocations in this process (router, Ray driver, sampler) with "
                         "tracemalloc and write the 25 biggest growths from baseline to the end to "
@@ -92,6 +101,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = sorted(set(args.faults) - set(FAULTS + (CONTROL,)))
     if unknown or not args.faults:
         p.error(f"--faults: unknown {unknown or 'empty list'}; choose from {', '.join(FAULTS + (CONTROL,))}")
+    if args.warmup_minutes is None:
+        args.warmup_minutes = len(args.faults)
+    if args.warmup_minutes < 0 or args.minutes < 1:
+        p.error("--minutes must be at least 1 and --warmup-minutes at least 0")
     return args
 
 
@@ -324,25 +337,38 @@ class Soak:
         capacity_cmd = self.load_command(router, "capacity", closed_loop, self.args.capacity_s, 10_000)
         capacity = self.load_report("capacity", self.run_load(capacity_cmd))
         rate = max(0.05, self.args.load * (capacity["requests_per_s"] or 0.0))
+        warmup = self.faulted_load("warmup", rate, range(-self.args.warmup_minutes, 0))
         baseline = self.sample("baseline", idle=True)
         traced = tracemalloc.take_snapshot() if tracemalloc.is_tracing() else None
-        soak_s = self.args.minutes * 60.0
-        expected = int(rate * soak_s * 2) + 10  # a bound only: the duration ends the run
-        load = self.run_load(self.load_command(router, "soak", ["--rate", f"{rate:.4f}"], soak_s, expected))
-        started = time.monotonic()
-        for minute in range(self.args.minutes):
-            _sleep_until(started + minute * 60.0 + 5.0)
-            self.inject(minute)
-            _sleep_until(started + minute * 60.0 + 55.0)
-            self.sample(f"minute {minute}", idle=False)
-        report = self.load_report("soak", load)
+        report = self.faulted_load("soak", rate, range(self.args.minutes))
         final = self.sample("final", idle=True)
         if traced is not None:
             out = os.path.join(self.args.out, "tracemalloc.txt")
             write_memory_growth(traced, tracemalloc.take_snapshot(), out)
-        return self.summary(capacity, rate, report, baseline, final)
+        return self.summary(capacity, rate, report, baseline, final, warmup)
 
-    def summary(self, capacity, rate, report, baseline: Sample, final: Sample) -> dict[str, Any]:
+    def faulted_load(self, name: str, rate: float, minutes: range) -> dict[str, Any] | None:
+        """Poisson arrivals at rate for len(minutes) minutes from a `python -m loadtest` process
+        (its report in OUT/name), a fault injected 5 s into each minute and a sample taken near its
+        end; None when there are no minutes. The fault cycle runs on from the warm-up's negative
+        minutes into the soak's: the cycle is indexed by minute, so a warm-up of one minute per
+        fault has injected each of them once before the baseline."""
+        if not minutes:
+            return None
+        duration_s = len(minutes) * 60.0
+        expected = int(rate * duration_s * 2) + 10  # a bound only: the duration ends the run
+        load = self.run_load(self.load_command(self.router, name, ["--rate", f"{rate:.4f}"], duration_s,
+                                               expected))
+        started = time.monotonic()
+        for i, minute in enumerate(minutes):
+            _sleep_until(started + i * 60.0 + 5.0)
+            self.inject(minute)
+            _sleep_until(started + i * 60.0 + 55.0)
+            self.sample(f"{name} minute {minute}", idle=False)
+        return self.load_report(name, load)
+
+    def summary(self, capacity, rate, report, baseline: Sample, final: Sample,
+                warmup: dict[str, Any] | None = None) -> dict[str, Any]:
         drift: dict[str, dict[str, Any]] = {"router": {
             "rss": _drift(baseline.router_rss, final.router_rss),
             "fds": _drift(baseline.router_fds, final.router_fds), "restarted": False}}
@@ -358,6 +384,7 @@ class Soak:
         target_met = not leaked and len(final.workers) == len(baseline.workers) and pools_whole and within
         return {"capacity_requests_per_s": capacity["requests_per_s"], "soak_rate": rate,
                 "minutes": self.args.minutes, "faults": self.faults,
+                "warmup": {"counts": warmup["counts"], "errors": warmup["errors"]} if warmup else None,
                 "counts": report["counts"], "errors": report["errors"],
                 "errors_by_fault": self.errors_by_fault(report),
                 "ttft_ms": report["ttft_ms"], "itl_ms": report["itl_ms"],
@@ -376,6 +403,8 @@ class Soak:
             ended = started + record["end_s"]
             fault = max((x for x in self.faults if x["at"] <= ended), key=lambda x: x["at"], default=None)
             key = f"minute {fault['minute']} {fault['fault']}" if fault else "before any fault"
+            # a warm-up fault's minute is negative: a soak request that failed before the soak's
+            # first fault is attributed to the warm-up's last one
             entry = out.setdefault(key, {"count": 0, "statuses": {}, "latest_s_after_fault": 0.0})
             entry["count"] += 1
             entry["statuses"][record["status"]] = entry["statuses"].get(record["status"], 0) + 1

@@ -108,3 +108,33 @@ def test_memory_growth_names_the_allocation_site(tmp_path):
     first = text.split("\n\n", 1)[1].splitlines()
     assert 256 <= float(first[0].split()[0]) < 300  # KiB: the biggest growth comes first
     assert any("test_soak.py" in line for line in first[1:11]) and len(kept) == 64
+
+
+def test_the_warm_up_runs_one_minute_per_fault_unless_told():
+    assert parse_args([]).warmup_minutes == 4
+    assert parse_args(["--faults", "none"]).warmup_minutes == 1
+    assert parse_args(["--warmup-minutes", "0"]).warmup_minutes == 0
+    with pytest.raises(SystemExit):
+        parse_args(["--warmup-minutes", "-1"])
+
+
+def test_warm_up_minutes_continue_the_fault_cycle_into_the_soak(tmp_path, monkeypatch):
+    """Minutes -4..-1 inject each fault once; the soak's minute 0 starts the cycle again. Each
+    minute gets one sample, labelled with its phase."""
+    soak = soak_with(tmp_path)
+    soak.args = SimpleNamespace(out=str(tmp_path), faults=["kill-decode", "drain-decode", "redis-down",
+                                                           "kill-prefill"])
+    soak.router, injected = "127.0.0.1:1", []
+    monkeypatch.setattr(soak, "_inject", lambda kind, minute: injected.append((minute, kind)))
+    monkeypatch.setattr(soak, "sample", lambda label, idle: soak.samples.append(label))
+    monkeypatch.setattr(soak, "run_load", lambda command: command)
+    monkeypatch.setattr(soak, "load_report", lambda name, proc: {"name": name, "duration": proc[proc.index(
+        "--duration") + 1]})
+    monkeypatch.setattr("loadtest.soak._sleep_until", lambda t: None)
+    soak.args.input_tokens, soak.args.output_tokens = 200, 32
+    assert soak.faulted_load("warmup", 0.3, range(-4, 0)) == {"name": "warmup", "duration": "240.0"}
+    soak.faulted_load("soak", 0.3, range(2))
+    assert injected == [(-4, "kill-decode"), (-3, "drain-decode"), (-2, "redis-down"), (-1, "kill-prefill"),
+                        (0, "kill-decode"), (1, "drain-decode")]
+    assert soak.samples[0] == "warmup minute -4" and soak.samples[-1] == "soak minute 1"
+    assert soak.faulted_load("warmup", 0.3, range(0)) is None
