@@ -115,6 +115,7 @@ def test_server_dies_with_the_thread_that_started_it():
         server = RedisServer()
         t = threading.Thread(target=server.start)
         t.start(); t.join()
+        assert server.pid is not None, "the server did not start: see the thread's traceback above"
         print(server.pid)
     """))
     deadline = time.monotonic() + 10
