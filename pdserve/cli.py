@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 from pdserve import __version__
 from pdserve.client_security import add_client_security_arguments, given_flags
 from pdserve.engine.config import KV_DTYPES, CacheConfig, SchedulerConfig
+from pdserve.units import human_bytes
 
 if TYPE_CHECKING:
     from deploy.config import ClusterSpec
 
-KIB, MIB, GIB = 2**10, 2**20, 2**30
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -105,19 +105,12 @@ def _run_plan(args: argparse.Namespace) -> int:
         ("total", plan.bytes_total, f"{plan.sequences:,} x {plan.tokens:,} tokens"),
     ]
     for label, nbytes, note in rows:
-        print(f"  {label:<13}{nbytes:>18,} B  {_human(nbytes):>11}  {note}".rstrip())
+        print(f"  {label:<13}{nbytes:>18,} B  {human_bytes(nbytes, decimals=2):>11}  {note}".rstrip())
     if plan.memory_gib is not None:
         verdict = "fits" if plan.sequences_that_fit >= plan.sequences else "does NOT fit"
         print(f"  in {plan.memory_gib:g} GiB: {plan.sequences_that_fit:,} sequences of "
               f"{plan.tokens:,} tokens ({plan.tokens_that_fit:,} tokens in all); the total {verdict}")
     return 0
-
-
-def _human(nbytes: int) -> str:
-    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
-        if nbytes >= size:
-            return f"{nbytes / size:,.2f} {unit}"
-    return f"{nbytes} B"
 
 
 # --- generate -----------------------------------------------------------------------------------

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.engine.config import KV_DTYPE_BYTES, kv_bytes_per_token
-
-GIB = 2**30
+from pdserve.units import GIB
 
 
 @dataclass(frozen=True)

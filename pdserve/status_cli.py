@@ -18,6 +18,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from pdserve.client_security import security_from_args
+from pdserve.units import human_bytes
 from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc
 
 COLUMNS = ("worker", "role", "node", "state", "queue", "KV used", "hit rate", "sent", "received", "failed")
@@ -71,8 +72,3 @@ def worker_row(view: admin_pb2.WorkerView) -> tuple[str, ...]:
             human_bytes(s.bytes_sent), human_bytes(s.bytes_received), str(failed))
 
 
-def human_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"

@@ -1,0 +1,13 @@
+"""Byte units, and a byte count as a person reads it."""
+
+from __future__ import annotations
+
+KIB, MIB, GIB = 2**10, 2**20, 2**30
+
+
+def human_bytes(n: int, decimals: int = 1) -> str:
+    """1536 -> '1.5 KiB'; below 1 KiB, whole bytes ('512 B')."""
+    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
+        if n >= size:
+            return f"{n / size:,.{decimals}f} {unit}"
+    return f"{n} B"
