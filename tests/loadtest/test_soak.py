@@ -94,7 +94,7 @@ def test_failed_requests_are_attributed_to_the_last_fault_before_they_ended(tmp_
 def test_memory_growth_names_the_allocation_site(tmp_path):
     import tracemalloc
 
-    from loadtest.soak import write_memory_growth
+    from loadtest.process_stats import write_memory_growth
 
     tracemalloc.start(5)
     try:
