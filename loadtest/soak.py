@@ -88,7 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup-minutes", type=int, default=None,
                    help="minutes of the same load and faults before the baseline sample, so that what "
                         "each fault path costs once (allocator high-water marks, a decode worker's "
-                        "first replay, channels to restarted workers) is not counted as drift "
+                        "first replay) is not counted as drift "
                         "(default: one per fault in --faults; 0: none)")
     p.add_argument("--trace-memory", action="store_true",
                    help="trace Python allocations in this process (router, Ray driver, sampler) with "
