@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
@@ -11,6 +12,13 @@ from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.tiny_model import write_tiny_model
 from pdserve.engine.weights import LoadedModel, default_model_path, load_model
+
+# NOTE: a shell without job control starts a background command (`make test &`, `nohup ... &`)
+# with SIGINT ignored, and every process it starts inherits that. The tests that press Ctrl-C on
+# `pdserve up` (SIGINT) would then wait for a stop that never comes. A handler (not SIG_IGN) is
+# reset to the default on exec, so the processes the suite starts get SIGINT as from a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
