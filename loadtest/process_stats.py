@@ -10,6 +10,7 @@ import os
 import socket
 import sys
 import tracemalloc
+from collections import Counter
 
 
 def process_usage(pid: int, peers: Peers | None = None) -> tuple[int, int, dict[str, int]]:
@@ -51,13 +52,13 @@ def fd_kinds(proc, peers: Peers | None = None) -> dict[str, int]:
     state and, with peers, by the process at the other end ("tcp ESTABLISHED redis"); unix
     sockets; other sockets (a TCP socket whose connection is gone but whose descriptor is still
     open shows here); pipes; anon inodes ("anon_inode:[eventfd]"); files by path."""
-    kinds: dict[str, int] = {}
+    kinds: Counter[str] = Counter()
     listed = 0
     for conn in proc.net_connections(kind="inet") + proc.net_connections(kind="unix"):
         kind = f"{'unix' if conn.family == socket.AF_UNIX else 'tcp'} {conn.status or ''}".strip()
         if peers is not None and conn.family != socket.AF_UNIX and conn.status == "ESTABLISHED":
             kind += f" {peers.of(conn)}"
-        kinds[kind] = kinds.get(kind, 0) + 1
+        kinds[kind] += 1
         listed += 1
     fd_dir = f"/proc/{proc.pid}/fd"
     for fd in os.listdir(fd_dir):
@@ -66,11 +67,11 @@ def fd_kinds(proc, peers: Peers | None = None) -> dict[str, int]:
         except OSError:
             continue  # closed between listdir and readlink
         kind = target.split(":", 1)[0] if target.startswith(("socket:", "pipe:")) else target
-        kinds[kind] = kinds.get(kind, 0) + 1
+        kinds[kind] += 1
     other_sockets = kinds.pop("socket", 0) - listed  # a race can make it < 0
     if other_sockets > 0:
         kinds["socket (other)"] = other_sockets
-    return kinds
+    return dict(kinds)
 
 
 def release_free_heap() -> None:

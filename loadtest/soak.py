@@ -25,10 +25,10 @@ Not part of `make test` (it takes as long as --minutes). The run:
      exclude the client; their reports land in OUT/capacity/, OUT/warmup/ and OUT/soak/.
   4. samples: after the warm-up (the baseline) and after the soak, each once the cluster is
      idle and every worker is registered (each waits for the last fault to heal), after
-     release_free_heap() in this process (gc, then malloc_trim, so that RSS counts live memory): the router
-     process's resident memory and open descriptors (and those by kind), and per worker its
-     KV blocks (used must be 0, free must equal the pool), pid, epoch, RSS and descriptors;
-     plus one sample under load near the end of every minute.
+     release_free_heap() in this process (gc, then malloc_trim, so that RSS counts live
+     memory): the router process's resident memory and open descriptors (and those by kind),
+     and per worker its KV blocks (used must be 0, free must equal the pool), pid, epoch, RSS
+     and descriptors; plus one sample under load near the end of every minute.
 
 Drift = (final - baseline) / baseline per resource. The target (< 1%) is judged on the router
 and on every worker process that lived through the soak; a worker a fault restarted is a new
@@ -239,10 +239,9 @@ class Soak:
         return out
 
     # --- the run ------------------------------------------------------------------------------
-    def load_command(self, router: str, name: str, arrival: list[str], duration_s: float,
-                     requests: int) -> list[str]:
+    def load_command(self, name: str, arrival: list[str], duration_s: float, requests: int) -> list[str]:
         """`python -m loadtest` sending the soak's synthetic workload; its report goes to OUT/name."""
-        return [sys.executable, "-m", "loadtest", "--router", router, "--workload", "synthetic",
+        return [sys.executable, "-m", "loadtest", "--router", self.router, "--workload", "synthetic",
                 "-p", f"input_tokens={self.args.input_tokens}",
                 "-p", f"output_tokens={self.args.output_tokens}", "-p", "range_ratio=0.5",
                 *arrival, "--duration", str(duration_s), "--requests", str(requests),
@@ -261,9 +260,9 @@ class Soak:
             return json.load(f)
 
     def run(self) -> dict[str, Any]:
-        router = self.router = self.cluster.start()
+        self.router = self.cluster.start()
         closed_loop = ["--concurrency", str(self.args.capacity_concurrency)]
-        capacity_cmd = self.load_command(router, "capacity", closed_loop, self.args.capacity_s, 10_000)
+        capacity_cmd = self.load_command("capacity", closed_loop, self.args.capacity_s, 10_000)
         capacity = self.load_report("capacity", self.run_load(capacity_cmd))
         rate = max(0.05, self.args.load * (capacity["requests_per_s"] or 0.0))
         warmup = self.faulted_load("warmup", rate, range(-self.args.warmup_minutes, 0))
@@ -286,8 +285,7 @@ class Soak:
             return None
         duration_s = len(minutes) * 60.0
         expected = int(rate * duration_s * 2) + 10  # a bound only: the duration ends the run
-        load = self.run_load(self.load_command(self.router, name, ["--rate", f"{rate:.4f}"], duration_s,
-                                               expected))
+        load = self.run_load(self.load_command(name, ["--rate", f"{rate:.4f}"], duration_s, expected))
         started = time.monotonic()
         for i, minute in enumerate(minutes):
             _sleep_until(started + i * 60.0 + 5.0)
@@ -323,7 +321,9 @@ class Soak:
 
     def errors_by_fault(self, report: dict[str, Any]) -> dict[str, Any]:
         """Each failed request, attributed to the last fault injected before it ended; with the
-        longest time from that injection to a failure, per fault."""
+        longest time from that injection to a failure, per fault. A warm-up fault's minute is
+        negative: a soak request that failed before the soak's first fault is attributed to the
+        warm-up's last one."""
         started = report["started_unix_s"]  # send_s and end_s count from this instant
         out: dict[str, Any] = {}
         with open(os.path.join(self.args.out, "soak", "requests.jsonl"), encoding="utf-8") as f:
@@ -332,8 +332,6 @@ class Soak:
             ended = started + record["end_s"]
             fault = max((x for x in self.faults if x["at"] <= ended), key=lambda x: x["at"], default=None)
             key = f"minute {fault['minute']} {fault['fault']}" if fault else "before any fault"
-            # a warm-up fault's minute is negative: a soak request that failed before the soak's
-            # first fault is attributed to the warm-up's last one
             entry = out.setdefault(key, {"count": 0, "statuses": {}, "latest_s_after_fault": 0.0})
             entry["count"] += 1
             entry["statuses"][record["status"]] = entry["statuses"].get(record["status"], 0) + 1

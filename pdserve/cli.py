@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from deploy.config import ClusterSpec
 
 
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:

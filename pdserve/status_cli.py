@@ -70,5 +70,3 @@ def worker_row(view: admin_pb2.WorkerView) -> tuple[str, ...]:
     failed = sum(v for k, v in [*s.transfer_outcomes.items(), *s.send_outcomes.items()] if k != "done")
     return (s.worker_id, s.role, s.node, view.state, f"{s.waiting_requests}/{s.active_requests}", kv, hit,
             human_bytes(s.bytes_sent), human_bytes(s.bytes_received), str(failed))
-
-

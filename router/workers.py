@@ -161,4 +161,4 @@ class WorkerDirectory:
                 self._requests_on.subtract(addresses)
                 for address in addresses:
                     if self._requests_on[address] <= 0:
-                        del self._requests_on[address]
+                        self._requests_on.pop(address, None)

@@ -122,8 +122,8 @@ def test_warm_up_minutes_continue_the_fault_cycle_into_the_soak(tmp_path, monkey
     """Minutes -4..-1 inject each fault once; the soak's minute 0 starts the cycle again. Each
     minute gets one sample, labelled with its phase."""
     soak = soak_with(tmp_path)
-    soak.args = SimpleNamespace(out=str(tmp_path), faults=["kill-decode", "drain-decode", "redis-down",
-                                                           "kill-prefill"])
+    soak.args = SimpleNamespace(out=str(tmp_path), input_tokens=200, output_tokens=32,
+                                faults=["kill-decode", "drain-decode", "redis-down", "kill-prefill"])
     soak.router, injected = "127.0.0.1:1", []
     monkeypatch.setattr(soak, "_inject", lambda kind, minute: injected.append((minute, kind)))
     monkeypatch.setattr(soak, "sample", lambda label, idle: soak.samples.append(label))
@@ -131,7 +131,6 @@ def test_warm_up_minutes_continue_the_fault_cycle_into_the_soak(tmp_path, monkey
     monkeypatch.setattr(soak, "load_report", lambda name, proc: {"name": name, "duration": proc[proc.index(
         "--duration") + 1]})
     monkeypatch.setattr("loadtest.soak._sleep_until", lambda t: None)
-    soak.args.input_tokens, soak.args.output_tokens = 200, 32
     assert soak.faulted_load("warmup", 0.3, range(-4, 0)) == {"name": "warmup", "duration": "240.0"}
     soak.faulted_load("soak", 0.3, range(2))
     assert injected == [(-4, "kill-decode"), (-3, "drain-decode"), (-2, "redis-down"), (-1, "kill-prefill"),
