@@ -29,7 +29,7 @@ PLACEMENTS = {"pack": "DEFAULT", "spread": "SPREAD"}
 _RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 # Set in every worker process unless worker_env says otherwise. MALLOC_ARENA_MAX: glibc gives each
 # thread that allocates its own malloc arena and rarely returns their free memory; a worker's
-# gRPC threads then grew its RSS by ~70 MB over 6 minutes of load, flat with 2 arenas
+# gRPC threads then grew its RSS by ~70 MiB over 6 minutes of load, flat with 2 arenas
 # (docs/reliability.md, soak control runs).
 DEFAULT_WORKER_ENV = {"MALLOC_ARENA_MAX": "2"}
 
