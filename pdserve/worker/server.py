@@ -14,6 +14,7 @@ import logging
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -30,7 +31,7 @@ from pdserve.security import SecurityConfig
 from pdserve.transfer.faults import FaultInjector, FaultPlan
 from pdserve.transfer.grpc_transport import GRPC_OPTIONS, KVTransferServicer
 from pdserve.transfer.receiver import KVReceiver
-from pdserve.transfer.sender import LayerwiseSender
+from pdserve.transfer.sender import KVChannel, LayerwiseSender
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.service import WorkerServicer
@@ -72,8 +73,14 @@ class WorkerConfig:
 
 class WorkerServer:
     def __init__(self, config: WorkerConfig, loaded: LoadedModel | None = None,
-                 publisher: KVEventPublisher | None = None, epoch: int = 0) -> None:
+                 publisher: KVEventPublisher | None = None, epoch: int = 0, *,
+                 dial: Callable[[str], KVChannel] | None = None,
+                 fault_sleep: Callable[[float], None] = time.sleep) -> None:
+        """dial: how KV channels to decode workers are made (None: gRPC with config.security).
+        fault_sleep: what a DELAY fault of config.fault_plan waits with (a test holds a transfer
+        on an event with it)."""
         self.config = config
+        self._dial = dial
         self.security = config.security or SecurityConfig()
         loaded = loaded or load_model(config.engine.model_path, progress=False)
         self.engine = LLMEngine(loaded, config.engine, publisher)
@@ -81,7 +88,8 @@ class WorkerServer:
         self.sender = LayerwiseSender(self.engine.kv_cache, self.layout, config.max_chunk_bytes)
         self.receiver = KVReceiver(self.engine, self.layout, config.parked_ttl_s)
         self.loop = EngineLoop(self.engine, layer_hook=self.sender)
-        self.faults = FaultInjector(config.fault_plan) if config.fault_plan is not None else None
+        self.faults = (FaultInjector(config.fault_plan, sleep=fault_sleep)
+                       if config.fault_plan is not None else None)
         self.epoch = epoch
         self.address = ""
         self.metrics = WorkerMetrics()
@@ -106,7 +114,7 @@ class WorkerServer:
             self.metrics_endpoint.start()
         self.servicer = WorkerServicer(self.engine, self.loop, self.sender, self.receiver, self.identity(),
                                        self.metrics, transfer_timeout_s=self.config.transfer_timeout_s,
-                                       faults=self.faults, security=self.security)
+                                       faults=self.faults, security=self.security, dial=self._dial)
         self.metrics.read_status_from(self.servicer.status)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, server)
         kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(self.receiver), server)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import grpc
@@ -26,10 +27,10 @@ import grpc
 from pdserve.engine.llm_engine import InvalidRequestError, LLMEngine
 from pdserve.security import SecurityConfig
 from pdserve.transfer.errors import FailureKind, TransferFailed
-from pdserve.transfer.faults import FaultInjectingChannel, FaultInjector
+from pdserve.transfer.faults import FaultInjector
 from pdserve.transfer.grpc_transport import GrpcKVChannel
 from pdserve.transfer.receiver import KVReceiver
-from pdserve.transfer.sender import LayerwiseSender
+from pdserve.transfer.sender import KVChannel, LayerwiseSender
 from pdserve.worker.convert import (
     rng_state_from_bytes,
     rng_state_to_bytes,
@@ -59,11 +60,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: LLMEngine, loop: EngineLoop, sender: LayerwiseSender, receiver: KVReceiver,
                  identity: worker_pb2.WorkerStatus, metrics: WorkerMetrics | None = None, *,
                  transfer_timeout_s: float | None = None, faults: FaultInjector | None = None,
-                 security: SecurityConfig | None = None) -> None:
+                 security: SecurityConfig | None = None,
+                 dial: Callable[[str], KVChannel] | None = None) -> None:
         self.engine, self.loop, self.sender, self.receiver = engine, loop, sender, receiver
         self.transfer_timeout_s = transfer_timeout_s  # None: the Prefill call's remaining time
         self.faults = faults  # None (the default): channels are not wrapped at all
         self.security = security  # how KV channels dial decode workers; None: plaintext
+        # How a KV channel to a decode worker address is made: gRPC, unless a test hands in the
+        # in-process loopback transport (the same orchestration runs over either).
+        self._dial = dial or (lambda target: GrpcKVChannel(target, self.security))
         self.identity = identity
         self.metrics = metrics or WorkerMetrics()
         self.serving = True
@@ -73,7 +78,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # NOTE: one channel per decode worker address, least recently used first. A decode worker
         # that restarts comes back on a new port, so without a bound this grows by one channel
         # per restart for the life of the process.
-        self._channels: OrderedDict[str, GrpcKVChannel | FaultInjectingChannel] = OrderedDict()
+        self._channels: OrderedDict[str, KVChannel] = OrderedDict()
         self._lock = threading.Lock()
 
     # --- Prefill ----------------------------------------------------------------------------
@@ -138,7 +143,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.totals.generated += generated
             self.totals.preemptions += usage.preemptions
 
-    def _channel(self, target: str) -> GrpcKVChannel | FaultInjectingChannel:
+    def _channel(self, target: str) -> KVChannel:
         """The KV channel to target; past MAX_KV_PEER_CHANNELS peers the least recently used is
         closed (its peer is most likely a decode worker that restarted on another port)."""
         evicted = []
@@ -146,13 +151,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if target in self._channels:
                 self._channels.move_to_end(target)
             else:
-                channel = GrpcKVChannel(target, self.security)
+                channel = self._dial(target)
                 self._channels[target] = channel if self.faults is None else self.faults.wrap(channel)
                 while len(self._channels) > MAX_KV_PEER_CHANNELS:
                     evicted.append(self._channels.popitem(last=False)[1])
             channel = self._channels[target]
         for old in evicted:
-            old.close()
+            _close(old)
         return channel
 
     # --- Decode -------------------------------------------------------------------------------
@@ -236,7 +241,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def close(self) -> None:
         with self._lock:
             for channel in self._channels.values():
-                channel.close()
+                _close(channel)
             self._channels.clear()
 
 
@@ -244,6 +249,12 @@ def _prefill_failure_code(kind: FailureKind) -> grpc.StatusCode:
     if kind in _RETRYABLE_AS_ABORTED:
         return grpc.StatusCode.ABORTED
     return getattr(grpc.StatusCode, kind.value, grpc.StatusCode.INTERNAL)
+
+
+def _close(channel: KVChannel) -> None:
+    close = getattr(channel, "close", None)  # the loopback transport holds nothing to close
+    if close is not None:
+        close()
 
 
 def _on_call_end(context, callback) -> None:
