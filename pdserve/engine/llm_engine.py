@@ -7,16 +7,20 @@
     abort(request_id): blocks released at once, wherever the request is.
 
 KV handoff (prefill/decode disaggregation), see pdserve/transfer/:
-    prefill side: add_request(hold_blocks=True) keeps a finished request's blocks
-        referenced until release_held(), so a sender thread can still read them;
-        step(on_layer_done=hook) calls hook(layer, chunks) as each layer is written.
+    prefill side: step(observer) tells a KV sender as each layer is written
+        (observer.layer_done) and when a sequence loses its blocks to preemption
+        (observer.preempted, called before the scheduler looks at the pool again; a True
+        answer drops the request, which finishes as "abort" in that step's outputs).
+        The sender reads blocks on its own thread, so it holds its own reference on each
+        one it was offered (pin_blocks) until it lets go (unpin_blocks).
     decode side: reserve_transfer -> (blocks written by the receiver) ->
         park_transfer (KV complete, prompt blocks committed to the prefix cache)
         -> resume_transferred(first_token) joins the continuous batch;
         release_reservation frees everything on any failure.
 
-Every public method takes self.lock, so a gRPC thread may call in while the
-engine loop steps; load() alone does not, so liveness and status never wait behind a step.
+Methods that read or change requests, blocks or reservations take self.lock (an RLock), so a
+gRPC thread may call in while the engine loop steps. has_unfinished() and load() do not, so
+liveness and status never wait behind a step.
 
 Validation happens before anything is queued, so a bad request raises
 InvalidRequestError and the engine keeps serving the others.
@@ -31,6 +35,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -55,7 +60,17 @@ class TransferRejected(RuntimeError):
     """The receiver cannot accept a KV transfer as described (e.g. its cached prefix is gone)."""
 
 
-StepLayerHook = Callable[[int, list[ScheduledChunk]], None]
+class StepObserver(Protocol):
+    """What a KV sender sees of each step (pdserve/transfer/sender.py). Both run on the engine's
+    thread, under its lock."""
+
+    def layer_done(self, layer: int, chunks: list[ScheduledChunk]) -> None:
+        """Layer `layer` of every chunk of this step has been written to the pool."""
+        ...
+
+    def preempted(self, seq: Sequence) -> bool:
+        """seq just lost its blocks to preemption; True drops the request (it finishes "abort")."""
+        ...
 
 
 @dataclass
@@ -84,7 +99,6 @@ class EngineLoad:
     cached_blocks: int
     used_blocks: int
     parked_transfers: int
-    held_blocks: int
 
 
 @dataclass
@@ -97,7 +111,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     usage: Usage
-    rng_state: torch.Tensor | None = None  # after the last sample; set for hold_blocks requests
+    rng_state: torch.Tensor | None = None  # the request's generator after its last sample; set when finished
 
 
 @dataclass
@@ -139,8 +153,6 @@ class LLMEngine:
         self._sequences: dict[str, Sequence] = {}
         self._detokenize: dict[str, bool] = {}
         self._arrivals = itertools.count()
-        self._hold_blocks: set[str] = set()
-        self._held: dict[str, list[int]] = {}
         self._parked: dict[str, Reservation] = {}
         self.lock = threading.RLock()
 
@@ -151,16 +163,12 @@ class LLMEngine:
 
     # --- requests ---------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams,
-                    request_id: str | None = None, detokenize: bool = True,
-                    hold_blocks: bool = False) -> str:
-        """Queue a request. hold_blocks keeps its blocks referenced after it finishes
-        (until release_held), for a KV sender that reads them after the last step."""
+                    request_id: str | None = None, detokenize: bool = True) -> str:
+        """Queue a request; InvalidRequestError (nothing queued) when it is malformed."""
         request_id = request_id or uuid.uuid4().hex
         with self.lock:
             self._validate(request_id, prompt_token_ids, sampling)
             seq = self._new_sequence(request_id, prompt_token_ids, sampling, detokenize)
-            if hold_blocks:
-                self._hold_blocks.add(request_id)
             self.scheduler.add(seq)
         return request_id
 
@@ -178,31 +186,24 @@ class LLMEngine:
         with self.lock:
             seq = self._sequences.pop(request_id, None)
             if seq is None:
-                return self.release_held(request_id) or self._drop_parked(request_id)
+                return self._drop_parked(request_id)
             self._detokenize.pop(request_id, None)
-            self._hold_blocks.discard(request_id)
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
             self._publish_events()
             return True
 
-    def release_held(self, request_id: str) -> bool:
-        """Let go of a finished request's held blocks (they stay cached by hash)."""
+    def pin_blocks(self, block_ids: list[int]) -> None:
+        """One more reference on each block, for a reader outside the engine (a KV sender): the
+        blocks cannot be handed to another request until unpin_blocks."""
         with self.lock:
-            blocks = self._held.pop(request_id, None)
-            if blocks is None:
-                return False
-            self.pool.release(blocks)
-            return True
+            self.pool.acquire(block_ids)
+
+    def unpin_blocks(self, block_ids: list[int]) -> None:
+        with self.lock:
+            self.pool.release(block_ids)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
-
-    def request_ids(self) -> list[str]:
-        with self.lock:
-            return list(self._sequences)
-
-    def num_active(self) -> int:
-        return len(self._sequences)
 
     def _validate(self, request_id: str, ids: list[int], sampling: SamplingParams) -> None:
         if request_id in self._sequences:
@@ -225,21 +226,32 @@ class LLMEngine:
                 f"sampling.stop_token_ids has {bad}, outside the vocabulary [0, {vocab})")
 
     # --- the step -------------------------------------------------------------------
-    def step(self, on_layer_done: StepLayerHook | None = None) -> list[RequestOutput]:
-        """One scheduling step; on_layer_done(layer, chunks) runs as each layer's KV is written."""
+    def step(self, observer: StepObserver | None = None) -> list[RequestOutput]:
+        """One scheduling step; the observer sees each layer written and each preemption."""
         with self.lock:
             self._expire_parked(time.monotonic())
-            out = self.scheduler.schedule()
-            if not out.chunks:
-                return []
-            hook = (lambda layer: on_layer_done(layer, out.chunks)) if on_layer_done else None
-            logits, sampled = self.runner.run(out.chunks, hook)
-            self.scheduler.after_step(out.chunks)
-            seqs = [c.seq for c in sampled]
-            tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
-            outputs = [self._append_token(seq, tok) for seq, tok in zip(seqs, tokens, strict=True)]
+            dropped: list[Sequence] = []
+            out = self.scheduler.schedule(_on_preempt(observer, dropped))
+            outputs = [self._drop_preempted(seq) for seq in dropped]
+            if out.chunks:
+                outputs += self._run(out.chunks, observer)
             self._publish_events()
             return outputs
+
+    def _run(self, chunks: list[ScheduledChunk], observer: StepObserver | None) -> list[RequestOutput]:
+        hook = (lambda layer: observer.layer_done(layer, chunks)) if observer else None
+        logits, sampled = self.runner.run(chunks, hook)
+        self.scheduler.after_step(chunks)
+        seqs = [c.seq for c in sampled]
+        tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        return [self._append_token(seq, tok) for seq, tok in zip(seqs, tokens, strict=True)]
+
+    def _drop_preempted(self, seq: Sequence) -> RequestOutput:
+        """A preempted request its observer gave up on: it ends here, as an abort."""
+        self._sequences.pop(seq.request_id, None)
+        self._detokenize.pop(seq.request_id, None)
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return RequestOutput(seq.request_id, [], "", True, "abort", seq.usage)
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
         seq.token_ids.append(token)
@@ -252,18 +264,10 @@ class LLMEngine:
         if reason is not None:
             self._sequences.pop(seq.request_id, None)
             self._detokenize.pop(seq.request_id, None)
-            if seq.request_id in self._hold_blocks:
-                rng_state = seq.generator.get_state()
+            rng_state = seq.generator.get_state()
             status = SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH
-            self._finish(seq, status)
+            self.scheduler.finish(seq, status)
         return RequestOutput(seq.request_id, [token], delta, reason is not None, reason, seq.usage, rng_state)
-
-    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        if seq.request_id in self._hold_blocks:
-            self._hold_blocks.discard(seq.request_id)
-            self.pool.acquire(seq.block_ids)  # one extra reference, dropped by release_held
-            self._held[seq.request_id] = list(seq.block_ids)
-        self.scheduler.finish(seq, status)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.sampling
@@ -377,11 +381,7 @@ class LLMEngine:
         return EngineLoad(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                           num_blocks=pool.num_blocks, free_blocks=pool.num_free_blocks,
                           cached_blocks=pool.num_cached_blocks, used_blocks=pool.num_used_blocks,
-                          parked_transfers=len(self._parked),
-                          held_blocks=sum(map(len, list(self._held.values()))))
-
-    def num_held_blocks(self) -> int:
-        return sum(len(blocks) for blocks in self._held.values())
+                          parked_transfers=len(self._parked))
 
     def has_parked(self, request_id: str) -> bool:
         with self.lock:
@@ -425,3 +425,14 @@ class LLMEngine:
     def leaked_blocks(self) -> list[int]:
         """Blocks still referenced by anyone; empty when the engine is idle and clean."""
         return self.pool.leaked_blocks()
+
+
+def _on_preempt(observer: StepObserver | None, dropped: list[Sequence]) -> Callable[[Sequence], None] | None:
+    """The scheduler's preemption callback: ask the observer, collect the requests it drops."""
+    if observer is None:
+        return None
+
+    def on_preempt(seq: Sequence) -> None:
+        if observer.preempted(seq):
+            dropped.append(seq)
+    return on_preempt

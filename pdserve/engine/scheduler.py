@@ -14,12 +14,17 @@ Each step spends a token budget (max_num_batched_tokens):
 
 After the model has run, after_step() advances num_computed_tokens and commits
 the hashes of blocks that became full, so later requests can share them.
+
+on_preempt(seq), when given to schedule(), runs right after a victim's blocks are released
+and before the pool is looked at again: a KV sender still holding references on the
+victim's blocks lets go of them there, so the preemption really frees memory.
 Pure logic: the block pool and sequences only, no torch and no I/O.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_pool import BlockPool
@@ -84,9 +89,9 @@ class Scheduler:
         seq.status = status
 
     # --- one step ---------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, on_preempt: Callable[[Sequence], None] | None = None) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, on_preempt)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         return out
@@ -97,12 +102,13 @@ class Scheduler:
             self._commit_full_blocks(chunk.seq)
 
     # --- internals ----------------------------------------------------------
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int,
+                          on_preempt: Callable[[Sequence], None] | None) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._make_room(seq, seq.num_computed_tokens + n, out):
+            if not self._make_room(seq, seq.num_computed_tokens + n, out, on_preempt):
                 break  # seq itself was the newest and got preempted
             self._grow(seq, seq.num_computed_tokens + n)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
@@ -110,12 +116,15 @@ class Scheduler:
             i += 1
         return budget
 
-    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput,
+                   on_preempt: Callable[[Sequence], None] | None) -> bool:
         """Preempt newest-first until seq's blocks for num_tokens fit; False if seq went."""
         while self._blocks_needed(seq, num_tokens) > self.pool.num_free_blocks:
             victim = self.running[-1]
             self._preempt(victim)
             out.preempted.append(victim)
+            if on_preempt is not None:
+                on_preempt(victim)
             if victim is seq:
                 return False
         return True

@@ -16,6 +16,7 @@ class FailureKind(enum.Enum):
     DATA_LOSS = "DATA_LOSS"  # a block failed its checksum
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     CANCELLED = "CANCELLED"  # the sender went away or gave up mid-stream
+    ABORTED = "ABORTED"  # the sender's request lost its blocks (preempted): the caller prefills elsewhere
     UNAVAILABLE = "UNAVAILABLE"  # the receiver cannot be reached
     INTERNAL = "INTERNAL"
 

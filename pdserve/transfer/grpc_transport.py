@@ -14,7 +14,6 @@ FailureKind is "unauthenticated"), with the receiver's message saying why.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent import futures
 
 import grpc
 
@@ -82,18 +81,6 @@ def _near_deadline(context) -> bool:
 
 def _why_broken(context) -> FailureKind:
     return FailureKind.DEADLINE_EXCEEDED if _near_deadline(context) else FailureKind.CANCELLED
-
-
-def serve_kv_transfer(receiver: KVReceiver, host: str = "127.0.0.1", port: int = 0,
-                      max_workers: int = 8) -> tuple[grpc.Server, int]:
-    """Start a gRPC server with the KVTransfer service; returns (server, bound port)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
-    kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(receiver), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"could not bind the KV transfer server to {host}:{port}")
-    server.start()
-    return server, bound
 
 
 class GrpcKVChannel:

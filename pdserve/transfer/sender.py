@@ -1,19 +1,30 @@
 """The sending end: a prompt's KV leaves layer by layer while prefill is still running.
 
-    compute thread                          sender thread (one per transfer)
-    engine.step(on_layer_done=sender)       channel.push(frames()) pulls:
-      layer i written -> sender(i, chunks)    BEGIN
-        -> OutgoingTransfer.offer()  --queue-->  LAYER frames (gathered from the pool)
-    request finished -> transfer.close()  --->  END
+    compute thread (engine lock held)         sender thread (one per transfer)
+    engine.step(observer=LayerwiseSender)     channel.push(frames()) pulls:
+      layer i written -> layer_done(i, chunks)  BEGIN
+        -> OutgoingTransfer.offer(): pin the    LAYER frames: check not aborted, gather one
+           blocks, queue them   --queue-->        chunk of pinned blocks, yield it
+    request finished -> close()  ------------>  check not aborted, END
+    preempted -> preempted() -> abort()         (the next check raises: no END)
 
 Lifecycle of an OutgoingTransfer (TransferState): PENDING (created) -> TRANSFERRING
-(push under way) -> DONE (receiver confirmed) | FAILED (TransferFailed from wait()).
+(push under way) -> DONE (receiver confirmed) | FAILED (TransferFailed from wait() or abort()).
 
-Only whole blocks are sent, each exactly once per layer: a block goes out once the
-chunk that completes it has been computed, and the partial last block of the prompt
-goes with the final chunk. Blocks the receiver already holds are never sent. The
-engine keeps the request's blocks referenced (hold_blocks) until the caller releases
-them after wait(), so the sender thread never reads a block that was reused.
+Only whole blocks are sent, each exactly once per layer: a block goes out once the chunk
+that completes it has been computed, and the partial last block of the prompt goes with the
+final chunk. Blocks the receiver already holds are never sent.
+
+Why the output stays exact whatever happens to the request meanwhile:
+- The sender holds its own reference on every block it has been offered (engine.pin_blocks,
+  taken on the compute thread as the block is queued) until the transfer is released or
+  aborted, so no block it still has to read can be handed to another request.
+- An abort wins over END at any point. abort() sets the flag *before* it lets go of the
+  blocks, and the sender checks the flag before every gather and before END. A gather that
+  raced with the release may read a torn block, but the check after it stops the stream
+  before END, and a receiver that never sees END discards the whole transfer.
+- Preempting a request whose blocks are being sent aborts its transfer (and drops the
+  request: the caller prefills elsewhere).
 """
 
 from __future__ import annotations
@@ -25,9 +36,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.scheduler import ScheduledChunk
+from pdserve.engine.sequence import Sequence
 from pdserve.kvwire import KVLayout, TransferBegin, TransferEnd, encode_layer
 from pdserve.transfer.errors import FailureKind, TransferFailed
 from pdserve.transfer.receiver import TransferState
@@ -56,13 +67,13 @@ class _LayerWork:
 
 
 _END = object()
-_ABORT = object()
+_WAKE = object()  # abort() puts this so a sender waiting on the queue looks at the flag
 
 
 class OutgoingTransfer:
-    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, begin: TransferBegin, channel: KVChannel,
+    def __init__(self, engine: LLMEngine, layout: KVLayout, begin: TransferBegin, channel: KVChannel,
                  timeout_s: float, max_chunk_bytes: int) -> None:
-        self.kv_cache, self.layout, self.begin = kv_cache, layout, begin
+        self.engine, self.layout, self.begin = engine, layout, begin
         self.timeout_s, self.max_chunk_bytes = timeout_s, max_chunk_bytes
         self.state = TransferState.PENDING
         self.bytes_sent = 0
@@ -72,6 +83,9 @@ class OutgoingTransfer:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._result: PushResult | None = None
         self._error: TransferFailed | None = None
+        self._aborted: TransferFailed | None = None
+        self._pinned: list[int] = []  # one entry per reference this transfer holds
+        self._pin_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"kv-send-{begin.request_id}", daemon=True)
 
     @property
@@ -91,16 +105,43 @@ class OutgoingTransfer:
         if complete <= first:
             return
         positions = list(range(first, complete))
+        block_ids = [chunk.seq.block_ids[p] for p in positions]
+        with self._pin_lock:
+            if self._aborted is not None:
+                return
+            self.engine.pin_blocks(block_ids)  # NOTE: the compute thread holds the engine lock here
+            self._pinned += block_ids
         self._next_position[layer] = complete
         self._total_blocks += len(positions)
-        self._queue.put(_LayerWork(layer, [chunk.seq.block_ids[p] for p in positions], positions))
+        self._queue.put(_LayerWork(layer, block_ids, positions))
 
     def close(self) -> None:
-        """Prefill finished: every block has been offered; send END."""
+        """Prefill finished: every block has been offered; send END (unless aborted first)."""
         self._queue.put(_END)
 
-    def abort(self) -> None:
-        self._queue.put(_ABORT)
+    def abort(self, kind: FailureKind = FailureKind.CANCELLED,
+              reason: str = "the prefill side aborted the transfer") -> TransferFailed:
+        """Stop the transfer before its next gather (no END will be sent) and let go of its blocks
+        at once. Idempotent; a transfer that already completed stays DONE. Returns why it ended."""
+        if self.state is TransferState.DONE:
+            return TransferFailed(kind, f"{reason} (after it had completed)")
+        with self._pin_lock:
+            if self._aborted is None:
+                self._aborted = TransferFailed(kind, reason)
+        self._queue.put(_WAKE)
+        self.release()
+        return self._aborted
+
+    def release(self) -> None:
+        """Let go of every block this transfer pinned (they stay cached by hash). Idempotent."""
+        with self._pin_lock:
+            pinned, self._pinned = self._pinned, []
+        if pinned:
+            self.engine.unpin_blocks(pinned)
+
+    @property
+    def pinned_blocks(self) -> int:
+        return len(self._pinned)
 
     def wait(self) -> PushResult:
         self._thread.join()
@@ -123,22 +164,37 @@ class OutgoingTransfer:
         yield self.begin.encode(), b""
         while True:
             work = self._queue.get()
-            if work is _ABORT:
-                raise TransferFailed(FailureKind.CANCELLED, "the prefill side aborted the transfer")
+            self._raise_if_aborted()
+            if work is _WAKE:
+                continue
             if work is _END:
                 yield TransferEnd(self.begin.transfer_id, self._total_blocks, self.bytes_sent).encode(), b""
                 return
-            for header, payload in encode_layer(self.kv_cache, work.layer, work.block_ids, work.positions,
-                                                self.begin.transfer_id, self.max_chunk_bytes):
-                self.bytes_sent += len(payload)
-                yield header, payload
+            yield from self._layer_frames(work)
+
+    def _layer_frames(self, work: _LayerWork) -> Iterator[Frame]:
+        """One LAYER frame per chunk of blocks, gathered lazily, each gather after an abort check."""
+        frames = encode_layer(self.engine.kv_cache, work.layer, work.block_ids, work.positions,
+                              self.begin.transfer_id, self.max_chunk_bytes)
+        while True:
+            self._raise_if_aborted()
+            frame = next(frames, None)
+            if frame is None:
+                return
+            self.bytes_sent += len(frame[1])
+            yield frame
+
+    def _raise_if_aborted(self) -> None:
+        if self._aborted is not None:
+            raise self._aborted
 
 
 class LayerwiseSender:
-    """The prefill engine's layer hook: routes each written layer to the transfers it feeds."""
+    """The prefill engine's step observer: routes each written layer to the transfers it feeds,
+    and aborts a transfer whose request is preempted."""
 
-    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, max_chunk_bytes: int = 2 << 20) -> None:
-        self.kv_cache, self.layout, self.max_chunk_bytes = kv_cache, layout, max_chunk_bytes
+    def __init__(self, engine: LLMEngine, layout: KVLayout, max_chunk_bytes: int = 2 << 20) -> None:
+        self.engine, self.layout, self.max_chunk_bytes = engine, layout, max_chunk_bytes
         self._transfers: dict[str, OutgoingTransfer] = {}
         self._lock = threading.Lock()
 
@@ -148,18 +204,26 @@ class LayerwiseSender:
         begin = TransferBegin(uuid.uuid4().hex, request_id, self.layout, tuple(prompt_token_ids),
                               len(prompt_token_ids), receiver_cached_blocks,
                               tuple(range(receiver_cached_blocks, total)))
-        transfer = OutgoingTransfer(self.kv_cache, self.layout, begin, channel, timeout_s,
-                                    self.max_chunk_bytes)
+        transfer = OutgoingTransfer(self.engine, self.layout, begin, channel, timeout_s, self.max_chunk_bytes)
         with self._lock:
             self._transfers[request_id] = transfer
         transfer.start()
         return transfer
 
     def finish(self, request_id: str) -> None:
+        """Forget the request's transfer and let go of its blocks (call once it has ended)."""
         with self._lock:
-            self._transfers.pop(request_id, None)
+            transfer = self._transfers.pop(request_id, None)
+        if transfer is not None:
+            transfer.release()
 
-    def __call__(self, layer: int, chunks: list[ScheduledChunk]) -> None:
+    def pinned_blocks(self) -> int:
+        """Block references held by transfers under way (a block sent by two counts twice)."""
+        with self._lock:
+            return sum(t.pinned_blocks for t in self._transfers.values())
+
+    # --- StepObserver (pdserve/engine/llm_engine.py): the engine's thread, its lock held ---------
+    def layer_done(self, layer: int, chunks: list[ScheduledChunk]) -> None:
         with self._lock:
             if not self._transfers:
                 return
@@ -167,3 +231,13 @@ class LayerwiseSender:
                 transfer = self._transfers.get(chunk.seq.request_id)
                 if transfer is not None:
                     transfer.offer(layer, chunk)
+
+    def preempted(self, seq: Sequence) -> bool:
+        """A request whose KV is being sent lost its blocks: abort the transfer, drop the request."""
+        with self._lock:
+            transfer = self._transfers.get(seq.request_id)
+        if transfer is None:
+            return False
+        transfer.abort(FailureKind.ABORTED, "preempted: the prefill worker needed its KV blocks for "
+                                            "older requests; prefill it elsewhere")
+        return True

@@ -1,7 +1,7 @@
 """The engine loop: one thread owns engine.step(); requests subscribe to their outputs.
 
     submit()/resume() --register a RequestStream--> engine.add_request / resume_transferred
-    loop thread: while work: outputs = engine.step(hook); each output -> its stream's queue
+    loop thread: while work: outputs = engine.step(observer); each output -> its stream's queue
     abort(): engine.abort (blocks freed now) and the stream ends with finish_reason "abort"
     a step that raises: every request in flight is aborted (blocks freed) and its stream ends
     with finish_reason "error"; the loop keeps serving new requests
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
-from pdserve.engine.llm_engine import InvalidRequestError, LLMEngine, RequestOutput, StepLayerHook
+from pdserve.engine.llm_engine import InvalidRequestError, LLMEngine, RequestOutput, StepObserver
 from pdserve.engine.sequence import SamplingParams, Usage
 
 log = logging.getLogger(__name__)
@@ -49,14 +49,13 @@ class RequestStream:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, layer_hook: StepLayerHook | None = None) -> None:
+    def __init__(self, engine: LLMEngine, observer: StepObserver | None = None) -> None:
         self.engine = engine
-        self.layer_hook = layer_hook
+        self.observer = observer  # the KV sender, on a worker that sends KV
         self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self.steps = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -69,12 +68,11 @@ class EngineLoop:
 
     # --- requests ---------------------------------------------------------------------
     def submit(self, prompt: list[int], sampling: SamplingParams, request_id: str, *,
-               detokenize: bool = True, hold_blocks: bool = False) -> RequestStream:
+               detokenize: bool = True) -> RequestStream:
         """Queue a request; InvalidRequestError (nothing registered) when it is malformed."""
         stream = self._register(request_id)
         try:
-            self.engine.add_request(prompt, sampling, request_id=request_id, detokenize=detokenize,
-                                    hold_blocks=hold_blocks)
+            self.engine.add_request(prompt, sampling, request_id=request_id, detokenize=detokenize)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -124,14 +122,13 @@ class EngineLoop:
                 if not self.engine.has_unfinished():
                     self._wake.wait(timeout=_IDLE_WAIT_S)
             try:
-                outputs = self.engine.step(on_layer_done=self.layer_hook)
+                outputs = self.engine.step(self.observer)
             except Exception:  # NOTE: one bad step must not take the worker down with it
                 log.exception("engine step failed; failing the %d requests in flight", len(self._streams))
                 self._fail_in_flight()
                 continue
             for output in outputs:
                 self._deliver(output)
-            self.steps += 1
 
     def _fail_in_flight(self) -> None:
         for request_id in list(self._streams):

@@ -85,9 +85,9 @@ class WorkerServer:
         loaded = loaded or load_model(config.engine.model_path, progress=False)
         self.engine = LLMEngine(loaded, config.engine, publisher)
         self.layout = KVLayout.of_cache(self.engine.kv_cache, self.engine.fingerprint)
-        self.sender = LayerwiseSender(self.engine.kv_cache, self.layout, config.max_chunk_bytes)
+        self.sender = LayerwiseSender(self.engine, self.layout, config.max_chunk_bytes)
         self.receiver = KVReceiver(self.engine, self.layout, config.parked_ttl_s)
-        self.loop = EngineLoop(self.engine, layer_hook=self.sender)
+        self.loop = EngineLoop(self.engine, observer=self.sender)
         self.faults = (FaultInjector(config.fault_plan, sleep=fault_sleep)
                        if config.fault_plan is not None else None)
         self.epoch = epoch

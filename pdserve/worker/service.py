@@ -1,9 +1,13 @@
 """The Worker gRPC service: Prefill, Decode, Abort, Status over one engine loop.
 
-Prefill (remote prefill for a decode target):
-    register the outgoing transfer -> submit(max_tokens=1, hold_blocks) -> layers stream
-    out as they are computed -> first token sampled -> END -> wait for the receiver's reply
-    -> release the held blocks (they stay in this worker's prefix cache).
+Prefill (remote prefill for a decode target), the one orchestration production and the
+transfer tests (tests/transfer/rig.py) run:
+    register the outgoing transfer -> submit(max_tokens=1) -> each layer's blocks are pinned
+    and stream out as they are computed -> first token sampled -> END -> wait for the
+    receiver's reply -> unpin the blocks (they stay in this worker's prefix cache).
+    The call ending early (cancelled, past its deadline) aborts the transfer first, then the
+    request; a preempted request aborts its transfer (pdserve/transfer/sender.py). Either way
+    no END is sent after the abort, so the decode worker discards everything it received.
     A failed transfer fails the call with the transfer's FailureKind as its status code, except
     that CANCELLED and DEADLINE_EXCEEDED become ABORTED: those two codes would say that the
     Prefill call itself was cancelled or ran out of time, and callers do not retry those.
@@ -30,7 +34,7 @@ from pdserve.transfer.errors import FailureKind, TransferFailed
 from pdserve.transfer.faults import FaultInjector
 from pdserve.transfer.grpc_transport import GrpcKVChannel
 from pdserve.transfer.receiver import KVReceiver
-from pdserve.transfer.sender import KVChannel, LayerwiseSender
+from pdserve.transfer.sender import KVChannel, LayerwiseSender, OutgoingTransfer
 from pdserve.worker.convert import (
     rng_state_from_bytes,
     rng_state_to_bytes,
@@ -86,34 +90,36 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._refuse_if_draining(context)
         rid, prompt = request.request_id, list(request.prompt_token_ids)
         sampling = _sampling_or_abort(request.sampling, context)
-        timeout = context.time_remaining() or DEFAULT_TIMEOUT_S
-        if self.transfer_timeout_s is not None:
-            timeout = min(timeout, self.transfer_timeout_s)
         started = time.perf_counter()
         transfer = self.sender.start(rid, prompt, request.target_cached_blocks,
-                                     self._channel(request.decode_target), timeout)
+                                     self._channel(request.decode_target), self._push_timeout(context))
         try:
-            stream = self.loop.submit(prompt, replace(sampling, max_tokens=1, stop=()), rid,
-                                      detokenize=False, hold_blocks=True)
-        except (InvalidRequestError, ValueError) as e:
-            transfer.abort()
-            self.sender.finish(rid)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        _on_call_end(context, lambda: (transfer.abort(), self.loop.abort(rid)))
-        try:
+            try:
+                stream = self.loop.submit(prompt, replace(sampling, max_tokens=1, stop=()), rid,
+                                          detokenize=False)
+            except (InvalidRequestError, ValueError) as e:
+                transfer.abort(FailureKind.INVALID_ARGUMENT, str(e))
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            _on_call_end(context, lambda: self._cancel_prefill(transfer, rid))
             return self._finish_prefill(rid, stream, transfer, started, context)
         finally:
             self.sender.finish(rid)
-            self.engine.release_held(rid)
 
-    def _finish_prefill(self, rid, stream: RequestStream, transfer, started: float, context):
+    def _push_timeout(self, context) -> float:
+        timeout = context.time_remaining() or DEFAULT_TIMEOUT_S
+        return timeout if self.transfer_timeout_s is None else min(timeout, self.transfer_timeout_s)
+
+    def _cancel_prefill(self, transfer: OutgoingTransfer, rid: str) -> None:
+        """The Prefill call ended (cancelled, past its deadline, or answered). NOTE: the transfer
+        first, so that no block is let go of while the sender could still send END after it."""
+        transfer.abort(FailureKind.CANCELLED, "the Prefill call ended (cancelled, or past its deadline)")
+        self.loop.abort(rid)
+
+    def _finish_prefill(self, rid: str, stream: RequestStream, transfer: OutgoingTransfer, started: float,
+                        context):
         last = next(o for o in stream if o.finished)
         if last.finish_reason in ("abort", "error"):
-            transfer.abort()
-            if last.finish_reason == "error":
-                context.abort(grpc.StatusCode.INTERNAL, f"the engine failed while prefilling {rid} (see the "
-                              "worker's log); the router prefills it elsewhere")
-            context.abort(grpc.StatusCode.CANCELLED, f"request {rid} was aborted during prefill")
+            self._end_prefill_early(rid, last.finish_reason, transfer, context)
         computed = time.perf_counter()
         transfer.close()
         self.metrics.ttft.observe(computed - started)
@@ -131,6 +137,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             first_token=last.new_token_ids[0], rng_state=rng_state_to_bytes(last.rng_state),
             usage=usage_to_proto(last.usage), bytes_sent=push.bytes_sent, blocks_sent=push.blocks_written,
             prefill_ms=(computed - started) * 1e3, transfer_ms=(time.perf_counter() - computed) * 1e3)
+
+    def _end_prefill_early(self, rid: str, finish_reason: str, transfer: OutgoingTransfer, context) -> None:
+        """The request ended without its first token: aborted (the call ended, or preempted) or
+        failed in the engine. Its transfer is aborted; the call fails with why."""
+        if finish_reason == "error":
+            self._count_send(transfer.abort(FailureKind.INTERNAL, "the engine failed").kind.value)
+            context.abort(grpc.StatusCode.INTERNAL, f"the engine failed while prefilling {rid} (see the "
+                          "worker's log); the router prefills it elsewhere")
+        failure = transfer.abort(FailureKind.CANCELLED, f"request {rid} was aborted during prefill")
+        self._count_send(failure.kind.value)
+        context.abort(_prefill_failure_code(failure.kind),
+                      f"KV transfer to the decode worker did not complete ({failure.kind.value}): "
+                      f"{failure.message}")
 
     def _count_send(self, outcome: str) -> None:
         with self._lock:
@@ -225,7 +244,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         status = worker_pb2.WorkerStatus(
             active_requests=load.running, waiting_requests=load.waiting, num_blocks=load.num_blocks,
             free_blocks=load.free_blocks, cached_blocks=load.cached_blocks, used_blocks=load.used_blocks,
-            parked_transfers=load.parked_transfers, held_blocks=load.held_blocks,
+            parked_transfers=load.parked_transfers, held_blocks=self.sender.pinned_blocks(),
             bytes_sent=self.bytes_sent, bytes_received=self.receiver.bytes_received,
             model_fingerprint=e.fingerprint, block_size=e.block_size)
         with self._lock:

@@ -20,7 +20,6 @@ import pytest
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.sequence import SamplingParams
 from pdserve.metrics import scrape
-from pdserve.transfer.errors import TransferFailed
 from pdserve.transfer.faults import (
     EXPECTED_FAILURE,
     Chance,
@@ -32,15 +31,12 @@ from pdserve.transfer.faults import (
     Matching,
     RequestIds,
 )
-from pdserve.transfer.grpc_transport import GrpcKVChannel
-from pdserve.transfer.loopback import LoopbackKVChannel
 from pdserve.worker.server import WorkerConfig, WorkerServer
-from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from router.placement import PlacementConfig
 from router.server import RouterConfig, RouterServer
-from tests.conftest import assert_no_leaks, make_engine
-from tests.transfer.harness import PrefillSide, decode_after_transfer, receiver_for, single_engine_tokens
 from tests.transfer.processes import WorkerProcess
+from tests.transfer.rig import assert_clean, cached_prompt_blocks, reference_tokens, start_rig
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -96,54 +92,58 @@ def test_a_worker_has_no_faults_unless_built_with_a_plan():
     assert WorkerConfig("prefill").fault_plan is None
 
 
-# --- the injector on the loopback transport ----------------------------------------------------------
-@pytest.fixture
-def pair(tiny_loaded):
-    prefill = PrefillSide.of(make_engine(tiny_loaded))
-    decode = make_engine(tiny_loaded)
-    yield prefill, decode
-    for engine in (prefill.engine, decode):
-        assert_no_leaks(engine)
+# --- the injector on the loopback and gRPC transports --------------------------------------------------
+TRANSPORTS = ("loopback", "grpc")
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("kind", [FaultKind.DROP, FaultKind.CORRUPT])
 @pytest.mark.parametrize("at_frame", [0, 1])
-def test_fault_is_reported_by_both_ends_and_recompute_is_exact(pair, tiny_loaded, kind, at_frame):
-    prefill, decode = pair
-    receiver = receiver_for(decode)
-    inj = injector(FaultRule(kind, RequestIds({"hit"}), at_frame=at_frame))
-    with pytest.raises(TransferFailed) as failure:
-        prefill.push("hit", PROMPT, inj.wrap(LoopbackKVChannel(receiver)), sampling=GREEDY)
-    assert failure.value.kind is EXPECTED_FAILURE[kind]
-    assert receiver.outcomes == {EXPECTED_FAILURE[kind].value: 1}
-    assert inj.injected == {kind.value: 1}
-    assert decode.leaked_blocks() == [] and not decode.has_parked("hit")
-    tokens, used = decode_after_transfer(decode, "hit", PROMPT, 0, None, GREEDY)
-    assert not used and tokens == single_engine_tokens(make_engine(tiny_loaded), PROMPT, GREEDY)
+def test_fault_is_reported_by_both_ends_and_recompute_is_exact(tiny_loaded, transport, kind, at_frame):
+    rig = start_rig(tiny_loaded, transport, rules=(FaultRule(kind, RequestIds({"hit"}), at_frame=at_frame),))
+    try:
+        with pytest.raises(grpc.RpcError):
+            rig.remote_prefill("hit", PROMPT, GREEDY)
+        expected = EXPECTED_FAILURE[kind].value
+        assert rig.decode.status().transfer_outcomes == {expected: 1}
+        assert rig.prefill.status().send_outcomes == {expected: 1}
+        assert rig.prefill.faults.injected == {kind.value: 1}
+        assert cached_prompt_blocks(rig.decode, PROMPT) == 0
+        tokens, used = rig.decode_tokens("hit", PROMPT, sampling=GREEDY)
+        assert not used and tokens == reference_tokens(tiny_loaded, PROMPT, GREEDY)
+        assert_clean(rig.prefill, rig.decode)
+    finally:
+        rig.close()
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("rule", [
     FaultRule(FaultKind.CORRUPT, RequestIds({"someone-else"})),
     FaultRule(FaultKind.DROP, EveryNth(1), at_frame=2),  # past the last of the 2 LAYER frames
 ], ids=["not-selected", "frame-never-reached"])
-def test_transfers_the_plan_does_not_hit_go_through_untouched(pair, tiny_loaded, rule):
-    prefill, decode = pair
-    inj = injector(rule)
-    outcome = prefill.push("clean", PROMPT, inj.wrap(LoopbackKVChannel(receiver_for(decode))),
-                           sampling=GREEDY)
-    tokens, used = decode_after_transfer(decode, "clean", PROMPT, outcome.first_token, outcome.rng_state,
-                                         GREEDY)
-    assert used and tokens == single_engine_tokens(make_engine(tiny_loaded), PROMPT, GREEDY)
-    assert inj.injected == {}
+def test_transfers_the_plan_does_not_hit_go_through_untouched(tiny_loaded, transport, rule):
+    rig = start_rig(tiny_loaded, transport, rules=(rule,))
+    try:
+        reply = rig.remote_prefill("clean", PROMPT, GREEDY)
+        tokens, used = rig.decode_tokens("clean", PROMPT, reply, GREEDY)
+        assert used and tokens == reference_tokens(tiny_loaded, PROMPT, GREEDY)
+        assert rig.prefill.faults.injected == {}
+        assert_clean(rig.prefill, rig.decode)
+    finally:
+        rig.close()
 
 
-def test_delay_sleeps_past_the_push_deadline(pair):
-    prefill, decode = pair
+def test_delay_sleeps_past_the_push_deadline(tiny_loaded):
     slept: list[float] = []
-    inj = injector(FaultRule(FaultKind.DELAY, EveryNth(1), overshoot_s=0.25), sleep=slept.append)
-    outcome = prefill.push("late", PROMPT, inj.wrap(LoopbackKVChannel(receiver_for(decode))), timeout_s=2.0)
-    assert slept == [2.25] and inj.injected == {"delay": 1}  # loopback has no deadline: it completes
-    decode_after_transfer(decode, "late", PROMPT, outcome.first_token, outcome.rng_state)
+    delay = FaultRule(FaultKind.DELAY, EveryNth(1), overshoot_s=0.25)
+    rig = start_rig(tiny_loaded, "loopback", rules=(delay,), transfer_timeout_s=2.0, fault_sleep=slept.append)
+    try:
+        reply = rig.remote_prefill("late", PROMPT, GREEDY)  # loopback has no deadline: it completes
+        assert slept == [2.25] and rig.prefill.faults.injected == {"delay": 1}
+        rig.decode_tokens("late", PROMPT, reply, GREEDY)
+        assert_clean(rig.prefill, rig.decode)
+    finally:
+        rig.close()
 
 
 # --- a router, a faulty prefill worker and a decode worker over real gRPC ---------------------------
@@ -240,8 +240,7 @@ def clean(worker: WorkerServer):
 def test_injected_faults_are_all_detected_counted_and_recomputed_exactly(faulty_cluster, tiny_loaded):
     router, prefill, decode = faulty_cluster
     prompts = {rid(i): distinct_prompt(i) for i in range(N_REQUESTS)}
-    reference = make_engine(tiny_loaded)
-    expected = {r: single_engine_tokens(reference, p, GREEDY) for r, p in prompts.items()}
+    expected = {r: reference_tokens(tiny_loaded, p, GREEDY) for r, p in prompts.items()}
     with ThreadPoolExecutor(N_REQUESTS) as pool:
         replies = dict(zip(prompts, pool.map(lambda r: generate(router, r, prompts[r]), prompts)))
 
@@ -302,7 +301,7 @@ def test_prefill_worker_killed_mid_transfer_frees_the_reservation_and_output_is_
         assert dict(decode.status().transfer_outcomes) == {"CANCELLED": 1}
         replies = result["replies"]
         tokens = [t for reply in replies for t in reply.token_ids]
-        assert tokens == single_engine_tokens(make_engine(tiny_loaded), prompt, GREEDY)
+        assert tokens == reference_tokens(tiny_loaded, prompt, GREEDY)
         assert replies[-1].prefill_worker == "" and replies[-1].decode_worker == decode.config.worker_id
         m = scrape(f"http://{router.metrics_address}/metrics")
         assert value(m, "pdserve_router_remote_prefills_total", outcome="fallback") == 1
@@ -318,19 +317,12 @@ def test_kv_parked_for_a_request_prefilled_here_after_all_is_freed_with_it(tiny_
     """The prefill worker died after the transfer completed but before it answered: the router
     falls back to prefill on the decode worker, whose parked KV can never be resumed. It goes
     when the request ends (the Decode call's abort), not at its TTL."""
-    decode = WorkerServer(WorkerConfig("decode", ENGINE, parked_ttl_s=300), tiny_loaded)
+    rig = start_rig(tiny_loaded, "grpc", parked_ttl_s=300)
     try:
-        address = decode.start()
-        PrefillSide.of(make_engine(tiny_loaded)).push("stranded", PROMPT, GrpcKVChannel(address))
-        assert decode.status().parked_transfers == 1
-        stub = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(address))
-        sampling = generation_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        request = worker_pb2.DecodeRequest(request_id="stranded", prompt_token_ids=PROMPT, sampling=sampling,
-                                           prefill_here=True)
-        replies = list(stub.Decode(request, timeout=30))
-        expected = single_engine_tokens(make_engine(tiny_loaded), PROMPT, GREEDY)
-        assert [t for r in replies for t in r.token_ids] == expected
-        assert not replies[0].used_transferred_kv
-        eventually(lambda: clean(decode), 2, "the decode worker holds no blocks")
+        rig.remote_prefill("stranded", PROMPT, GREEDY)
+        assert rig.decode.status().parked_transfers == 1
+        tokens, used = rig.decode_tokens("stranded", PROMPT, sampling=GREEDY)  # prefill_here
+        assert not used and tokens == reference_tokens(tiny_loaded, PROMPT, GREEDY)
+        assert_clean(rig.prefill, rig.decode, timeout_s=2)
     finally:
-        decode.stop()
+        rig.close()
