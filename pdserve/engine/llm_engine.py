@@ -15,8 +15,9 @@ KV handoff (prefill/decode disaggregation), see pdserve/transfer/:
         one it was offered (pin_blocks) until it lets go (unpin_blocks).
     decode side: reserve_transfer -> (blocks written by the receiver) ->
         park_transfer (KV complete, prompt blocks committed to the prefix cache)
-        -> resume_transferred(first_token) joins the continuous batch;
-        release_reservation frees everything on any failure.
+        -> resume_transferred(prompt, first_token) checks the request against what was
+        parked and joins the continuous batch; release_reservation frees everything on any
+        failure, and a resume that is refused or raises frees the parked KV too.
 
 Methods that read or change requests, blocks or reservations take self.lock (an RLock), so a
 gRPC thread may call in while the engine loop steps. has_unfinished() and load() do not, so
@@ -186,7 +187,7 @@ class LLMEngine:
         with self.lock:
             seq = self._sequences.pop(request_id, None)
             if seq is None:
-                return self._drop_parked(request_id)
+                return self.drop_parked(request_id)
             self._detokenize.pop(request_id, None)
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
             self._publish_events()
@@ -208,6 +209,10 @@ class LLMEngine:
     def _validate(self, request_id: str, ids: list[int], sampling: SamplingParams) -> None:
         if request_id in self._sequences:
             raise InvalidRequestError(f"request_id {request_id!r} is already in flight")
+        self._validate_prompt(ids)
+        self._validate_sampling(sampling)
+
+    def _validate_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise InvalidRequestError("prompt is empty: give at least 1 token")
         if len(ids) >= self.max_model_len:
@@ -218,6 +223,9 @@ class LLMEngine:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def _validate_sampling(self, sampling: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequestError("sampling must be a SamplingParams")
         bad = next((t for t in sampling.stop_token_ids if not 0 <= t < vocab), None)
@@ -387,31 +395,78 @@ class LLMEngine:
         with self.lock:
             return request_id in self._parked
 
-    def resume_transferred(self, request_id: str, first_token: int, sampling: SamplingParams,
-                           rng_state: torch.Tensor | None = None,
+    def resume_transferred(self, request_id: str, prompt_token_ids: list[int], first_token: int,
+                           sampling: SamplingParams, rng_state: torch.Tensor | None = None,
                            detokenize: bool = True) -> RequestOutput | None:
         """Continue a parked transfer: its prompt's KV is here, first_token came from prefill.
 
         Returns the output for first_token (it may already finish the request), or None when
-        nothing is parked under request_id (the caller prefills locally).
+        nothing is parked under request_id (the caller prefills locally). Raises
+        InvalidRequestError when the request does not match the parked prompt or a field is out
+        of range; the parked KV is freed then, as it is when anything else raises, so a bad
+        resume leaves nothing held.
         """
         with self.lock:
-            reservation = self._parked.pop(request_id, None)
+            reservation = self._parked.get(request_id)
             if reservation is None:
                 return None
-            seq = self._new_sequence(request_id, reservation.prompt_token_ids, sampling, detokenize)
-            if rng_state is not None:
-                seq.generator.set_state(rng_state)
-            seq.block_ids = list(reservation.block_ids)
-            seq.num_computed_tokens = seq.num_prompt_tokens
-            seq.num_committed_blocks = seq.num_prompt_tokens // self.block_size
-            seq.admitted_once = True
-            seq.usage.cached_tokens = reservation.num_cached_blocks * self.block_size
-            seq.status = SequenceStatus.RUNNING
-            self.scheduler.running.append(seq)
-            return self._append_token(seq, first_token)
+            try:
+                self._check_resume(reservation, prompt_token_ids, first_token, sampling, rng_state)
+            except InvalidRequestError:
+                self.drop_parked(request_id)
+                raise
+            del self._parked[request_id]
+            seq = None
+            try:
+                seq = self._resumed_sequence(reservation, sampling, rng_state, detokenize)
+                return self._append_token(seq, first_token)
+            except BaseException:
+                self._undo_resume(reservation, seq)
+                raise
 
-    def _drop_parked(self, request_id: str) -> bool:
+    def _check_resume(self, reservation: Reservation, prompt: list[int], first_token: int,
+                      sampling: SamplingParams, rng_state: torch.Tensor | None) -> None:
+        rid = reservation.request_id
+        if rid in self._sequences:
+            raise InvalidRequestError(f"request_id {rid!r} is already in flight")
+        if list(prompt) != reservation.prompt_token_ids:
+            raise InvalidRequestError(_prompt_mismatch(rid, prompt, reservation.prompt_token_ids))
+        vocab = self.model_config.vocab_size
+        if not 0 <= first_token < vocab:
+            raise InvalidRequestError(f"first_token {first_token} is outside the vocabulary [0, {vocab})")
+        self._validate_sampling(sampling)
+        if rng_state is not None:
+            try:
+                torch.Generator().set_state(rng_state)
+            except (RuntimeError, TypeError, ValueError) as e:
+                raise InvalidRequestError(f"rng_state ({rng_state.numel()} bytes) is not a state of this "
+                                          f"engine's generator: {e}") from None
+
+    def _resumed_sequence(self, reservation: Reservation, sampling: SamplingParams,
+                          rng_state: torch.Tensor | None, detokenize: bool) -> Sequence:
+        seq = self._new_sequence(reservation.request_id, reservation.prompt_token_ids, sampling, detokenize)
+        if rng_state is not None:
+            seq.generator.set_state(rng_state)
+        seq.block_ids = list(reservation.block_ids)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_committed_blocks = seq.num_prompt_tokens // self.block_size
+        seq.admitted_once = True
+        seq.usage.cached_tokens = reservation.num_cached_blocks * self.block_size
+        self.scheduler.add_running(seq)
+        return seq
+
+    def _undo_resume(self, reservation: Reservation, seq: Sequence | None) -> None:
+        """A resume that raised half way: whoever holds the blocks now lets go of them."""
+        if seq is not None and seq.status is SequenceStatus.RUNNING:
+            self.abort(reservation.request_id)  # the sequence owns the blocks: it lets go of them
+            return
+        self._sequences.pop(reservation.request_id, None)
+        self._detokenize.pop(reservation.request_id, None)
+        if seq is None or not seq.status.finished:  # (a finished one already let go of them)
+            self.release_reservation(reservation)
+
+    def drop_parked(self, request_id: str) -> bool:
+        """Free the KV parked for request_id, if any; True when there was some."""
         reservation = self._parked.get(request_id)
         if reservation is None:
             return False
@@ -436,3 +491,10 @@ def _on_preempt(observer: StepObserver | None, dropped: list[Sequence]) -> Calla
         if observer.preempted(seq):
             dropped.append(seq)
     return on_preempt
+
+
+def _prompt_mismatch(request_id: str, given: list[int], parked: list[int]) -> str:
+    at = next((i for i, (a, b) in enumerate(zip(given, parked)) if a != b), min(len(given), len(parked)))
+    return (f"prompt_token_ids ({len(given)} tokens) differ from the prompt whose KV was transferred for "
+            f"request {request_id!r} ({len(parked)} tokens), first at token {at}; send Decode the prompt "
+            "that was sent to Prefill")

@@ -4,7 +4,9 @@
     loop thread: while work: outputs = engine.step(observer); each output -> its stream's queue
     abort(): engine.abort (blocks freed now) and the stream ends with finish_reason "abort"
     a step that raises: every request in flight is aborted (blocks freed) and its stream ends
-    with finish_reason "error"; the loop keeps serving new requests
+    with finish_reason "error"; the loop keeps serving new requests. After max_failed_steps
+    failures in a row it calls on_failing once (the worker then takes itself out of routing:
+    an engine that fails every step would otherwise fail every request sent to it, forever)
 
 A stream is registered before its request reaches the engine, so no output is missed.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -49,9 +51,13 @@ class RequestStream:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, observer: StepObserver | None = None) -> None:
+    def __init__(self, engine: LLMEngine, observer: StepObserver | None = None, *, max_failed_steps: int = 3,
+                 on_failing: Callable[[int], None] | None = None) -> None:
         self.engine = engine
         self.observer = observer  # the KV sender, on a worker that sends KV
+        self.max_failed_steps = max_failed_steps
+        self._on_failing = on_failing
+        self._failed_in_a_row = 0
         self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Condition()
         self._stopping = False
@@ -79,11 +85,17 @@ class EngineLoop:
         self._notify()
         return stream
 
-    def resume(self, request_id: str, first_token: int, sampling: SamplingParams,
+    def resume(self, request_id: str, prompt: list[int], first_token: int, sampling: SamplingParams,
                rng_state: torch.Tensor | None, detokenize: bool = True) -> RequestStream | None:
-        """Continue a transferred request; None when its KV is not parked here."""
+        """Continue a transferred request; None when its KV is not parked here, InvalidRequestError
+        (nothing registered, the parked KV freed) when the request does not fit it."""
         stream = self._register(request_id)
-        first = self.engine.resume_transferred(request_id, first_token, sampling, rng_state, detokenize)
+        try:
+            first = self.engine.resume_transferred(request_id, prompt, first_token, sampling, rng_state,
+                                                   detokenize)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
         if first is None:
             self._streams.pop(request_id, None)
             return None
@@ -126,9 +138,16 @@ class EngineLoop:
             except Exception:  # NOTE: one bad step must not take the worker down with it
                 log.exception("engine step failed; failing the %d requests in flight", len(self._streams))
                 self._fail_in_flight()
+                self._count_failure()
                 continue
+            self._failed_in_a_row = 0
             for output in outputs:
                 self._deliver(output)
+
+    def _count_failure(self) -> None:
+        self._failed_in_a_row += 1
+        if self._failed_in_a_row == self.max_failed_steps and self._on_failing is not None:
+            self._on_failing(self._failed_in_a_row)
 
     def _fail_in_flight(self) -> None:
         for request_id in list(self._streams):

@@ -55,6 +55,9 @@ class WorkerConfig:
     parked_ttl_s: float = 30.0
     transfer_timeout_s: float | None = None  # cap on one KV push; None: the Prefill call's remaining time
     grpc_threads: int = 32
+    # Engine steps that may fail in a row before the worker takes itself out of service (health
+    # NOT_SERVING, every call UNAVAILABLE, and out of the registry on a Ray worker).
+    max_failed_steps: int = 3
     metrics_port: int | None = 0  # Prometheus /metrics on host:port; 0 = any free port, None = off
     # Debug only: inject faults into this worker's outgoing KV transfers (pdserve/transfer/faults.py).
     # Set only by code that builds the config; nothing reads it from the environment.
@@ -67,6 +70,8 @@ class WorkerConfig:
         if self.transfer_timeout_s is not None and self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be > 0 seconds (None: the Prefill call's deadline), "
                              f"got {self.transfer_timeout_s}")
+        if self.max_failed_steps < 1:
+            raise ValueError(f"max_failed_steps must be >= 1, got {self.max_failed_steps}")
         if not self.worker_id:
             object.__setattr__(self, "worker_id", f"{self.role}-{uuid.uuid4().hex[:8]}")
 
@@ -75,10 +80,12 @@ class WorkerServer:
     def __init__(self, config: WorkerConfig, loaded: LoadedModel | None = None,
                  publisher: KVEventPublisher | None = None, epoch: int = 0, *,
                  dial: Callable[[str], KVChannel] | None = None,
-                 fault_sleep: Callable[[float], None] = time.sleep) -> None:
+                 fault_sleep: Callable[[float], None] = time.sleep,
+                 on_failing: Callable[[str], None] | None = None) -> None:
         """dial: how KV channels to decode workers are made (None: gRPC with config.security).
         fault_sleep: what a DELAY fault of config.fault_plan waits with (a test holds a transfer
-        on an event with it)."""
+        on an event with it). on_failing(reason): called once if the worker takes itself out of
+        service (the Ray actor leaves the registry then)."""
         self.config = config
         self._dial = dial
         self.security = config.security or SecurityConfig()
@@ -87,7 +94,9 @@ class WorkerServer:
         self.layout = KVLayout.of_cache(self.engine.kv_cache, self.engine.fingerprint)
         self.sender = LayerwiseSender(self.engine, self.layout, config.max_chunk_bytes)
         self.receiver = KVReceiver(self.engine, self.layout, config.parked_ttl_s)
-        self.loop = EngineLoop(self.engine, observer=self.sender)
+        self._on_failing = on_failing
+        self.loop = EngineLoop(self.engine, observer=self.sender, max_failed_steps=config.max_failed_steps,
+                               on_failing=self._out_of_service)
         self.faults = (FaultInjector(config.fault_plan, sleep=fault_sleep)
                        if config.fault_plan is not None else None)
         self.epoch = epoch
@@ -134,6 +143,15 @@ class WorkerServer:
     def status(self) -> worker_pb2.WorkerStatus:
         assert self.servicer is not None, "start() the worker first"
         return self.servicer.status()
+
+    def _out_of_service(self, failed_steps: int) -> None:
+        reason = f"its engine failed {failed_steps} steps in a row (see its log); restart it"
+        log.error("worker %s: %s", self.config.worker_id, reason)
+        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.servicer is not None:
+            self.servicer.failing = reason
+        if self._on_failing is not None:
+            self._on_failing(reason)
 
     def drain(self, grace_s: float) -> bool:
         """Take no new requests (health NOT_SERVING; Prefill and fresh Decode calls are UNAVAILABLE)

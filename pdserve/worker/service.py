@@ -76,6 +76,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.identity = identity
         self.metrics = metrics or WorkerMetrics()
         self.serving = True
+        self.failing: str | None = None  # why the worker took itself out of service, once it has
         self.bytes_sent = 0
         self.totals = TokenTotals()
         self.send_outcomes: Counter[str] = Counter()
@@ -181,22 +182,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     # --- Decode -------------------------------------------------------------------------------
     def Decode(self, request, context):  # noqa: N802
+        """Resume KV transferred here, or prefill here. A request that is malformed, or does not
+        match the KV parked for its id, is INVALID_ARGUMENT and frees that KV: nothing stays held."""
         rid, prompt = request.request_id, list(request.prompt_token_ids)
-        sampling = _sampling_or_abort(request.sampling, context)
+        self._refuse_if_failing(context)
         started = time.perf_counter()
-        stream = None
-        if not request.prefill_here and request.HasField("first_token"):
-            stream = self.loop.resume(rid, request.first_token, sampling,
-                                      rng_state_from_bytes(request.rng_state), request.detokenize)
-        used_transfer = stream is not None
-        if stream is None:
-            self._refuse_if_draining(context)  # transferred KV is served; fresh work goes elsewhere
-            try:
+        try:
+            _check_request_id(rid)
+            sampling = sampling_from_proto(request.sampling)
+            stream = self._resume(request, prompt, sampling)
+            used_transfer = stream is not None
+            if stream is None:
+                self._refuse_if_draining(context)  # transferred KV is served; fresh work goes elsewhere
                 stream = self.loop.submit(prompt, sampling, rid, detokenize=request.detokenize)
-            except (InvalidRequestError, ValueError) as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (InvalidRequestError, ValueError) as e:
+            self.engine.drop_parked(rid)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         _on_call_end(context, lambda: self.loop.abort(rid))
         yield from self._stream_replies(rid, stream, used_transfer, started, context)
+
+    def _resume(self, request, prompt: list[int], sampling) -> RequestStream | None:
+        if request.prefill_here or not request.HasField("first_token"):
+            return None
+        return self.loop.resume(request.request_id, prompt, request.first_token, sampling,
+                                rng_state_from_bytes(request.rng_state), request.detokenize)
 
     def _stream_replies(self, rid: str, stream: RequestStream, used_transfer: bool, started: float, context):
         first, finished, last_sent = True, False, started
@@ -227,9 +236,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return now
 
     def _refuse_if_draining(self, context) -> None:
+        self._refuse_if_failing(context)
         if not self.serving:
             context.abort(grpc.StatusCode.UNAVAILABLE,
                           f"worker {self.identity.worker_id} is draining and takes no new requests; "
+                          "send it to another worker")
+
+    def _refuse_if_failing(self, context) -> None:
+        if self.failing is not None:
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"worker {self.identity.worker_id} is out of service: {self.failing}; "
                           "send it to another worker")
 
     # --- Abort / Status ---------------------------------------------------------------------------
@@ -253,7 +269,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             status.preemptions_total = self.totals.preemptions
             status.send_outcomes.update(self.send_outcomes)
         status.transfer_outcomes.update(self.receiver.outcomes)
-        status.serving = self.serving
+        status.serving = self.serving and self.failing is None
         status.MergeFrom(self.identity)
         return status
 
@@ -281,6 +297,11 @@ def _on_call_end(context, callback) -> None:
     when the call has already ended (a client that cancelled at once): run it now instead."""
     if not context.add_callback(callback):
         callback()
+
+
+def _check_request_id(request_id: str) -> None:
+    if not request_id:
+        raise InvalidRequestError("request_id is empty: give each request an id")
 
 
 def _sampling_or_abort(proto, context):

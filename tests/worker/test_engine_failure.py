@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.sequence import SamplingParams
@@ -51,3 +54,38 @@ def test_a_failed_step_is_internal_and_the_next_request_is_exact(decode_worker, 
     expected = make_engine(tiny_loaded).generate([prompt], GREEDY, detokenize=False)[0].token_ids
     assert decode(decode_worker, "b", prompt) == expected
     assert decode_worker.status().used_blocks == 0
+
+
+def test_steps_failing_again_and_again_take_the_worker_out_of_service(tiny_loaded, monkeypatch):
+    """max_failed_steps failures in a row: health NOT_SERVING, every call UNAVAILABLE (so the
+    router goes elsewhere), on_failing called once (the Ray actor leaves the registry there)."""
+    reasons: list[str] = []
+    engine = EngineConfig(cache=CacheConfig(num_blocks=32), device="cpu")
+    server = WorkerServer(WorkerConfig("decode", engine, max_failed_steps=3, metrics_port=None), tiny_loaded,
+                          on_failing=reasons.append)
+    server.start()
+    try:
+        def always_fail(*args, **kwargs):
+            raise RuntimeError("injected step failure")
+
+        monkeypatch.setattr(server.engine, "step", always_fail)
+        for i in range(3):
+            with pytest.raises(grpc.RpcError) as failed:
+                decode(server, f"r{i}", list(range(100, 120)))
+            assert failed.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE)
+        deadline = time.monotonic() + 5
+        while not reasons and time.monotonic() < deadline:  # the idle loop fails its steps too
+            time.sleep(0.01)
+        assert len(reasons) == 1 and "failed 3 steps in a row" in reasons[0]
+        with pytest.raises(grpc.RpcError) as refused:
+            decode(server, "after", list(range(100, 120)))
+        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert "out of service" in refused.value.details()
+        assert not server.status().serving
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.address))
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        status = server.status()
+        assert status.used_blocks == 0 and status.free_blocks == status.num_blocks
+    finally:
+        server.stop()
