@@ -3,8 +3,9 @@
 Lifecycle of a request at the router (RequestPhase):
     RECEIVED -> PREFILLING (on a prefill worker, KV streaming to the decode worker)
              -> DECODING (tokens streaming back) -> FINISHED | ABORTED
-A failed remote prefill (worker down, transfer failed) falls back to prefill on the decode
-worker, so the output stays exact; bad input is INVALID_ARGUMENT before any worker is
+A failed remote prefill (worker down, transfer failed, or either stalled past the prefill
+phase's own deadline: RouterPolicyConfig) falls back to prefill on the decode worker, so the
+output stays exact; bad input is INVALID_ARGUMENT before any worker is
 touched; a cancelled or expired client call cancels the downstream calls, which free the
 request's blocks on both workers. Before RECEIVED, a call over max_concurrent_streams is
 refused at once (RESOURCE_EXHAUSTED, retry-after-ms trailer); it is never queued. The
@@ -38,8 +39,10 @@ from router.workers import WorkerDirectory
 
 log = logging.getLogger(__name__)
 
-NOT_FALLBACK = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.CANCELLED,
-                grpc.StatusCode.DEADLINE_EXCEEDED}
+# A remote prefill that fails with one of these is the request's own fault: the decode worker
+# would refuse it too. Anything else (the prefill worker down, its transfer failed or stalled past
+# the prefill phase's deadline) falls back to prefill on the decode worker while the client waits.
+NOT_FALLBACK = {grpc.StatusCode.INVALID_ARGUMENT}
 
 
 class RequestPhase(enum.Enum):
@@ -52,8 +55,23 @@ class RequestPhase(enum.Enum):
 
 @dataclass(frozen=True)
 class RouterPolicyConfig:
+    """default_timeout_s: a request's deadline when its client sets none. The remote prefill phase
+    gets its own deadline: prefill_deadline_fraction of the request's remaining time, at most
+    prefill_timeout_s, so that when a prefill worker or its transfer stalls, the fallback (prefill
+    on the decode worker) still has the rest of the time to answer in."""
+
     default_timeout_s: float = 300.0
     max_context_tokens: int | None = None  # the model's context; longer prompts are INVALID_ARGUMENT
+    prefill_deadline_fraction: float = 0.5
+    prefill_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.prefill_deadline_fraction < 1:
+            raise ValueError(f"prefill_deadline_fraction must be in (0, 1) so the fallback keeps some of "
+                             f"the request's time, got {self.prefill_deadline_fraction}")
+        if self.prefill_timeout_s <= 0 or self.default_timeout_s <= 0:
+            raise ValueError(f"prefill_timeout_s and default_timeout_s must be > 0 seconds, got "
+                             f"{self.prefill_timeout_s} and {self.default_timeout_s}")
 
 
 @dataclass
@@ -221,6 +239,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         remaining = context.time_remaining()
         return self.config.default_timeout_s if remaining is None else max(0.0, remaining)
 
+    def _prefill_timeout(self, context) -> float:
+        c = self.config
+        return min(c.prefill_timeout_s, c.prefill_deadline_fraction * self._timeout(context))
+
     def _remote_prefill(self, rid, prompt, sampling, placement: Placement, trace: _Trace, context):
         if placement.prefill is None:
             return None
@@ -229,7 +251,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                             decode_target=placement.decode.address,
                                             target_cached_blocks=placement.decode_cached_blocks)
         future = self.directory.stub(placement.prefill.address).Prefill.future(
-            request, timeout=self._timeout(context))
+            request, timeout=self._prefill_timeout(context))
         if not context.add_callback(future.cancel):  # the client is already gone
             future.cancel()
         try:

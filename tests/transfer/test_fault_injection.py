@@ -35,8 +35,9 @@ from pdserve.worker.server import WorkerConfig, WorkerServer
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from router.placement import PlacementConfig
 from router.server import RouterConfig, RouterServer
+from router.service import RouterPolicyConfig
 from tests.transfer.processes import WorkerProcess
-from tests.transfer.rig import assert_clean, cached_prompt_blocks, reference_tokens, start_rig
+from tests.transfer.rig import Gate, assert_clean, cached_prompt_blocks, reference_tokens, start_rig
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -185,10 +186,11 @@ def distinct_prompt(i: int) -> list[int]:
     return [(i * 37 + j * 11) % 500 + 10 for j in range(48 + 3 * i)]
 
 
-def start_router(tiny_loaded, records: list[Record]) -> RouterServer:
+def start_router(tiny_loaded, records: list[Record], policy: RouterPolicyConfig | None = None,
+                 ) -> RouterServer:
     placement = PlacementConfig(policy="least_load", min_remote_prefill_tokens=32)
-    router = RouterServer(RouterConfig(port=0, placement=placement), tiny_loaded.tokenizer, lambda: records,
-                          rng=random.Random(0))
+    config = RouterConfig(port=0, placement=placement, policy=policy or RouterPolicyConfig())
+    router = RouterServer(config, tiny_loaded.tokenizer, lambda: records, rng=random.Random(0))
     router.start()
     return router
 
@@ -326,3 +328,35 @@ def test_kv_parked_for_a_request_prefilled_here_after_all_is_freed_with_it(tiny_
         assert_clean(rig.prefill, rig.decode, timeout_s=2)
     finally:
         rig.close()
+
+
+# --- a transfer that stalls: the prefill phase has its own, shorter deadline -----------------------------
+def test_a_stalled_transfer_falls_back_to_local_prefill_well_inside_the_request_deadline(tiny_loaded):
+    """The prefill worker's transfer is held (Gate) and never finishes. The router gives the prefill
+    phase half the request's remaining time, then prefills on the decode worker: the client gets
+    the exact answer, long before its own deadline, and no worker keeps a block."""
+    gate = Gate()
+    plan = FaultPlan((FaultRule(FaultKind.DELAY, client_request(0)),))
+    prefill = WorkerServer(WorkerConfig("prefill", ENGINE, fault_plan=plan), tiny_loaded, fault_sleep=gate)
+    decode = WorkerServer(WorkerConfig("decode", ENGINE), tiny_loaded)
+    records = [Record(w.config.worker_id, w.config.role, w.start()) for w in (prefill, decode)]
+    router = start_router(tiny_loaded, records, RouterPolicyConfig(prefill_deadline_fraction=0.5))
+    try:
+        prompt, request_deadline_s = distinct_prompt(0), 12.0
+        started = time.monotonic()
+        replies = generate(router, rid(0), prompt, timeout=request_deadline_s)
+        elapsed = time.monotonic() - started
+        assert gate.reached.is_set(), "the transfer was never held"
+        assert [t for r in replies for t in r.token_ids] == reference_tokens(tiny_loaded, prompt, GREEDY)
+        assert replies[-1].prefill_worker == "", "it did not fall back to the decode worker"
+        assert elapsed < 0.5 * request_deadline_s + 3.0, f"took {elapsed:.1f} s of the {request_deadline_s} s"
+        m = scrape(f"http://{router.metrics_address}/metrics")
+        assert value(m, "pdserve_router_remote_prefills_total", outcome="fallback") == 1
+        gate.open()
+        for worker in (prefill, decode):
+            eventually(lambda w=worker: clean(w), 5, f"{worker.config.role} worker holds no blocks")
+    finally:
+        gate.open()
+        router.stop()
+        for w in (prefill, decode):
+            w.stop()
