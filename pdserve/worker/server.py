@@ -34,6 +34,7 @@ from pdserve.transfer.receiver import KVReceiver
 from pdserve.transfer.sender import KVChannel, LayerwiseSender
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.metrics import WorkerMetrics
+from pdserve.worker.peers import DecodeTargets
 from pdserve.worker.service import WorkerServicer
 from protos.pdserve.v1 import kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -81,13 +82,16 @@ class WorkerServer:
                  publisher: KVEventPublisher | None = None, epoch: int = 0, *,
                  dial: Callable[[str], KVChannel] | None = None,
                  fault_sleep: Callable[[float], None] = time.sleep,
-                 on_failing: Callable[[str], None] | None = None) -> None:
+                 on_failing: Callable[[str], None] | None = None,
+                 decode_targets: DecodeTargets | None = None) -> None:
         """dial: how KV channels to decode workers are made (None: gRPC with config.security).
         fault_sleep: what a DELAY fault of config.fault_plan waits with (a test holds a transfer
         on an event with it). on_failing(reason): called once if the worker takes itself out of
-        service (the Ray actor leaves the registry then)."""
+        service (the Ray actor leaves the registry then). decode_targets: where Prefill may push
+        KV (the Ray actor gives the registry's live decode workers; None: anywhere)."""
         self.config = config
         self._dial = dial
+        self._decode_targets = decode_targets
         self.security = config.security or SecurityConfig()
         loaded = loaded or load_model(config.engine.model_path, progress=False)
         self.engine = LLMEngine(loaded, config.engine, publisher)
@@ -123,7 +127,8 @@ class WorkerServer:
             self.metrics_endpoint.start()
         self.servicer = WorkerServicer(self.engine, self.loop, self.sender, self.receiver, self.identity(),
                                        self.metrics, transfer_timeout_s=self.config.transfer_timeout_s,
-                                       faults=self.faults, security=self.security, dial=self._dial)
+                                       faults=self.faults, security=self.security, dial=self._dial,
+                                       decode_targets=self._decode_targets)
         self.metrics.read_status_from(self.servicer.status)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, server)
         kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(self.receiver), server)

@@ -43,6 +43,7 @@ from pdserve.worker.convert import (
 )
 from pdserve.worker.engine_loop import EngineLoop, RequestStream
 from pdserve.worker.metrics import TRANSFER_OK, WorkerMetrics
+from pdserve.worker.peers import AnyDecodeTarget, DecodeTargets
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -65,7 +66,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                  identity: worker_pb2.WorkerStatus, metrics: WorkerMetrics | None = None, *,
                  transfer_timeout_s: float | None = None, faults: FaultInjector | None = None,
                  security: SecurityConfig | None = None,
-                 dial: Callable[[str], KVChannel] | None = None) -> None:
+                 dial: Callable[[str], KVChannel] | None = None,
+                 decode_targets: DecodeTargets | None = None) -> None:
         self.engine, self.loop, self.sender, self.receiver = engine, loop, sender, receiver
         self.transfer_timeout_s = transfer_timeout_s  # None: the Prefill call's remaining time
         self.faults = faults  # None (the default): channels are not wrapped at all
@@ -73,6 +75,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # How a KV channel to a decode worker address is made: gRPC, unless a test hands in the
         # in-process loopback transport (the same orchestration runs over either).
         self._dial = dial or (lambda target: GrpcKVChannel(target, self.security))
+        self.decode_targets = decode_targets or AnyDecodeTarget()  # where Prefill may push KV
         self.identity = identity
         self.metrics = metrics or WorkerMetrics()
         self.serving = True
@@ -91,6 +94,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._refuse_if_draining(context)
         rid, prompt = request.request_id, list(request.prompt_token_ids)
         sampling = _sampling_or_abort(request.sampling, context)
+        if not self.decode_targets.allows(request.decode_target):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"decode_target {request.decode_target!r} is not a live decode worker in the "
+                          "registry; this worker pushes KV only to registered decode workers")
         started = time.perf_counter()
         transfer = self.sender.start(rid, prompt, request.target_cached_blocks,
                                      self._channel(request.decode_target), self._push_timeout(context))
