@@ -51,7 +51,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bench.common import emit_json, environment, format_table, median, progress, ratio, warn_if_busy
-from pdserve.engine.hashing import cache_salt, hash_blocks
+from pdserve.engine.hashing import engine_salt, hash_blocks
 from pdserve.index.base import WorkerKey
 from pdserve.index.redis_index import RedisPrefixIndex
 from router.placement import PlacementConfig, Placer
@@ -142,7 +142,7 @@ def bench_decision(sizes: Sizes) -> dict[str, Any]:
     rng = random.Random(0)
     fingerprint, namespace = "bench-router-model", "bench-router"
     placement = PlacementConfig(policy="prefix")
-    salt = cache_salt(fingerprint, BLOCK_SIZE, placement.kv_dtype)
+    salt = engine_salt(fingerprint, BLOCK_SIZE, placement.kv_dtype)
     roles = ["prefill"] * 8 + ["decode"] * 8
     records = [Record(f"{role}-{i % 8}", role, f"127.0.0.1:{50100 + i}", 1, BLOCK_SIZE, 1456, fingerprint)
                for i, role in enumerate(roles)]

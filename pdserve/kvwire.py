@@ -37,7 +37,7 @@ import msgpack
 import torch
 import xxhash
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: BEGIN carries the request's cache_salt
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16,
                                   "bfloat16": torch.bfloat16}
@@ -150,6 +150,7 @@ class TransferBegin:
     receiver_cached_blocks: int
     positions: tuple[int, ...]
     first_token: int | None = None
+    cache_salt: bytes = b""  # the request's own prefix-cache salt: the receiver hashes the prompt with it
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
@@ -169,7 +170,7 @@ class TransferBegin:
         return _pack(FrameKind.BEGIN, transfer_id=self.transfer_id, request_id=self.request_id,
                      layout=self.layout.to_msgpack_dict(), prompt_token_ids=list(self.prompt_token_ids),
                      num_tokens=self.num_tokens, receiver_cached_blocks=self.receiver_cached_blocks,
-                     positions=list(self.positions), first_token=self.first_token)
+                     positions=list(self.positions), first_token=self.first_token, cache_salt=self.cache_salt)
 
     @classmethod
     def _decode(cls, r: _Reader) -> TransferBegin:
@@ -177,7 +178,8 @@ class TransferBegin:
                       layout=KVLayout.from_dict(r.get("layout")),
                       prompt_token_ids=r.as_ints("prompt_token_ids"), num_tokens=r.as_int("num_tokens"),
                       receiver_cached_blocks=r.as_int("receiver_cached_blocks"),
-                      positions=r.as_ints("positions"), first_token=r.optional_int("first_token"))
+                      positions=r.as_ints("positions"), first_token=r.optional_int("first_token"),
+                      cache_salt=r.as_bytes("cache_salt"))
 
 
 @dataclass(frozen=True)
@@ -406,6 +408,12 @@ class _Reader:
         value = self.get(key)
         if not isinstance(value, str):
             raise WireError(f"{self.kind}: field {key!r} must be a str, got {_show(value)}")
+        return value
+
+    def as_bytes(self, key: str) -> bytes:
+        value = self.get(key)
+        if not isinstance(value, bytes):
+            raise WireError(f"{self.kind}: field {key!r} must be bytes, got {_show(value)}")
         return value
 
     def as_ints(self, key: str) -> tuple[int, ...]:

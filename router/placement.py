@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pdserve.engine.hashing import cache_salt, hash_blocks
+from pdserve.engine.hashing import engine_salt, hash_blocks, request_salt
 from router.breaker import CircuitBreaker
 from router.policy import Candidate, NoWorkerError, place_by_load
 from router.scoring import ScoringWeights, WorkerLoad, choose
@@ -69,10 +69,12 @@ class Placer:
         self._lock = threading.Lock()
 
     def place(self, prompt: list[int], policy: str = "", overrides: Mapping[str, float] | None = None,
-              exclude: Collection[str] = ()) -> Placement:
+              exclude: Collection[str] = (), cache_salt: bytes = b"") -> Placement:
         """NoWorkerError, AdmissionRefused, or ValueError (a bad override) when it cannot place.
 
         exclude: decode worker ids not to use (they failed this request before its first token).
+        cache_salt: the request's own prefix-cache salt (a tenant's): it matches only blocks
+        hashed with it.
         """
         policy = policy or self.config.policy
         if policy not in POLICIES:
@@ -86,7 +88,7 @@ class Placer:
                                 "unavailable; retry shortly")
         self._admit(len(prompt), decode)
         if policy == "prefix":
-            return self._by_prefix(prompt, decode, prefill, weights)
+            return self._by_prefix(prompt, decode, prefill, weights, cache_salt)
         if policy == "round_robin":
             return self._round_robin(len(prompt), decode, prefill)
         d, p = place_by_load(prefill, decode, len(prompt), self.config.min_remote_prefill_tokens, self.rng)
@@ -104,11 +106,12 @@ class Placer:
             raise AdmissionRefused(f"prompt has {prompt_tokens:,} tokens; the largest decode worker's KV "
                                    f"pool holds {capacity:,}", retry_after_s=0.0)
 
-    def _by_prefix(self, prompt: list[int], decode, prefill, weights: ScoringWeights) -> Placement:
+    def _by_prefix(self, prompt: list[int], decode, prefill, weights: ScoringWeights,
+                   cache_salt: bytes) -> Placement:
         block_size, salt = self._hash_params()
         held: Mapping[str, int] = {}
         if self.match is not None and salt is not None:
-            hashes = hash_blocks(prompt, block_size, salt)
+            hashes = hash_blocks(prompt, block_size, request_salt(salt, cache_salt))
             held = self.breaker.call(lambda: self.match(hashes), {}) if hashes else {}
         loads = [WorkerLoad(c.worker_id, c.address, c.active_requests,
                             self.directory.used_block_fraction(c.worker_id)) for c in decode]
@@ -124,7 +127,7 @@ class Placer:
         if not workers:
             return 16, None
         first = workers[0]
-        return first.block_size, cache_salt(first.model_fingerprint, first.block_size, self.config.kv_dtype)
+        return first.block_size, engine_salt(first.model_fingerprint, first.block_size, self.config.kv_dtype)
 
     def _round_robin(self, prompt_tokens: int, decode, prefill) -> Placement:
         remote = bool(prefill) and prompt_tokens >= self.config.min_remote_prefill_tokens

@@ -59,6 +59,9 @@ class RouterServer:
                  rng: random.Random | None = None) -> None:
         self.config = config
         self.security = config.security or SecurityConfig()
+        if config.policy.cache_isolation == "token" and not self.security.api_tokens:
+            raise ValueError("cache isolation 'token' needs API tokens (--api-token-file): without them "
+                             "requests carry no tenant to keep apart")
         self.directory = WorkerDirectory(live_workers, config.refresh_s, load_of, self.security)
         self.placer = Placer(self.directory, config.placement, match, rng=rng)
         self.metrics = RouterMetrics()

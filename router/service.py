@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.security.auth import bearer_token, tenant_cache_salt
 from pdserve.worker.convert import sampling_from_proto
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 from router import limits as lim
@@ -43,6 +44,9 @@ log = logging.getLogger(__name__)
 # would refuse it too. Anything else (the prefill worker down, its transfer failed or stalled past
 # the prefill phase's deadline) falls back to prefill on the decode worker while the client waits.
 NOT_FALLBACK = {grpc.StatusCode.INVALID_ARGUMENT}
+# none: every request may reuse any other's cached prefix. token: a request reuses only blocks of
+# requests made with the same API token (docs/security.md weighs the two).
+CACHE_ISOLATION = ("none", "token")
 
 
 class RequestPhase(enum.Enum):
@@ -64,14 +68,29 @@ class RouterPolicyConfig:
     max_context_tokens: int | None = None  # the model's context; longer prompts are INVALID_ARGUMENT
     prefill_deadline_fraction: float = 0.5
     prefill_timeout_s: float = 60.0
+    cache_isolation: str = "none"  # or "token": each API token's requests share prefix blocks only
 
     def __post_init__(self) -> None:
+        if self.cache_isolation not in CACHE_ISOLATION:
+            raise ValueError(f"cache_isolation must be one of {', '.join(CACHE_ISOLATION)}, "
+                             f"got {self.cache_isolation!r}")
         if not 0 < self.prefill_deadline_fraction < 1:
             raise ValueError(f"prefill_deadline_fraction must be in (0, 1) so the fallback keeps some of "
                              f"the request's time, got {self.prefill_deadline_fraction}")
         if self.prefill_timeout_s <= 0 or self.default_timeout_s <= 0:
             raise ValueError(f"prefill_timeout_s and default_timeout_s must be > 0 seconds, got "
                              f"{self.prefill_timeout_s} and {self.default_timeout_s}")
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What every worker call of one request carries."""
+
+    rid: str  # the client's request id (replies carry it)
+    worker_rid: str  # the id workers see: rid plus a suffix of ours
+    prompt: list[int]
+    sampling: generation_pb2.SamplingParams
+    cache_salt: bytes  # the tenant's prefix-cache salt under --cache-isolation token, else b""
 
 
 @dataclass
@@ -175,13 +194,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         prompt, sampling = self._validated(request, trace, context)
         rid = request.request_id or uuid.uuid4().hex
         worker_rid = f"{rid}.{uuid.uuid4().hex[:12]}" if request.request_id else rid
+        job = _Job(rid, worker_rid, prompt, sampling, self._cache_salt(context))
         unavailable: set[str] = set()  # decode workers that refused or died before the first token
         while True:
-            placement = self._place(prompt, request, trace, context, exclude=unavailable)
+            placement = self._place(job, request, trace, context, exclude=unavailable)
             with self.directory.track(placement.decode, placement.prefill):
-                prefill = self._remote_prefill(worker_rid, prompt, sampling, placement, trace, context)
-                retry = yield from self._decode(worker_rid, rid, prompt, sampling, placement, prefill, trace,
-                                                context)
+                prefill = self._remote_prefill(job, placement, trace, context)
+                retry = yield from self._decode(job, placement, prefill, trace, context)
             if not retry:
                 return
             unavailable.add(placement.decode.worker_id)
@@ -222,10 +241,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         sampling.max_tokens = max_tokens
         return prompt, sampling
 
-    def _place(self, prompt: list[int], request, trace: _Trace, context, exclude=frozenset()) -> Placement:
+    def _cache_salt(self, context) -> bytes:
+        """Under --cache-isolation token, the caller's tenant salt: its blocks match only its own."""
+        if self.config.cache_isolation == "none":
+            return b""
+        token = bearer_token(context.invocation_metadata())
+        if token is None:  # the router's token gate lets no such call through; refuse to mix caches
+            raise RuntimeError("cache isolation by token is on but the call carries no bearer token")
+        return tenant_cache_salt(token)
+
+    def _place(self, job: _Job, request, trace: _Trace, context, exclude=frozenset()) -> Placement:
         try:
             with self.metrics.decision.time():
-                return self.placer.place(prompt, request.routing, dict(request.routing_weights), exclude)
+                return self.placer.place(job.prompt, request.routing, dict(request.routing_weights), exclude,
+                                         cache_salt=job.cache_salt)
         except NoWorkerError as e:
             self._abort(trace, context, grpc.StatusCode.UNAVAILABLE, str(e))
         except AdmissionRefused as e:
@@ -243,13 +272,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         c = self.config
         return min(c.prefill_timeout_s, c.prefill_deadline_fraction * self._timeout(context))
 
-    def _remote_prefill(self, rid, prompt, sampling, placement: Placement, trace: _Trace, context):
+    def _remote_prefill(self, job: _Job, placement: Placement, trace: _Trace, context):
         if placement.prefill is None:
             return None
         trace.phase, trace.prefill_started = RequestPhase.PREFILLING, time.perf_counter()
-        request = worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-                                            decode_target=placement.decode.address,
-                                            target_cached_blocks=placement.decode_cached_blocks)
+        request = worker_pb2.PrefillRequest(request_id=job.worker_rid, prompt_token_ids=job.prompt,
+                                            sampling=job.sampling, decode_target=placement.decode.address,
+                                            target_cached_blocks=placement.decode_cached_blocks,
+                                            cache_salt=job.cache_salt)
         future = self.directory.stub(placement.prefill.address).Prefill.future(
             request, timeout=self._prefill_timeout(context))
         if not context.add_callback(future.cancel):  # the client is already gone
@@ -259,7 +289,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except grpc.FutureCancelledError:  # our callback: the client cancelled or its deadline passed
             raise _ClientGone from None
         except grpc.RpcError as e:
-            return self._prefill_failed(e, rid, placement, trace, context)
+            return self._prefill_failed(e, job.worker_rid, placement, trace, context)
         trace.prefill_ms, trace.transfer_ms = reply.prefill_ms, reply.transfer_ms
         trace.prefill_usage = reply.usage
         self.metrics.remote_prefills.labels(outcome="ok").inc()
@@ -273,12 +303,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     rid, placement.prefill.worker_id, e.code().name, e.details(), placement.decode.worker_id)
         return None
 
-    def _decode(self, worker_rid, rid, prompt, sampling, placement: Placement, prefill, trace: _Trace,
-                context):
+    def _decode(self, job: _Job, placement: Placement, prefill, trace: _Trace, context):
         """Stream the decode worker's replies; True (retry elsewhere) when it was unavailable before
         the first token, so nothing has reached the client yet and another worker can start afresh."""
-        request = worker_pb2.DecodeRequest(request_id=worker_rid, prompt_token_ids=prompt, sampling=sampling,
-                                           prefill_here=prefill is None, detokenize=True)
+        request = worker_pb2.DecodeRequest(request_id=job.worker_rid, prompt_token_ids=job.prompt,
+                                           sampling=job.sampling, prefill_here=prefill is None,
+                                           detokenize=True, cache_salt=job.cache_salt)
         if prefill is not None:
             request.first_token, request.rng_state = prefill.first_token, prefill.rng_state
         trace.phase = RequestPhase.DECODING
@@ -289,11 +319,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             for reply in call:
                 sent = True
-                yield self._response(rid, reply, placement, prefill, trace)
+                yield self._response(job.rid, reply, placement, prefill, trace)
         except grpc.RpcError as e:
             if e.code() is grpc.StatusCode.UNAVAILABLE and not sent and context.is_active():
                 log.warning("request %s: decode worker %s unavailable before the first token (%s); "
-                            "retrying on another", rid, placement.decode.worker_id, e.details())
+                            "retrying on another", job.rid, placement.decode.worker_id, e.details())
                 return True
             trace.phase = RequestPhase.ABORTED
             if context.is_active():

@@ -8,6 +8,7 @@ import torch
 
 from pdserve import kvwire
 from pdserve.kvwire import (
+    WIRE_VERSION,
     ChecksumError,
     KVLayout,
     LayerChunkHeader,
@@ -181,19 +182,19 @@ def pack(**fields) -> bytes:
     return msgpack.packb(fields, use_bin_type=True)
 
 
-GOOD_LAYER = dict(v=1, kind="layer", transfer_id="t", layer=0, positions=[0], dtype="float16",
+GOOD_LAYER = dict(v=WIRE_VERSION, kind="layer", transfer_id="t", layer=0, positions=[0], dtype="float16",
                   shape=[1, 2, 16, 3, 64], checksums=[7])
 
 
 @pytest.mark.parametrize("data, message", [
     (b"\xc1", "not valid msgpack"),
-    (pack(v=1, kind=b"\xff"), "'kind' must be a str"),
+    (pack(v=WIRE_VERSION, kind=b"\xff"), "'kind' must be a str"),
     (b"\x82\xa1v\x01\xa4kind\xa3\xff\xfe\xfd", "not valid msgpack"),
     (b"", "not valid msgpack"),
     (pack(**GOOD_LAYER) + b"\x00", "not valid msgpack"),
     (msgpack.packb([1, "layer"]), "expected a msgpack map"),
     (pack(kind="layer"), "'v' is missing"),
-    (pack(**{**GOOD_LAYER, "v": 2}), "wire version 2, this receiver speaks 1"),
+    (pack(**{**GOOD_LAYER, "v": 9}), f"wire version 9, this receiver speaks {WIRE_VERSION}"),
     (pack(**{**GOOD_LAYER, "v": "1"}), "'v' must be an int"),
     (pack(**{**GOOD_LAYER, "kind": "middle"}), "kind 'middle'"),
     (pack(**{k: v for k, v in GOOD_LAYER.items() if k != "checksums"}), "'checksums' is missing"),
@@ -205,8 +206,8 @@ GOOD_LAYER = dict(v=1, kind="layer", transfer_id="t", layer=0, positions=[0], dt
     (pack(**{**GOOD_LAYER, "shape": [1, 3, 16, 3, 64]}), "is not \\[1 blocks, 2"),
     (pack(**{**GOOD_LAYER, "positions": [], "shape": [0, 2, 16, 3, 64], "checksums": []}), "is not"),
     (pack(**{**GOOD_LAYER, "dtype": "int8"}), "dtype 'int8'"),
-    (pack(v=1, kind="end", transfer_id="t", total_blocks=-1, total_bytes=0), "negative totals"),
-    (pack(v=1, kind="begin", transfer_id="t", request_id="r", layout={"block_size": 16},
+    (pack(v=WIRE_VERSION, kind="end", transfer_id="t", total_blocks=-1, total_bytes=0), "negative totals"),
+    (pack(v=WIRE_VERSION, kind="begin", transfer_id="t", request_id="r", layout={"block_size": 16},
           prompt_token_ids=[], num_tokens=0, receiver_cached_blocks=0, positions=[]),
      "layout: field 'model_fingerprint' is missing"),
 ])
@@ -224,7 +225,7 @@ def test_begin_with_a_bad_layout_value_is_a_wire_error():
 
 @pytest.mark.parametrize("field, value", [
     ("model_fingerprint", "e" * 64), ("block_size", 32), ("kv_dtype", "bfloat16"), ("num_layers", 31),
-    ("num_kv_heads", 4), ("head_dim", 128), ("wire_version", 2),
+    ("num_kv_heads", 4), ("head_dim", 128), ("wire_version", WIRE_VERSION + 1),
 ])
 def test_first_mismatch_names_the_differing_field(field, value):
     other = dataclasses.replace(LAYOUT, **{field: value})
@@ -251,3 +252,11 @@ def test_layout_dict_round_trip_and_validation():
         KVLayout.of_cache(torch.zeros(2, 3, 4), "fp")
     with pytest.raises(ValueError, match="no wire name"):
         KVLayout.of_cache(torch.zeros(1, 2, 1, 1, 1, 1, dtype=torch.float64), "fp")
+
+
+def test_begin_carries_the_requests_cache_salt():
+    frame = begin(cache_salt=b"\x00tenant\xff")
+    assert decode_header(frame.encode()) == frame
+    fields = msgpack.unpackb(frame.encode(), raw=False)
+    with pytest.raises(WireError, match="'cache_salt' must be bytes"):
+        decode_header(pack(**{**fields, "cache_salt": "text"}))

@@ -13,6 +13,11 @@ The salt fingerprints what makes KV bytes comparable at all: model weights,
 tokenizer, block size and KV dtype. Two engines with different salts never
 share a hash. Partial (trailing) blocks get no hash: they are never shared.
 
+A request may carry a cache_salt of its own (a tenant's, under --cache-isolation token):
+its blocks are hashed with request_salt(engine salt, cache_salt), so requests with
+different cache_salts never share a block, on any worker or in the index, and one
+tenant cannot learn from cached_tokens what another has asked.
+
 Pure: imports only the standard library, so the router can hash without torch.
 """
 
@@ -26,10 +31,22 @@ HASH_BYTES = 16
 ROOT_PARENT = b"\x00" * HASH_BYTES
 
 
-def cache_salt(model_fingerprint: str, block_size: int, kv_dtype: str) -> bytes:
-    """The fingerprint mixed into every block hash (model+tokenizer, block size, dtype)."""
+def engine_salt(model_fingerprint: str, block_size: int, kv_dtype: str) -> bytes:
+    """The engine's salt, mixed into every block hash: what makes its KV bytes comparable at all
+    (model+tokenizer fingerprint, block size, dtype)."""
     text = f"pdserve-kv-v1|{model_fingerprint}|bs={block_size}|dtype={kv_dtype}"
     return hashlib.sha256(text.encode()).digest()[:HASH_BYTES]
+
+
+MAX_CACHE_SALT_BYTES = 64
+
+
+def request_salt(salt: bytes, cache_salt: bytes) -> bytes:
+    """The salt of one request's block hashes: the engine's, keyed further by the request's
+    cache_salt when it has one (b"": the engine's salt, shared by every request)."""
+    if not cache_salt:
+        return salt
+    return hashlib.blake2b(cache_salt, digest_size=HASH_BYTES, key=salt).digest()
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int], salt: bytes) -> bytes:

@@ -43,7 +43,7 @@ import torch
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.events import KVEventPublisher, NullPublisher
-from pdserve.engine.hashing import ROOT_PARENT, cache_salt, hash_blocks
+from pdserve.engine.hashing import MAX_CACHE_SALT_BYTES, ROOT_PARENT, engine_salt, hash_blocks, request_salt
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
 from pdserve.engine.sampler import sample
@@ -89,6 +89,7 @@ class Reservation:
     block_ids: list[int]
     num_cached_blocks: int
     expires_at: float = float("inf")
+    cache_salt: bytes = b""  # the request's own prefix-cache salt, as the sender hashed under
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ class LLMEngine:
         cache = config.cache
         self.block_size = cache.block_size
         num_blocks = cache.resolve_num_blocks(loaded.config)
-        self.salt = cache_salt(loaded.fingerprint, cache.block_size, cache.kv_dtype)
+        self.salt = engine_salt(loaded.fingerprint, cache.block_size, cache.kv_dtype)
         self.pool = BlockPool(num_blocks, cache.block_size)
         self.kv_cache = allocate_kv_cache(self.model, num_blocks, cache.block_size, cache.kv_dtype)
         self.runner = ModelRunner(self.model, self.kv_cache, cache.block_size)
@@ -164,18 +165,21 @@ class LLMEngine:
 
     # --- requests ---------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams,
-                    request_id: str | None = None, detokenize: bool = True) -> str:
-        """Queue a request; InvalidRequestError (nothing queued) when it is malformed."""
+                    request_id: str | None = None, detokenize: bool = True, cache_salt: bytes = b"") -> str:
+        """Queue a request; InvalidRequestError (nothing queued) when it is malformed. cache_salt:
+        the request's own prefix-cache salt (pdserve/engine/hashing.py request_salt)."""
         request_id = request_id or uuid.uuid4().hex
         with self.lock:
             self._validate(request_id, prompt_token_ids, sampling)
-            seq = self._new_sequence(request_id, prompt_token_ids, sampling, detokenize)
+            _check_cache_salt(cache_salt)
+            seq = self._new_sequence(request_id, prompt_token_ids, sampling, detokenize, cache_salt)
             self.scheduler.add(seq)
         return request_id
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                      detokenize: bool) -> Sequence:
-        seq = Sequence(request_id, list(prompt_token_ids), sampling, next(self._arrivals))
+                      detokenize: bool, cache_salt: bytes) -> Sequence:
+        seq = Sequence(request_id, list(prompt_token_ids), sampling, next(self._arrivals),
+                       cache_salt=cache_salt)
         seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(7), "little")
         seq.generator = torch.Generator().manual_seed(seed)
         self._sequences[request_id] = seq
@@ -326,7 +330,7 @@ class LLMEngine:
 
     # --- KV handoff: the decode side -----------------------------------------------
     def reserve_transfer(self, request_id: str, prompt_token_ids: list[int], claimed_cached_blocks: int,
-                         ttl_s: float = 30.0) -> Reservation:
+                         ttl_s: float = 30.0, cache_salt: bytes = b"") -> Reservation:
         """Hold blocks for an incoming prompt's KV: the claimed cached prefix plus fresh blocks.
 
         Raises TransferRejected when this engine no longer holds the prefix it claimed
@@ -334,9 +338,11 @@ class LLMEngine:
         """
         with self.lock:
             self._validate(request_id, prompt_token_ids, SamplingParams())
+            _check_cache_salt(cache_salt)
             if request_id in self._parked:
                 raise InvalidRequestError(f"request_id {request_id!r} already has a KV reservation")
-            cached = self._acquire_claimed_prefix(prompt_token_ids, claimed_cached_blocks)
+            salt = request_salt(self.salt, cache_salt)
+            cached = self._acquire_claimed_prefix(prompt_token_ids, claimed_cached_blocks, salt)
             total = -(-len(prompt_token_ids) // self.block_size)
             try:
                 fresh = self.pool.allocate(total - len(cached))
@@ -344,13 +350,13 @@ class LLMEngine:
                 self.pool.release(cached)
                 raise
             return Reservation(request_id, list(prompt_token_ids), cached + fresh, len(cached),
-                               time.monotonic() + ttl_s)
+                               time.monotonic() + ttl_s, cache_salt)
 
-    def _acquire_claimed_prefix(self, prompt_token_ids: list[int], claimed: int) -> list[int]:
+    def _acquire_claimed_prefix(self, prompt_token_ids: list[int], claimed: int, salt: bytes) -> list[int]:
         max_blocks = (len(prompt_token_ids) - 1) // self.block_size
         if not 0 <= claimed <= max_blocks:
             raise TransferRejected(f"claimed cached blocks must be in [0, {max_blocks}], got {claimed}")
-        hashes = hash_blocks(prompt_token_ids[:claimed * self.block_size], self.block_size, self.salt)
+        hashes = hash_blocks(prompt_token_ids[:claimed * self.block_size], self.block_size, salt)
         matched = self.pool.match_prefix(hashes)
         if len(matched) < claimed:
             raise TransferRejected(
@@ -369,7 +375,7 @@ class LLMEngine:
         """All KV arrived and verified: commit the prompt's full blocks and wait for Decode."""
         with self.lock:
             prompt = reservation.prompt_token_ids
-            hashes = hash_blocks(prompt, self.block_size, self.salt)
+            hashes = hash_blocks(prompt, self.block_size, request_salt(self.salt, reservation.cache_salt))
             for j in range(reservation.num_cached_blocks, len(hashes)):
                 parent = hashes[j - 1] if j else ROOT_PARENT
                 tokens = prompt[j * self.block_size:(j + 1) * self.block_size]
@@ -397,7 +403,7 @@ class LLMEngine:
 
     def resume_transferred(self, request_id: str, prompt_token_ids: list[int], first_token: int,
                            sampling: SamplingParams, rng_state: torch.Tensor | None = None,
-                           detokenize: bool = True) -> RequestOutput | None:
+                           detokenize: bool = True, cache_salt: bytes = b"") -> RequestOutput | None:
         """Continue a parked transfer: its prompt's KV is here, first_token came from prefill.
 
         Returns the output for first_token (it may already finish the request), or None when
@@ -411,7 +417,8 @@ class LLMEngine:
             if reservation is None:
                 return None
             try:
-                self._check_resume(reservation, prompt_token_ids, first_token, sampling, rng_state)
+                self._check_resume(reservation, prompt_token_ids, first_token, sampling, rng_state,
+                                   cache_salt)
             except InvalidRequestError:
                 self.drop_parked(request_id)
                 raise
@@ -425,12 +432,15 @@ class LLMEngine:
                 raise
 
     def _check_resume(self, reservation: Reservation, prompt: list[int], first_token: int,
-                      sampling: SamplingParams, rng_state: torch.Tensor | None) -> None:
+                      sampling: SamplingParams, rng_state: torch.Tensor | None, cache_salt: bytes) -> None:
         rid = reservation.request_id
         if rid in self._sequences:
             raise InvalidRequestError(f"request_id {rid!r} is already in flight")
         if list(prompt) != reservation.prompt_token_ids:
             raise InvalidRequestError(_prompt_mismatch(rid, prompt, reservation.prompt_token_ids))
+        if cache_salt != reservation.cache_salt:
+            raise InvalidRequestError(f"cache_salt differs from the one request {rid!r}'s KV was transferred "
+                                      "under; send Decode the cache_salt that was sent to Prefill")
         vocab = self.model_config.vocab_size
         if not 0 <= first_token < vocab:
             raise InvalidRequestError(f"first_token {first_token} is outside the vocabulary [0, {vocab})")
@@ -444,7 +454,8 @@ class LLMEngine:
 
     def _resumed_sequence(self, reservation: Reservation, sampling: SamplingParams,
                           rng_state: torch.Tensor | None, detokenize: bool) -> Sequence:
-        seq = self._new_sequence(reservation.request_id, reservation.prompt_token_ids, sampling, detokenize)
+        seq = self._new_sequence(reservation.request_id, reservation.prompt_token_ids, sampling, detokenize,
+                                 reservation.cache_salt)
         if rng_state is not None:
             seq.generator.set_state(rng_state)
         seq.block_ids = list(reservation.block_ids)
@@ -498,3 +509,8 @@ def _prompt_mismatch(request_id: str, given: list[int], parked: list[int]) -> st
     return (f"prompt_token_ids ({len(given)} tokens) differ from the prompt whose KV was transferred for "
             f"request {request_id!r} ({len(parked)} tokens), first at token {at}; send Decode the prompt "
             "that was sent to Prefill")
+
+
+def _check_cache_salt(value: bytes) -> None:
+    if len(value) > MAX_CACHE_SALT_BYTES:
+        raise InvalidRequestError(f"cache_salt has {len(value)} bytes; at most {MAX_CACHE_SALT_BYTES}")

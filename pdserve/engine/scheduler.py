@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.hashing import ROOT_PARENT
+from pdserve.engine.hashing import ROOT_PARENT, request_salt
 from pdserve.engine.sequence import Sequence, SequenceStatus
 
 
@@ -155,7 +155,8 @@ class Scheduler:
         if not self.enable_prefix_caching:
             return 0
         max_blocks = (seq.num_tokens - 1) // self.block_size  # the last token is always computed
-        hashes = seq.full_block_hashes(self.block_size, self.salt)[:max_blocks]
+        salt = request_salt(self.salt, seq.cache_salt)
+        hashes = seq.full_block_hashes(self.block_size, salt)[:max_blocks]
         matched = self.pool.match_prefix(hashes)
         self.pool.acquire(matched)
         seq.block_ids = list(matched)
@@ -197,7 +198,7 @@ class Scheduler:
         full = seq.num_computed_tokens // self.block_size
         if full <= seq.num_committed_blocks:
             return
-        hashes = seq.full_block_hashes(self.block_size, self.salt)
+        hashes = seq.full_block_hashes(self.block_size, request_salt(self.salt, seq.cache_salt))
         for j in range(seq.num_committed_blocks, full):
             parent = hashes[j - 1] if j else ROOT_PARENT
             tokens = seq.token_ids[j * self.block_size:(j + 1) * self.block_size]

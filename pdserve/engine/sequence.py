@@ -101,6 +101,7 @@ class Sequence:
     admitted_once: bool = False
     usage: Usage = field(default_factory=Usage)
     generator: Any = None  # the engine's per-request RNG (torch.Generator)
+    cache_salt: bytes = b""  # the request's own prefix-cache salt (a tenant's); b"": none
     text: str = ""
     _block_hashes: list[bytes] = field(default_factory=list)
 

@@ -22,6 +22,7 @@ TLS channels, and the cluster must also work on plaintext loopback.
 from __future__ import annotations
 
 import collections
+import hashlib
 import hmac
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -87,6 +88,23 @@ def read_secrets_file(path: str, what: str = "token") -> tuple[str, ...]:
     for n, value in enumerate(values, 1):
         check_secret(value, f"{what} #{n} in {path}")
     return values
+
+
+def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+    """The token of an `authorization: Bearer <token>` entry of a call's metadata, or None."""
+    header = next((v for k, v in metadata or () if k == AUTHORIZATION_KEY), None)
+    if not isinstance(header, str):
+        return None
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def tenant_cache_salt(token: str) -> bytes:
+    """The prefix-cache salt of the tenant an API token stands for (each token is a tenant of its
+    own). A one-way digest: it names the tenant to the workers without handing them the token."""
+    return hashlib.blake2b(token.encode("ascii"), digest_size=16, person=b"pdserve-tenant").digest()
 
 
 # --- server side ------------------------------------------------------------------------------
@@ -158,10 +176,10 @@ class BearerTokenInterceptor(_MetadataGate):
                     "(the pdserve CLI takes --api-token-file FILE, PdserveClient metadata=)")
         if not isinstance(header, str):
             return "the authorization metadata must be text, 'Bearer <token>'"
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        token = bearer_token(details.invocation_metadata)
+        if token is None:
             return "malformed authorization metadata: expected 'Bearer <token>'"
-        if not _matches(token.strip(), self._tokens):
+        if not _matches(token, self._tokens):
             return "invalid bearer token: it matches none of the router's API tokens"
         return None
 

@@ -102,7 +102,8 @@ class KVReceiver:
     def _reserve(self, begin: TransferBegin) -> Reservation:
         try:
             return self.engine.reserve_transfer(begin.request_id, list(begin.prompt_token_ids),
-                                                begin.receiver_cached_blocks, ttl_s=self.parked_ttl_s)
+                                                begin.receiver_cached_blocks, ttl_s=self.parked_ttl_s,
+                                                cache_salt=begin.cache_salt)
         except TransferRejected as e:
             raise TransferFailed(FailureKind.FAILED_PRECONDITION, str(e)) from e
         except NoFreeBlocksError as e:

@@ -199,11 +199,11 @@ class LayerwiseSender:
         self._lock = threading.Lock()
 
     def start(self, request_id: str, prompt_token_ids: list[int], receiver_cached_blocks: int,
-              channel: KVChannel, timeout_s: float) -> OutgoingTransfer:
+              channel: KVChannel, timeout_s: float, cache_salt: bytes = b"") -> OutgoingTransfer:
         total = -(-len(prompt_token_ids) // self.layout.block_size)
         begin = TransferBegin(uuid.uuid4().hex, request_id, self.layout, tuple(prompt_token_ids),
                               len(prompt_token_ids), receiver_cached_blocks,
-                              tuple(range(receiver_cached_blocks, total)))
+                              tuple(range(receiver_cached_blocks, total)), cache_salt=cache_salt)
         transfer = OutgoingTransfer(self.engine, self.layout, begin, channel, timeout_s, self.max_chunk_bytes)
         with self._lock:
             self._transfers[request_id] = transfer

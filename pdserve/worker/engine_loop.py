@@ -74,11 +74,12 @@ class EngineLoop:
 
     # --- requests ---------------------------------------------------------------------
     def submit(self, prompt: list[int], sampling: SamplingParams, request_id: str, *,
-               detokenize: bool = True) -> RequestStream:
+               detokenize: bool = True, cache_salt: bytes = b"") -> RequestStream:
         """Queue a request; InvalidRequestError (nothing registered) when it is malformed."""
         stream = self._register(request_id)
         try:
-            self.engine.add_request(prompt, sampling, request_id=request_id, detokenize=detokenize)
+            self.engine.add_request(prompt, sampling, request_id=request_id, detokenize=detokenize,
+                                    cache_salt=cache_salt)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -86,13 +87,14 @@ class EngineLoop:
         return stream
 
     def resume(self, request_id: str, prompt: list[int], first_token: int, sampling: SamplingParams,
-               rng_state: torch.Tensor | None, detokenize: bool = True) -> RequestStream | None:
+               rng_state: torch.Tensor | None, detokenize: bool = True,
+               cache_salt: bytes = b"") -> RequestStream | None:
         """Continue a transferred request; None when its KV is not parked here, InvalidRequestError
         (nothing registered, the parked KV freed) when the request does not fit it."""
         stream = self._register(request_id)
         try:
             first = self.engine.resume_transferred(request_id, prompt, first_token, sampling, rng_state,
-                                                   detokenize)
+                                                   detokenize, cache_salt)
         except BaseException:
             self._streams.pop(request_id, None)
             raise

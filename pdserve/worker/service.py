@@ -100,11 +100,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                           "registry; this worker pushes KV only to registered decode workers")
         started = time.perf_counter()
         transfer = self.sender.start(rid, prompt, request.target_cached_blocks,
-                                     self._channel(request.decode_target), self._push_timeout(context))
+                                     self._channel(request.decode_target), self._push_timeout(context),
+                                     cache_salt=request.cache_salt)
         try:
             try:
                 stream = self.loop.submit(prompt, replace(sampling, max_tokens=1, stop=()), rid,
-                                          detokenize=False)
+                                          detokenize=False, cache_salt=request.cache_salt)
             except (InvalidRequestError, ValueError) as e:
                 transfer.abort(FailureKind.INVALID_ARGUMENT, str(e))
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -201,7 +202,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             used_transfer = stream is not None
             if stream is None:
                 self._refuse_if_draining(context)  # transferred KV is served; fresh work goes elsewhere
-                stream = self.loop.submit(prompt, sampling, rid, detokenize=request.detokenize)
+                stream = self.loop.submit(prompt, sampling, rid, detokenize=request.detokenize,
+                                          cache_salt=request.cache_salt)
         except (InvalidRequestError, ValueError) as e:
             self.engine.drop_parked(rid)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -212,7 +214,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if request.prefill_here or not request.HasField("first_token"):
             return None
         return self.loop.resume(request.request_id, prompt, request.first_token, sampling,
-                                rng_state_from_bytes(request.rng_state), request.detokenize)
+                                rng_state_from_bytes(request.rng_state), request.detokenize,
+                                request.cache_salt)
 
     def _stream_replies(self, rid: str, stream: RequestStream, used_transfer: bool, started: float, context):
         first, finished, last_sent = True, False, started

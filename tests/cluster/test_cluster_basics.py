@@ -147,9 +147,9 @@ def test_bad_requests_get_invalid_argument_naming_the_field(cluster_1p1d, kwargs
 
 
 def _salt(loaded):
-    from pdserve.engine.hashing import cache_salt
+    from pdserve.engine.hashing import engine_salt
 
-    return cache_salt(loaded.fingerprint, 16, "float32")
+    return engine_salt(loaded.fingerprint, 16, "float32")
 
 
 def cluster_1p1d_index(cluster):

@@ -1,11 +1,11 @@
 """Chained block hashes: known answers, prefix dependence, salt separation."""
 
-from pdserve.engine.hashing import ROOT_PARENT, cache_salt, hash_block, hash_blocks
+from pdserve.engine.hashing import ROOT_PARENT, engine_salt, hash_block, hash_blocks, request_salt
 
 
 def test_known_answers():
     # Pinned values: a change here changes every hash in every running index.
-    salt = cache_salt("abc", 16, "float32")
+    salt = engine_salt("abc", 16, "float32")
     assert salt.hex() == "fd01100642c1392e63ed596ae4987425"
     assert hash_block(ROOT_PARENT, [1, 2, 3, 4], salt).hex() == "aab4016c90dbcd954793d9428e1d3780"
     assert [h.hex() for h in hash_blocks([1, 7, 7, 3, 9, 4, 2, 8], 4, b"k" * 16)] == [
@@ -13,14 +13,14 @@ def test_known_answers():
 
 
 def test_only_full_blocks_are_hashed():
-    salt = cache_salt("m", 4, "float32")
+    salt = engine_salt("m", 4, "float32")
     assert len(hash_blocks(list(range(7)), 4, salt)) == 1
     assert len(hash_blocks(list(range(8)), 4, salt)) == 2
     assert hash_blocks([1, 2, 3], 4, salt) == []
 
 
 def test_edit_invalidates_its_block_and_everything_after():
-    salt = cache_salt("m", 4, "float32")
+    salt = engine_salt("m", 4, "float32")
     base = hash_blocks(list(range(16)), 4, salt)
     edited_ids = list(range(16))
     edited_ids[5] = 99  # block 1
@@ -30,7 +30,7 @@ def test_edit_invalidates_its_block_and_everything_after():
 
 
 def test_same_tokens_under_another_prefix_hash_differently():
-    salt = cache_salt("m", 2, "float32")
+    salt = engine_salt("m", 2, "float32")
     a = hash_blocks([1, 2, 3, 4], 2, salt)
     b = hash_blocks([9, 9, 3, 4], 2, salt)
     assert a[1] != b[1]  # block [3, 4] is tied to its whole prefix
@@ -38,8 +38,18 @@ def test_same_tokens_under_another_prefix_hash_differently():
 
 def test_salt_separates_models_block_sizes_and_dtypes():
     ids = list(range(32))
-    salts = [cache_salt("m1", 16, "float32"), cache_salt("m2", 16, "float32"),
-             cache_salt("m1", 16, "float16")]
+    salts = [engine_salt("m1", 16, "float32"), engine_salt("m2", 16, "float32"),
+             engine_salt("m1", 16, "float16")]
     first_hashes = {hash_blocks(ids, 16, s)[0] for s in salts}
     assert len(first_hashes) == 3
-    assert cache_salt("m1", 8, "float32") != cache_salt("m1", 16, "float32")
+    assert engine_salt("m1", 8, "float32") != engine_salt("m1", 16, "float32")
+
+
+def test_a_request_cache_salt_keys_its_hashes_apart():
+    salt = engine_salt("m", 4, "float32")
+    assert request_salt(salt, b"") == salt
+    a, b = request_salt(salt, b"tenant-a"), request_salt(salt, b"tenant-b")
+    assert len({salt, a, b}) == 3 and len(a) == len(salt)
+    tokens = list(range(8))
+    assert hash_blocks(tokens, 4, a) != hash_blocks(tokens, 4, b) != hash_blocks(tokens, 4, salt)
+    assert request_salt(engine_salt("m2", 4, "float32"), b"tenant-a") != a  # the engine's salt still counts

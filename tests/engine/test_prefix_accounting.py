@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from pdserve.engine.llm_engine import InvalidRequestError
 from pdserve.engine.sequence import SamplingParams
 from tests.conftest import assert_no_leaks, make_engine
 
@@ -52,3 +55,22 @@ def test_whole_prompt_cached_still_computes_the_last_token(tiny_loaded):
     assert usage_of(engine_bs1, prompt) == (31, 1)
     assert_no_leaks(engine)
     assert_no_leaks(engine_bs1)
+
+
+def test_requests_with_different_cache_salts_share_no_prefix(tiny_loaded):
+    engine = make_engine(tiny_loaded)
+    prompt = list(range(100, 150))
+    sampling = SamplingParams(temperature=0, max_tokens=2)
+
+    def cached(salt: bytes) -> int:
+        rid = engine.add_request(prompt, sampling, detokenize=False, cache_salt=salt)
+        usage = None
+        while engine.has_unfinished():
+            usage = next((o.usage for o in engine.step() if o.request_id == rid and o.finished), usage)
+        return usage.cached_tokens
+
+    assert cached(b"a") == 0 and cached(b"a") == 48
+    assert cached(b"b") == 0 and cached(b"") == 0 and cached(b"") == 48
+    with pytest.raises(InvalidRequestError, match="cache_salt has 65 bytes; at most 64"):
+        engine.add_request(prompt, sampling, cache_salt=b"x" * 65)
+    assert_no_leaks(engine)

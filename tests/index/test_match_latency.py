@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from pdserve.engine.hashing import cache_salt, hash_blocks
+from pdserve.engine.hashing import engine_salt, hash_blocks
 from pdserve.index.base import WorkerKey
 from pdserve.index.redis_index import RedisPrefixIndex
 
-SALT = cache_salt("latency", 16, "float16")
+SALT = engine_salt("latency", 16, "float16")
 
 
 def percentile(samples: list[float], q: float) -> float:

@@ -7,14 +7,14 @@ import redis
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.events import BlockRemoved, BlockStored
-from pdserve.engine.hashing import ROOT_PARENT, cache_salt, hash_blocks
+from pdserve.engine.hashing import ROOT_PARENT, engine_salt, hash_blocks
 from pdserve.index.base import Lease, StoreUnavailable, WorkerKey
 from pdserve.index.memory import InMemoryPrefixIndex
 from pdserve.index.publisher import IndexPublisher, fold_events
 from pdserve.index.redis_index import RedisPrefixIndex
 
 BS = 4
-SALT = cache_salt("tiny", BS, "float32")
+SALT = engine_salt("tiny", BS, "float32")
 A, B, C = b"a" * 16, b"b" * 16, b"c" * 16
 WORKER = WorkerKey("d0", 1)
 

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_target", "target_cached_blocks")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_target", "target_cached_blocks", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DECODE_TARGET_FIELD_NUMBER: _ClassVar[int]
     TARGET_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
     decode_target: str
     target_cached_blocks: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., decode_target: _Optional[str] = ..., target_cached_blocks: _Optional[int] = ...) -> None: ...
+    cache_salt: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., decode_target: _Optional[str] = ..., target_cached_blocks: _Optional[int] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("first_token", "rng_state", "usage", "bytes_sent", "blocks_sent", "prefill_ms", "transfer_ms")
@@ -40,7 +42,7 @@ class PrefillReply(_message.Message):
     def __init__(self, first_token: _Optional[int] = ..., rng_state: _Optional[bytes] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., bytes_sent: _Optional[int] = ..., blocks_sent: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_here", "first_token", "rng_state", "detokenize")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_here", "first_token", "rng_state", "detokenize", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +50,7 @@ class DecodeRequest(_message.Message):
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     RNG_STATE_FIELD_NUMBER: _ClassVar[int]
     DETOKENIZE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
@@ -55,7 +58,8 @@ class DecodeRequest(_message.Message):
     first_token: int
     rng_state: bytes
     detokenize: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., prefill_here: _Optional[bool] = ..., first_token: _Optional[int] = ..., rng_state: _Optional[bytes] = ..., detokenize: _Optional[bool] = ...) -> None: ...
+    cache_salt: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., prefill_here: _Optional[bool] = ..., first_token: _Optional[int] = ..., rng_state: _Optional[bytes] = ..., detokenize: _Optional[bool] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class DecodeReply(_message.Message):
     __slots__ = ("token_ids", "text", "finished", "finish_reason", "usage", "used_transferred_kv", "prefill_ms")

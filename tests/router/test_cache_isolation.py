@@ -1,0 +1,94 @@
+"""--cache-isolation token: one tenant cannot probe another's prompts through cached_tokens.
+
+A router with two API tokens, a prefill and a decode worker (tiny model, real gRPC). Tenant A
+asks a prompt twice; then tenant B asks the same prompt. Under `token` B gets no prefix hit (its
+blocks hash under its own salt), so cached_tokens tells B nothing about A; under `none` B's
+request is served from A's cache, which is the probe the isolation closes.
+"""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+import pytest
+
+from pdserve.client import PdserveClient
+from pdserve.engine.sequence import SamplingParams
+from pdserve.security import SecurityConfig
+from pdserve.worker.server import WorkerConfig, WorkerServer
+from router.placement import PlacementConfig
+from router.server import RouterConfig, RouterServer
+from router.service import RouterPolicyConfig
+from tests.router.inprocess import info
+from tests.transfer.rig import assert_clean, engine_config, reference_tokens
+
+TOKENS = ("tenant-a-token", "tenant-b-token")
+PROMPT = [(11 * j) % 700 + 50 for j in range(80)]  # 5 full blocks: 4 can be a prefix hit
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture
+def workers(tiny_loaded):
+    workers = [WorkerServer(WorkerConfig(role, engine_config(), metrics_port=None), tiny_loaded)
+               for role in ("prefill", "decode")]
+    records = [info(w, w.start()) for w in workers]
+    yield workers, records
+    for w in workers:
+        w.stop()
+
+
+def start_router(tiny_loaded, records, isolation: str) -> RouterServer:
+    config = RouterConfig(port=0, metrics_port=None, security=SecurityConfig(api_tokens=TOKENS),
+                          placement=PlacementConfig(policy="least_load", min_remote_prefill_tokens=32),
+                          policy=RouterPolicyConfig(cache_isolation=isolation))
+    router = RouterServer(config, tiny_loaded.tokenizer, lambda: records, rng=random.Random(0))
+    router.start()
+    return router
+
+
+def ask(router: RouterServer, token: str):
+    with PdserveClient(router.address, metadata=(("authorization", f"Bearer {token}"),)) as client:
+        return client.generate(token_ids=PROMPT, temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True)
+
+
+@pytest.mark.parametrize("isolation, b_cached", [("token", 0), ("none", 64)])
+def test_a_tenant_sees_no_prefix_hit_on_another_tenants_prompt(tiny_loaded, workers, isolation, b_cached):
+    servers, records = workers
+    router = start_router(tiny_loaded, records, isolation)
+    try:
+        a_first, a_again, b = ask(router, TOKENS[0]), ask(router, TOKENS[0]), ask(router, TOKENS[1])
+        assert a_first.usage["cached_tokens"] == 0 and a_again.usage["cached_tokens"] == 64
+        assert b.usage["cached_tokens"] == b_cached
+        expected = reference_tokens(tiny_loaded, PROMPT, GREEDY)
+        assert a_first.token_ids == a_again.token_ids == b.token_ids == expected
+        assert_clean(*servers)
+    finally:
+        router.stop()
+
+
+def test_token_isolation_needs_api_tokens(tiny_loaded):
+    config = RouterConfig(port=0, metrics_port=None, policy=RouterPolicyConfig(cache_isolation="token"))
+    with pytest.raises(ValueError, match="needs API tokens"):
+        RouterServer(config, tiny_loaded.tokenizer, lambda: [])
+    with pytest.raises(ValueError, match="cache_isolation must be one of none, token"):
+        RouterPolicyConfig(cache_isolation="tenant")
+
+
+def test_a_decode_call_must_carry_the_cache_salt_its_kv_was_sent_under(tiny_loaded, workers):
+    """The decode worker checks the resume against the parked KV's salt too (trust nothing)."""
+    from pdserve.worker.convert import sampling_to_proto
+    from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+    (prefill, decode), _ = workers
+    stub = lambda w: worker_pb2_grpc.WorkerStub(grpc.insecure_channel(w.address))  # noqa: E731
+    reply = stub(prefill).Prefill(worker_pb2.PrefillRequest(
+        request_id="salted", prompt_token_ids=PROMPT, sampling=sampling_to_proto(GREEDY),
+        decode_target=decode.address, cache_salt=b"tenant-a"), timeout=30)
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub(decode).Decode(worker_pb2.DecodeRequest(
+            request_id="salted", prompt_token_ids=PROMPT, sampling=sampling_to_proto(GREEDY),
+            first_token=reply.first_token, rng_state=reply.rng_state, cache_salt=b"tenant-b"), timeout=30))
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "cache_salt" in refused.value.details()
+    assert_clean(prefill, decode)
