@@ -20,7 +20,7 @@ from pdserve.grpc_options import ConnectionPolicy
 from protos.pdserve.v1 import generation_pb2
 from router.server import RouterConfig, RouterServer
 from tests.conftest import make_engine
-from tests.idle_streams import IdleStreams
+from tests.grpc_clients import IdleStreams, seconds_until_idle_after_a_call, wait_for
 from tests.router.inprocess import ProcessResources, greedy, running_cluster, wait_until_clean
 
 IDLE_STREAMS = 400
@@ -45,15 +45,6 @@ def list_services(address: str) -> list[str]:
         ask = reflection_pb2.ServerReflectionRequest(list_services="")
         replies = list(stub.ServerReflectionInfo(iter([ask]), timeout=10))
     return [s.name for s in replies[0].list_services_response.service]
-
-
-def wait_for(condition, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 @pytest.mark.parametrize("open_call, limit, setting", [
@@ -101,24 +92,6 @@ def test_router_threads_cover_generate_streams_and_every_open_stream_admitted(ti
 
 
 # --- connections ---------------------------------------------------------------------------------
-def seconds_until_idle_after_a_call(address: str, timeout_s: float = 5.0) -> float | None:
-    """Make one call on a fresh channel, then wait for the server to close the connection (the
-    channel goes from READY to IDLE on the server's GOAWAY); None when it is still open."""
-    went_idle = threading.Event()
-
-    def watch(state: grpc.ChannelConnectivity) -> None:
-        if state is grpc.ChannelConnectivity.IDLE:
-            went_idle.set()
-
-    with grpc.insecure_channel(address) as channel:
-        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
-        called = time.monotonic()
-        channel.subscribe(watch, try_to_connect=False)
-        closed = went_idle.wait(timeout_s)
-        channel.unsubscribe(watch)
-    return time.monotonic() - called if closed else None
-
-
 @pytest.fixture
 def router_with(tiny_loaded):
     started: list[RouterServer] = []
