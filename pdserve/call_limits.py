@@ -12,6 +12,8 @@ Lifecycle of one call that a limit covers (CallLimiter, a server interceptor):
 
     arrives -> ADMITTED (counted) -> the handler runs -> it returns, or its response stream
             ends or is closed (cancel, deadline) -> uncounted
+            (a non-blocking streaming handler, such as grpc_health's Watch, holds no thread:
+            it stays counted until its call ends)
     arrives with the limit reached -> REFUSED: RESOURCE_EXHAUSTED at once, with a message naming
             the limit and the setting that raises it, and a retry-after-ms trailer; the handler
             never runs
@@ -126,10 +128,34 @@ def _behavior(handler: grpc.RpcMethodHandler) -> Callable[..., Any]:
             or handler.stream_stream)
 
 
+class _Once:
+    def __init__(self, action: Callable[[], None]) -> None:
+        self._action, self._lock, self._done = action, threading.Lock(), False
+
+    def __call__(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        self._action()
+
+
 def _limited(handler: grpc.RpcMethodHandler, gate: _Gate) -> grpc.RpcMethodHandler:
     """handler, counted by gate from the moment it starts until its call's work is over."""
     behavior = _behavior(handler)
-    if handler.response_streaming:
+    if getattr(behavior, "experimental_non_blocking", False):
+        # NOTE: gRPC hands such a handler a send_response_callback and frees the thread when it
+        # returns; a generator in its place would hold the thread for the whole stream.
+        def run(request: Any, context: grpc.ServicerContext, send_response_callback: Any = None) -> Any:
+            gate.enter(context)
+            leave = _Once(gate.leave)
+            if not context.add_callback(leave):  # the call has already ended
+                leave()
+            return behavior(request, context, send_response_callback)
+
+        run.experimental_non_blocking = True
+        run.experimental_thread_pool = getattr(behavior, "experimental_thread_pool", None)
+    elif handler.response_streaming:
         def run(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
             gate.enter(context)  # NOTE: runs at the first next(), on the call's pool thread
             try:

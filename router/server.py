@@ -2,12 +2,13 @@
 
 The public server takes requests of at most limits.max_message_bytes (gRPC answers a bigger
 one RESOURCE_EXHAUSTED before it is parsed) and has a thread for every Generate stream the
-limits allow, one for every open stream its CallLimiter admits (reflection, Health.Watch), and
-SPARE_THREADS for Admin, Health.Check and refusals; past that, gRPC refuses calls at once
-instead of queueing them. So idle reflection or Watch streams cannot starve Generate: past
-max_reflection_streams / max_health_watches they are refused at once (RESOURCE_EXHAUSTED naming
-the limit), and those admitted hold threads of their own (pdserve/call_limits.py). Connections
-follow config.connections (keepalive, ping policy, idle and age limits: pdserve/grpc_options.py).
+limits allow, one for every open stream its CallLimiter admits, and SPARE_THREADS for Admin,
+Health.Check and refusals; past that, gRPC refuses calls at once instead of queueing them.
+Health and reflection need no token, and a reflection stream holds its thread while it is open
+(grpc_health's Watch holds none, but keeps state per stream): past max_reflection_streams /
+max_health_watches such streams are refused at once (RESOURCE_EXHAUSTED naming the limit), so
+idle ones cannot starve Generate (pdserve/call_limits.py). Connections follow
+config.connections (keepalive, ping policy, idle and age limits: pdserve/grpc_options.py).
 
 Security (config.security, None = plaintext and no checks): Generation and Admin demand a
 bearer API token, health and reflection stay open; the port serves TLS when the config has

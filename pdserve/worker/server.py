@@ -78,6 +78,8 @@ class WorkerConfig:
     # An incoming KV push must reach END within this, whatever deadline its sender set. NOTE: a push
     # starts with its prefill (layers stream as computed), so this covers a long prompt's prefill.
     push_time_limit_s: float = DEFAULT_PUSH_TIME_LIMIT_S
+    # The server's keepalive, ping policy, idle and age limits. NOTE: the KV channels this worker dials
+    # (pdserve/worker/service.py) use ConnectionPolicy()'s defaults.
     connections: ConnectionPolicy = field(default_factory=ConnectionPolicy)
     metrics_port: int | None = 0  # Prometheus /metrics on host:port; 0 = any free port, None = off
     # Debug only: inject faults into this worker's outgoing KV transfers (pdserve/transfer/faults.py).
