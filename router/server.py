@@ -2,8 +2,13 @@
 
 The public server takes requests of at most limits.max_message_bytes (gRPC answers a bigger
 one RESOURCE_EXHAUSTED before it is parsed) and has a thread for every Generate stream the
-limits allow, plus some for Admin and health calls; past that, gRPC refuses calls at once
-instead of queueing them.
+limits allow, one for every open stream its CallLimiter admits, and SPARE_THREADS for Admin,
+Health.Check and refusals; past that, gRPC refuses calls at once instead of queueing them.
+Health and reflection need no token, and a reflection stream holds its thread while it is open
+(grpc_health's Watch holds none, but keeps state per stream): past max_reflection_streams /
+max_health_watches such streams are refused at once (RESOURCE_EXHAUSTED naming the limit), so
+idle ones cannot starve Generate (pdserve/call_limits.py). Connections follow
+config.connections (keepalive, ping policy, idle and age limits: pdserve/grpc_options.py).
 
 Security (config.security, None = plaintext and no checks): Generation and Admin demand a
 bearer API token, health and reflection stay open; the port serves TLS when the config has
@@ -23,7 +28,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.call_limits import CallLimiter, health_watch_limit, reflection_limit
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.grpc_options import ConnectionPolicy, server_options
 from pdserve.metrics import MetricsEndpoint
 from pdserve.security import SecurityConfig
 from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
@@ -32,11 +39,11 @@ from router.limits import RequestLimits
 from router.metrics import RouterMetrics
 from router.placement import MatchFn, PlacementConfig, Placer
 from router.service import GenerationServicer, RouterPolicyConfig
-from router.workers import CHANNEL_OPTIONS, WorkerDirectory, WorkerRecord
+from router.workers import WorkerDirectory, WorkerRecord
 
 log = logging.getLogger(__name__)
 
-SPARE_THREADS = 16  # beyond the stream limit: Admin, health, reflection, and refusing extra calls
+SPARE_THREADS = 16  # beyond the limited calls: Admin, Health.Check, and refusing extra calls
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,15 @@ class RouterConfig:
     grpc_threads: int = 64  # at least; raised to fit limits.max_concurrent_streams
     metrics_port: int | None = 0  # Prometheus /metrics on host:port; 0 = any free port, None = off
     security: SecurityConfig | None = None  # None: plaintext, no tokens, no cluster secret
+    connections: ConnectionPolicy = field(default_factory=ConnectionPolicy)  # also the worker channels'
+    # Open streams of the services that need no token; more are refused at once.
+    max_reflection_streams: int = 8
+    max_health_watches: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_reflection_streams", "max_health_watches", "grpc_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"router config: {name} must be >= 1, got {getattr(self, name)}")
 
 
 class RouterServer:
@@ -62,7 +78,8 @@ class RouterServer:
         if config.policy.cache_isolation == "token" and not self.security.api_tokens:
             raise ValueError("cache isolation 'token' needs API tokens (--api-token-file): without them "
                              "requests carry no tenant to keep apart")
-        self.directory = WorkerDirectory(live_workers, config.refresh_s, load_of, self.security)
+        self.directory = WorkerDirectory(live_workers, config.refresh_s, load_of, self.security,
+                                         connections=config.connections)
         self.placer = Placer(self.directory, config.placement, match, rng=rng)
         self.metrics = RouterMetrics()
         self.metrics_endpoint = (MetricsEndpoint(self.metrics.registry, config.host, config.metrics_port)
@@ -72,6 +89,9 @@ class RouterServer:
         self.admin = AdminServicer(self.directory, self.placer, lambda: self.servicer.requests_in_flight,
                                    self.identity)
         self.health = health.HealthServicer()
+        self.call_limiter = CallLimiter([
+            reflection_limit(config.max_reflection_streams, "RouterConfig.max_reflection_streams"),
+            health_watch_limit(config.max_health_watches, "RouterConfig.max_health_watches")])
         self.address = ""
         self._server: grpc.Server | None = None
 
@@ -83,12 +103,14 @@ class RouterServer:
         return RouterIdentity(self.address, self.metrics_address, self.config.placement.policy)
 
     def start(self) -> str:
-        threads = max(self.config.grpc_threads, self.config.limits.max_concurrent_streams + SPARE_THREADS)
-        # NOTE: the servicer refuses streams over the limit with a retry hint; gRPC's own cap is
-        # the backstop, so that a flood of calls cannot queue behind busy threads.
+        threads = self.threads()
+        # NOTE: the servicer refuses streams over the limit with a retry hint, the call limiter the
+        # open services' streams; gRPC's own cap is the backstop, so that a flood of calls cannot
+        # queue behind busy threads. The limiter comes after the token gate: a refused call is
+        # never counted.
+        interceptors = [*self.security.server_interceptors(public=True), self.call_limiter]
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=self._server_options(),
-                             maximum_concurrent_rpcs=threads,
-                             interceptors=self.security.server_interceptors(public=True))
+                             maximum_concurrent_rpcs=threads, interceptors=interceptors)
         generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)
         admin_pb2_grpc.add_AdminServicer_to_server(self.admin, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -111,9 +133,13 @@ class RouterServer:
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         return self.address
 
+    def threads(self) -> int:
+        """The server's threads: every Generate stream and limited call at once, plus spare ones."""
+        needed = self.config.limits.max_concurrent_streams + self.call_limiter.total_calls + SPARE_THREADS
+        return max(self.config.grpc_threads, needed)
+
     def _server_options(self) -> list[tuple[str, int]]:
-        receive = ("grpc.max_receive_message_length", self.config.limits.max_message_bytes)
-        return [o for o in CHANNEL_OPTIONS if o[0] != receive[0]] + [receive]
+        return server_options(self.config.connections, self.config.limits.max_message_bytes)
 
     def stop(self, grace_s: float = 0.0) -> None:
         self.health.enter_graceful_shutdown()

@@ -47,6 +47,9 @@ NOT_FALLBACK = {grpc.StatusCode.INVALID_ARGUMENT}
 # none: every request may reuse any other's cached prefix. token: a request reuses only blocks of
 # requests made with the same API token (docs/security.md weighs the two).
 CACHE_ISOLATION = ("none", "token")
+# A decode worker that answers these before the first token did nothing for the request: it is dead or
+# draining (UNAVAILABLE), or full (RESOURCE_EXHAUSTED: its own call limit); another may start afresh.
+RETRY_ON_ANOTHER_DECODE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 class RequestPhase(enum.Enum):
@@ -304,8 +307,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return None
 
     def _decode(self, job: _Job, placement: Placement, prefill, trace: _Trace, context):
-        """Stream the decode worker's replies; True (retry elsewhere) when it was unavailable before
-        the first token, so nothing has reached the client yet and another worker can start afresh."""
+        """Stream the decode worker's replies; True (retry elsewhere) when it was unavailable or full
+        before the first token, so nothing has reached the client yet and another worker can start
+        afresh."""
         request = worker_pb2.DecodeRequest(request_id=job.worker_rid, prompt_token_ids=job.prompt,
                                            sampling=job.sampling, prefill_here=prefill is None,
                                            detokenize=True, cache_salt=job.cache_salt)
@@ -321,9 +325,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 sent = True
                 yield self._response(job.rid, reply, placement, prefill, trace)
         except grpc.RpcError as e:
-            if e.code() is grpc.StatusCode.UNAVAILABLE and not sent and context.is_active():
-                log.warning("request %s: decode worker %s unavailable before the first token (%s); "
-                            "retrying on another", job.rid, placement.decode.worker_id, e.details())
+            if e.code() in RETRY_ON_ANOTHER_DECODE and not sent and context.is_active():
+                log.warning("request %s: decode worker %s refused it before the first token (%s: %s); "
+                            "retrying on another", job.rid, placement.decode.worker_id, e.code().name,
+                            e.details())
                 return True
             trace.phase = RequestPhase.ABORTED
             if context.is_active():

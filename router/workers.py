@@ -3,7 +3,8 @@
 The live list is refreshed in the background from a `source` (the Redis registry in a
 cluster); load is the router's own count of requests it has in flight on each worker,
 which is exact for a single router and needs no round trip. Stubs dial with the router's
-SecurityConfig as an internal client: its TLS, and the cluster secret on every call.
+SecurityConfig as an internal client: its TLS, and the cluster secret on every call; and with
+the router's ConnectionPolicy (keepalive while calls are open: pdserve/grpc_options.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Protocol
 
 import grpc
 
+from pdserve.grpc_options import ConnectionPolicy, channel_options
 from pdserve.security import SecurityConfig
 from protos.pdserve.v1 import worker_pb2_grpc
 from router.policy import Candidate
@@ -27,8 +29,6 @@ log = logging.getLogger(__name__)
 # A channel to an address no live worker has had for this long, with no request of ours on it, is
 # closed: a restarted worker comes back on a new port, and each old channel would otherwise stay.
 CHANNEL_RETIRE_S = 30.0
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
-                   ("grpc.max_receive_message_length", 64 << 20)]
 
 
 class WorkerRecord(Protocol):
@@ -41,8 +41,10 @@ class WorkerRecord(Protocol):
 class WorkerDirectory:
     def __init__(self, source: Callable[[], Sequence[WorkerRecord]], refresh_s: float = 0.5,
                  load_source: Callable[[str], dict[str, int]] | None = None,
-                 security: SecurityConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 security: SecurityConfig | None = None, clock: Callable[[], float] = time.monotonic, *,
+                 connections: ConnectionPolicy | None = None) -> None:
         self._source = source
+        self._channel_options = channel_options(connections)
         self._clock = clock
         self._security = security or SecurityConfig()
         self._load_source = load_source
@@ -141,7 +143,7 @@ class WorkerDirectory:
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = self._security.open_channel(address, CHANNEL_OPTIONS, internal=True)
+                channel = self._security.open_channel(address, self._channel_options, internal=True)
                 self._channels[address] = channel
         return worker_pb2_grpc.WorkerStub(channel)
 

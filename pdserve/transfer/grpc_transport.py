@@ -7,27 +7,48 @@ a sender which gives up itself (its frames raise TransferFailed) reports its own
 gRPC would only say UNKNOWN "Exception iterating requests!".
 
 The client channel dials as an internal client of the given SecurityConfig (TLS and the
-cluster secret). A decode worker that refuses the secret fails the push as INTERNAL (no
-FailureKind is "unauthenticated"), with the receiver's message saying why.
+cluster secret), with the keepalive of a ConnectionPolicy (pdserve/grpc_options.py). A decode
+worker that refuses the secret fails the push as INTERNAL (no FailureKind is
+"unauthenticated"), with the receiver's message saying why.
+
+What the servicer allows one incoming push, before and while the receiver runs:
+
+    peer cap      at most max_pushes_per_peer pushes at once from one peer host (the host of
+                  context.peer(), so workers that share a host share the cap); one more is
+                  refused RESOURCE_EXHAUSTED before a frame is read, so nothing is reserved
+    time limit    BEGIN to END within time_limit_s, whatever deadline (or none) the sender
+                  set. Lifecycle of the clock (_PushClock): RUNNING -> ENDED (END handed to
+                  the receiver in time: the limit no longer applies) | EXPIRED (the limit
+                  struck first: the servicer cancels the call, the receiver's next read
+                  breaks, it fails the transfer as DEADLINE_EXCEEDED and frees the reservation)
+                  NOTE: the sender sees CANCELLED (cancel is how a sync gRPC server ends a call
+                  from another thread); the receiver's outcome and log say DEADLINE_EXCEEDED.
 """
 
 from __future__ import annotations
 
+import enum
+import logging
+import threading
+from collections import Counter
 from collections.abc import Iterator
+from urllib.parse import unquote
 
 import grpc
 
+from pdserve.grpc_options import ConnectionPolicy, channel_options, message_options
+from pdserve.kvwire import TransferEnd, WireError, decode_header
 from pdserve.security import SecurityConfig
 from pdserve.transfer.errors import FailureKind, TransferFailed
 from pdserve.transfer.receiver import KVReceiver
 from pdserve.transfer.sender import Frame, PushResult
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
-MAX_MESSAGE_BYTES = 64 << 20
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+log = logging.getLogger(__name__)
+
+GRPC_OPTIONS = message_options()  # message sizes only (bench/ dials with these)
+DEFAULT_MAX_PUSHES_PER_PEER = 64
+DEFAULT_PUSH_TIME_LIMIT_S = 60.0
 
 _TO_STATUS = {kind: getattr(grpc.StatusCode, kind.value) for kind in FailureKind}
 _FROM_STATUS = {status: kind for kind, status in _TO_STATUS.items()}
@@ -48,30 +69,160 @@ class _StreamBroken(Exception):
 
 
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
-    def __init__(self, receiver: KVReceiver) -> None:
+    """The limits are WorkerConfig's max_pushes_per_peer and push_time_limit_s (the messages name them)."""
+
+    def __init__(self, receiver: KVReceiver, *, max_pushes_per_peer: int = DEFAULT_MAX_PUSHES_PER_PEER,
+                 time_limit_s: float = DEFAULT_PUSH_TIME_LIMIT_S) -> None:
+        if max_pushes_per_peer < 1:
+            raise ValueError(f"max_pushes_per_peer must be >= 1, got {max_pushes_per_peer}")
+        if not time_limit_s > 0:
+            raise ValueError(f"push_time_limit_s must be > 0 seconds, got {time_limit_s}")
         self.receiver = receiver
+        self.time_limit_s = time_limit_s
+        self._peers = _PeerSlots(max_pushes_per_peer)
+
+    def pushes_in_flight(self) -> dict[str, int]:
+        """Peer host -> pushes from it in progress."""
+        return self._peers.in_flight()
+
+    @property
+    def refused_over_peer_cap(self) -> int:
+        """Pushes refused by the per-peer cap since start (they never reached the receiver)."""
+        return self._peers.refused
 
     def Push(self, request_iterator, context):  # noqa: N802 (gRPC method name)
+        peer = peer_host(context.peer())
+        refusal = self._peers.take(peer)
+        if refusal is not None:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        clock = _PushClock(self.time_limit_s, context.cancel)
         try:
-            report = self.receiver.receive(_frames_of(request_iterator, context))
+            report = self.receiver.receive(_frames_of(request_iterator, context, clock))
         except TransferFailed as e:
+            if clock.expired:
+                log.warning("KV push from %s cut at the time limit (push_time_limit_s = %g s): %s", peer,
+                            self.time_limit_s, e.message)
             context.abort(_TO_STATUS[e.kind], e.message)
+        finally:
+            clock.stop()
+            self._peers.give_back(peer)
         return kv_transfer_pb2.PushReply(transfer_id=report.transfer_id,
                                          blocks_written=report.blocks_written,
                                          bytes_received=report.bytes_received)
 
 
-def _frames_of(request_iterator, context) -> Iterator[Frame]:
+def peer_host(peer: str) -> str:
+    """The host part of a gRPC peer string: 'ipv4:10.0.0.5:41234' -> '10.0.0.5',
+    'ipv6:%5B::1%5D:41234' (gRPC percent-encodes the brackets) -> '::1'; any other form
+    (unix:...) is kept whole."""
+    scheme, _, rest = peer.partition(":")
+    if scheme in ("ipv4", "ipv6") and ":" in rest:
+        return unquote(rest).rpartition(":")[0].strip("[]")
+    return peer
+
+
+class _PeerSlots:
+    """Pushes in progress per peer host, at most cap each."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+        self.refused = 0
+
+    def take(self, peer: str) -> str | None:
+        """Count one more push from peer; the refusal message when peer already has cap."""
+        with self._lock:
+            if self._counts[peer] >= self.cap:
+                self.refused += 1
+                return (f"{self._counts[peer]:,} KV pushes from {peer} are in progress; this worker's limit "
+                        f"per peer is {self.cap:,} (max_pushes_per_peer); retry later")
+            self._counts[peer] += 1
+            return None
+
+    def give_back(self, peer: str) -> None:
+        with self._lock:
+            self._counts[peer] -= 1
+            if self._counts[peer] <= 0:
+                del self._counts[peer]
+
+    def in_flight(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+class _ClockState(enum.Enum):
+    RUNNING = "running"
+    ENDED = "ended"
+    EXPIRED = "expired"
+
+
+class _PushClock:
+    """The time limit of one incoming push (see the module docstring for its states)."""
+
+    def __init__(self, limit_s: float, cancel_call) -> None:
+        self.limit_s = limit_s
+        self._cancel_call = cancel_call
+        self._lock = threading.Lock()
+        self._state = _ClockState.RUNNING
+        self._timer = threading.Timer(limit_s, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    @property
+    def expired(self) -> bool:
+        with self._lock:
+            return self._state is _ClockState.EXPIRED
+
+    def end(self) -> bool:
+        """END reached: stop the clock. False when the limit struck first (the call is cancelled)."""
+        with self._lock:
+            if self._state is _ClockState.EXPIRED:
+                return False
+            self._state = _ClockState.ENDED
+        self._timer.cancel()
+        return True
+
+    def stop(self) -> None:
+        self._timer.cancel()
+
+    def _expire(self) -> None:
+        with self._lock:
+            if self._state is not _ClockState.RUNNING:
+                return
+            self._state = _ClockState.EXPIRED
+        self._cancel_call()  # the receiver's blocked read breaks; it frees the reservation
+
+
+def _frames_of(request_iterator, context, clock: _PushClock) -> Iterator[Frame]:
     try:
         for chunk in request_iterator:
+            if clock.expired or (_is_end(chunk.header) and not clock.end()):
+                raise _StreamBroken(_over_time(clock), FailureKind.DEADLINE_EXCEEDED)
             yield chunk.header, chunk.payload
+    except _StreamBroken:
+        raise
     except Exception as e:
-        raise _StreamBroken(f"{type(e).__name__}: {e}", _why_broken(context)) from e
+        reason = _over_time(clock) if clock.expired else f"{type(e).__name__}: {e}"
+        raise _StreamBroken(reason, _why_broken(context, clock)) from e
     # The receiver stops reading at END, so we get here only when the stream ended early: the
     # sender half-closed, or gRPC ended the iterator of a call that was cancelled or ran out of
     # time (without raising, and sometimes before is_active() turns False).
-    if not context.is_active() or _near_deadline(context):
-        raise _StreamBroken("the call ended before END", _why_broken(context))
+    if not context.is_active() or _near_deadline(context) or clock.expired:
+        raise _StreamBroken(_over_time(clock) if clock.expired else "the call ended before END",
+                            _why_broken(context, clock))
+
+
+def _is_end(header: bytes) -> bool:
+    try:
+        return isinstance(decode_header(header), TransferEnd)
+    except WireError:
+        return False  # the receiver rejects it, with the reason
+
+
+def _over_time(clock: _PushClock) -> str:
+    return (f"the push did not reach END within this worker's time limit of {clock.limit_s:g} s "
+            "(push_time_limit_s)")
 
 
 def _near_deadline(context) -> bool:
@@ -79,16 +230,20 @@ def _near_deadline(context) -> bool:
     return remaining is not None and remaining <= DEADLINE_SLACK_S
 
 
-def _why_broken(context) -> FailureKind:
-    return FailureKind.DEADLINE_EXCEEDED if _near_deadline(context) else FailureKind.CANCELLED
+def _why_broken(context, clock: _PushClock) -> FailureKind:
+    if clock.expired or _near_deadline(context):
+        return FailureKind.DEADLINE_EXCEEDED
+    return FailureKind.CANCELLED
 
 
 class GrpcKVChannel:
     """Client end: pushes one transfer's frames per call over a shared gRPC channel."""
 
-    def __init__(self, target: str, security: SecurityConfig | None = None) -> None:
+    def __init__(self, target: str, security: SecurityConfig | None = None,
+                 connections: ConnectionPolicy | None = None) -> None:
         self.target = target
-        self._channel = (security or SecurityConfig()).open_channel(target, GRPC_OPTIONS, internal=True)
+        self._channel = (security or SecurityConfig()).open_channel(target, channel_options(connections),
+                                                                    internal=True)
         self._stub = kv_transfer_pb2_grpc.KVTransferStub(self._channel)
 
     def push(self, frames: Iterator[Frame], timeout_s: float) -> PushResult:

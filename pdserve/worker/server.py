@@ -6,6 +6,16 @@ Ray actors (prefill_worker/, decode_worker/) and tests construct this directly.
 Security (config.security, None = plaintext and no checks): Worker and KVTransfer demand
 the cluster secret, health stays open, and the port serves TLS when the config has a
 certificate. The same config dials decode workers for KV pushes (an internal client).
+
+Limits (refused at once with RESOURCE_EXHAUSTED naming the limit, never queued; see
+pdserve/call_limits.py): at most max_concurrent_calls Worker and KVTransfer calls at once
+(Status and Abort excepted: they are quick, and Abort frees blocks), set above the router's
+per-decode admission limit (router.placement.PlacementConfig.max_in_flight_per_decode) so that
+it only ever stops a flood; at most max_health_watches Health.Watch streams; at most
+max_pushes_per_peer KV pushes at once from one peer host, and push_time_limit_s from BEGIN to
+END for each (pdserve/transfer/grpc_transport.py). The thread pool has a thread for every call
+the limits admit plus SPARE_THREADS. Connections follow config.connections (keepalive, ping
+policy, idle and age limits: pdserve/grpc_options.py).
 """
 
 from __future__ import annotations
@@ -21,26 +31,34 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pdserve.call_limits import CallLimit, CallLimiter, health_watch_limit, method_paths, service_prefix
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.events import KVEventPublisher
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.weights import LoadedModel, load_model
+from pdserve.grpc_options import ConnectionPolicy, server_options
 from pdserve.kvwire import KVLayout
 from pdserve.metrics import MetricsEndpoint
 from pdserve.security import SecurityConfig
 from pdserve.transfer.faults import FaultInjector, FaultPlan
-from pdserve.transfer.grpc_transport import GRPC_OPTIONS, KVTransferServicer
+from pdserve.transfer.grpc_transport import (
+    DEFAULT_MAX_PUSHES_PER_PEER,
+    DEFAULT_PUSH_TIME_LIMIT_S,
+    GrpcKVChannel,
+    KVTransferServicer,
+)
 from pdserve.transfer.receiver import KVReceiver
 from pdserve.transfer.sender import KVChannel, LayerwiseSender
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.peers import DecodeTargets
 from pdserve.worker.service import WorkerServicer
-from protos.pdserve.v1 import kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
+from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
+SPARE_THREADS = 16  # beyond the limited calls: Status, Abort, Health.Check, and refusing extra calls
 
 
 @dataclass(frozen=True)
@@ -55,10 +73,19 @@ class WorkerConfig:
     max_chunk_bytes: int = 2 << 20
     parked_ttl_s: float = 30.0
     transfer_timeout_s: float | None = None  # cap on one KV push; None: the Prefill call's remaining time
-    grpc_threads: int = 32
     # Engine steps that may fail in a row before the worker takes itself out of service (health
     # NOT_SERVING, every call UNAVAILABLE, and out of the registry on a Ray worker).
     max_failed_steps: int = 3
+    # Worker and KVTransfer calls at once (Status, Abort excepted); above the router's per-decode
+    # admission limit (64 by default), so a router alone never meets it.
+    max_concurrent_calls: int = 256
+    max_health_watches: int = 16
+    max_pushes_per_peer: int = DEFAULT_MAX_PUSHES_PER_PEER  # incoming KV pushes at once from one peer host
+    # An incoming KV push must reach END within this, whatever deadline its sender set. NOTE: a push
+    # starts with its prefill (layers stream as computed), so this covers a long prompt's prefill.
+    push_time_limit_s: float = DEFAULT_PUSH_TIME_LIMIT_S
+    # The server's keepalive, ping policy, idle and age limits; the KV channels it dials use its keepalive.
+    connections: ConnectionPolicy = field(default_factory=ConnectionPolicy)
     metrics_port: int | None = 0  # Prometheus /metrics on host:port; 0 = any free port, None = off
     # Debug only: inject faults into this worker's outgoing KV transfers (pdserve/transfer/faults.py).
     # Set only by code that builds the config; nothing reads it from the environment.
@@ -73,6 +100,11 @@ class WorkerConfig:
                              f"got {self.transfer_timeout_s}")
         if self.max_failed_steps < 1:
             raise ValueError(f"max_failed_steps must be >= 1, got {self.max_failed_steps}")
+        for name in ("max_concurrent_calls", "max_health_watches", "max_pushes_per_peer"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.push_time_limit_s > 0:
+            raise ValueError(f"push_time_limit_s must be > 0 seconds, got {self.push_time_limit_s}")
         if not self.worker_id:
             object.__setattr__(self, "worker_id", f"{self.role}-{uuid.uuid4().hex[:8]}")
 
@@ -90,7 +122,8 @@ class WorkerServer:
         service (the Ray actor leaves the registry then). decode_targets: where Prefill may push
         KV (the Ray actor gives the registry's live decode workers; None: anywhere)."""
         self.config = config
-        self._dial = dial
+        # NOTE: the KV channels this worker dials use the same keepalive policy as its server
+        self._dial = dial or (lambda target: GrpcKVChannel(target, self.security, config.connections))
         self._decode_targets = decode_targets
         self.security = config.security or SecurityConfig()
         loaded = loaded or load_model(config.engine.model_path, progress=False)
@@ -109,13 +142,13 @@ class WorkerServer:
         self.metrics_endpoint = (MetricsEndpoint(self.metrics.registry, config.host, config.metrics_port)
                                  if config.metrics_port is not None else None)
         self.health = health.HealthServicer()
+        self.call_limiter = CallLimiter(call_limits(config))
+        self.kv_servicer = kv_transfer_servicer(self.receiver, config)
         self._server: grpc.Server | None = None
         self.servicer: WorkerServicer | None = None
 
     def start(self) -> str:
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.config.grpc_threads),
-                             options=GRPC_OPTIONS,
-                             interceptors=self.security.server_interceptors(public=False))
+        server = self._grpc_server()
         for warning in self.security.exposure_warnings(self.config.host, public=False):
             log.warning("worker %s: %s", self.config.worker_id, warning)
         port = self.security.add_port(server, f"{self.config.host}:{self.config.port}")
@@ -131,13 +164,21 @@ class WorkerServer:
                                        decode_targets=self._decode_targets)
         self.metrics.read_status_from(self.servicer.status)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, server)
-        kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(self.receiver), server)
+        kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(self.kv_servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.loop.start()
         server.start()
         self._server = server
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         return self.address
+
+    def _grpc_server(self) -> grpc.Server:
+        """The server, with a thread for every call the limits admit; gRPC's own cap is the backstop.
+        NOTE: the limiter comes after the cluster-secret gate, so a refused call is never counted."""
+        threads = self.call_limiter.total_calls + SPARE_THREADS
+        return grpc.server(futures.ThreadPoolExecutor(max_workers=threads), maximum_concurrent_rpcs=threads,
+                           options=server_options(self.config.connections),
+                           interceptors=[*self.security.server_interceptors(public=False), self.call_limiter])
 
     def identity(self) -> worker_pb2.WorkerStatus:
         c = self.config
@@ -183,3 +224,20 @@ class WorkerServer:
             self.servicer.close()
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.stop()
+
+
+def call_limits(config: WorkerConfig) -> list[CallLimit]:
+    """A worker's call limits: Health.Watch streams, and every Worker and KVTransfer call but the
+    quick control calls."""
+    worker = worker_pb2.DESCRIPTOR.services_by_name["Worker"]
+    kv = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"]
+    calls = CallLimit("Worker and KVTransfer calls", config.max_concurrent_calls,
+                      "WorkerConfig.max_concurrent_calls", (service_prefix(worker), service_prefix(kv)),
+                      exclude=method_paths(worker, "Status", "Abort"))
+    return [health_watch_limit(config.max_health_watches, "WorkerConfig.max_health_watches"), calls]
+
+
+def kv_transfer_servicer(receiver: KVReceiver, config: WorkerConfig) -> KVTransferServicer:
+    """The KVTransfer service, with the config's per-peer cap and time limit on incoming pushes."""
+    return KVTransferServicer(receiver, max_pushes_per_peer=config.max_pushes_per_peer,
+                              time_limit_s=config.push_time_limit_s)

@@ -10,9 +10,10 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import grpc
 
@@ -42,14 +43,19 @@ class Cluster:
 
 @contextmanager
 def running_cluster(loaded: LoadedModel, limits: RequestLimits | None = None, num_blocks: int = 128,
-                    routing: str = "least_load", metrics_port: int | None = None) -> Iterator[Cluster]:
+                    routing: str = "least_load", metrics_port: int | None = None,
+                    router_options: Mapping[str, Any] | None = None,
+                    worker_configs: tuple[WorkerConfig, ...] | None = None) -> Iterator[Cluster]:
+    """router_options: RouterConfig fields to set; worker_configs: the workers (their engine is replaced by
+    the tiny one), default one prefill and one decode worker."""
     engine = EngineConfig(cache=CacheConfig(num_blocks=num_blocks), device="cpu")
-    workers = [WorkerServer(WorkerConfig(role, engine), loaded) for role in ("prefill", "decode")]
+    configs = worker_configs or (WorkerConfig("prefill"), WorkerConfig("decode"))
+    workers = [WorkerServer(replace(c, engine=engine), loaded) for c in configs]
     records = [info(w, w.start()) for w in workers]
     placement = PlacementConfig(policy=routing, min_remote_prefill_tokens=32)
     policy = RouterPolicyConfig(max_context_tokens=TINY_CONTEXT)
     config = RouterConfig(port=0, placement=placement, policy=policy, limits=limits or RequestLimits(),
-                          metrics_port=metrics_port)
+                          metrics_port=metrics_port, **(router_options or {}))
     router = RouterServer(config, loaded.tokenizer, lambda: records, rng=random.Random(0))
     router.start()
     cluster = Cluster(router, workers)
