@@ -27,13 +27,13 @@ from deploy.config import ClusterSpec
 from deploy.redis_server import RedisServer, ensure_redis
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.weights import load_model
-from pdserve.index.redis_index import RedisPrefixIndex
 from pdserve.index.registry import WorkerRegistry
 from pdserve.security import SecurityConfig, TLSConfig, read_secret, read_secrets_file
 from pdserve.security.redis_auth import check_redis_credentials, redact_redis_url
 from pdserve.worker.actor import WorkerSpec
 from router.limits import RequestLimits
 from router.placement import PlacementConfig
+from router.redis_backend import redis_router
 from router.server import RouterConfig, RouterServer
 from router.service import RouterPolicyConfig
 
@@ -113,13 +113,7 @@ class LocalCluster:
         config = RouterConfig(host=s.host, port=s.port, metrics_port=s.metrics_port, placement=placement,
                               policy=RouterPolicyConfig(max_context_tokens=max_context_tokens), limits=limits,
                               security=self.security)
-        # NOTE: the router's own Redis client fails fast: a dead index must cost a request
-        # at most one short timeout before the circuit breaker routes by load alone.
-        fast = redis.Redis.from_url(self.redis_url, socket_timeout=0.25, socket_connect_timeout=0.25,
-                                    retry=None)
-        index, registry = RedisPrefixIndex(fast, s.namespace), WorkerRegistry(fast, s.namespace)
-        return RouterServer(config, tokenizer, registry.live_workers,
-                            match=index.match, load_of=registry.load_of)
+        return redis_router(config, tokenizer, self.redis_url, s.namespace)
 
     def _init_ray(self) -> None:
         import ray

@@ -21,7 +21,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.engine.hashing import cache_salt, hash_blocks
-from router.breaker import CircuitBreaker
+from pdserve.index.breaker import CircuitBreaker
 from router.policy import Candidate, NoWorkerError, place_by_load
 from router.scoring import ScoringWeights, WorkerLoad, choose
 from router.workers import WorkerDirectory

@@ -1,7 +1,8 @@
 """The engine loop: one thread owns engine.step(); requests subscribe to their outputs.
 
     submit()/resume() --register a RequestStream--> engine.add_request / resume_transferred
-    loop thread: while work: outputs = engine.step(hook); each output -> its stream's queue
+    loop thread: while work: outputs = engine.step(hook); each output -> its stream's queue;
+                 the duration of each step that had work goes to observe_step (a metric)
     abort(): engine.abort (blocks freed now) and the stream ends with finish_reason "abort"
     a step that raises: every request in flight is aborted (blocks freed) and its stream ends
     with finish_reason "error"; the loop keeps serving new requests
@@ -14,7 +15,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -49,9 +51,11 @@ class RequestStream:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, layer_hook: StepLayerHook | None = None) -> None:
+    def __init__(self, engine: LLMEngine, layer_hook: StepLayerHook | None = None,
+                 observe_step: Callable[[float], None] | None = None) -> None:
         self.engine = engine
         self.layer_hook = layer_hook
+        self._observe_step = observe_step  # seconds of each step that had work to do
         self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Condition()
         self._stopping = False
@@ -121,14 +125,18 @@ class EngineLoop:
             with self._wake:
                 if self._stopping:
                     return
-                if not self.engine.has_unfinished():
+                busy = self.engine.has_unfinished()
+                if not busy:
                     self._wake.wait(timeout=_IDLE_WAIT_S)
+            started = time.perf_counter()
             try:
                 outputs = self.engine.step(on_layer_done=self.layer_hook)
             except Exception:  # NOTE: one bad step must not take the worker down with it
                 log.exception("engine step failed; failing the %d requests in flight", len(self._streams))
                 self._fail_in_flight()
                 continue
+            if busy and self._observe_step is not None:
+                self._observe_step(time.perf_counter() - started)
             for output in outputs:
                 self._deliver(output)
             self.steps += 1

@@ -80,11 +80,12 @@ class WorkerServer:
         self.layout = KVLayout.of_cache(self.engine.kv_cache, self.engine.fingerprint)
         self.sender = LayerwiseSender(self.engine.kv_cache, self.layout, config.max_chunk_bytes)
         self.receiver = KVReceiver(self.engine, self.layout, config.parked_ttl_s)
-        self.loop = EngineLoop(self.engine, layer_hook=self.sender)
+        self.metrics = WorkerMetrics()
+        self.loop = EngineLoop(self.engine, layer_hook=self.sender,
+                               observe_step=self.metrics.step_seconds.observe)
         self.faults = FaultInjector(config.fault_plan) if config.fault_plan is not None else None
         self.epoch = epoch
         self.address = ""
-        self.metrics = WorkerMetrics()
         self.metrics_endpoint = (MetricsEndpoint(self.metrics.registry, config.host, config.metrics_port)
                                  if config.metrics_port is not None else None)
         self.health = health.HealthServicer()
