@@ -56,10 +56,10 @@ class RouterServer:
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer,
                  live_workers: Callable[[], Sequence[WorkerRecord]], *, match: MatchFn | None = None,
                  load_of: Callable[[str], dict[str, int]] | None = None,
-                 rng: random.Random | None = None) -> None:
+                 sweep: Callable[[], object] | None = None, rng: random.Random | None = None) -> None:
         self.config = config
         self.security = config.security or SecurityConfig()
-        self.directory = WorkerDirectory(live_workers, config.refresh_s, load_of, self.security)
+        self.directory = WorkerDirectory(live_workers, config.refresh_s, load_of, self.security, sweep=sweep)
         self.placer = Placer(self.directory, config.placement, match, rng=rng)
         self.metrics = RouterMetrics()
         self.metrics_endpoint = (MetricsEndpoint(self.metrics.registry, config.host, config.metrics_port)

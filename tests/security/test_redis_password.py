@@ -49,7 +49,7 @@ def test_a_process_without_the_redis_password_cannot_register_a_worker():
         assert without_password != url, "the embedded Redis has no password"
         refused = register_from_another_process(without_password, "intruder")
         assert refused.returncode != 0 and "registered" not in refused.stdout
-        assert "Authentication required" in refused.stderr, refused.stderr[-2000:]
+        assert "Redis refused the credentials" in refused.stderr, refused.stderr[-2000:]
 
         admitted = register_from_another_process(url, "decode-0")  # a worker, handed the URL by the launcher
         assert admitted.returncode == 0, admitted.stderr[-2000:]
