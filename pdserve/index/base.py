@@ -97,7 +97,8 @@ class PrefixIndex(Protocol):
         hashes went."""
         ...
 
-    def touch(self, worker: WorkerKey, calls_per_pass: int) -> None:
-        """Renew the life of worker's entries where they expire (one slice of them per call, all of
-        them every calls_per_pass calls); nothing where they do not."""
+    def touch(self, worker: WorkerKey, every_s: float) -> None:
+        """Renew the life of worker's entries where they expire (a slice of them per call, sized so
+        that calls every every_s seconds renew them all before they could expire); nothing where
+        they do not expire."""
         ...

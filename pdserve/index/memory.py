@@ -90,7 +90,7 @@ class InMemoryPrefixIndex:
         older = [w for w in self._hashes if w.worker_id == worker.worker_id and w.epoch < worker.epoch]
         return sum(self._forget(w) for w in older)
 
-    def touch(self, worker: WorkerKey, calls_per_pass: int) -> None:
+    def touch(self, worker: WorkerKey, every_s: float) -> None:
         return None  # entries here live until removed
 
     def _is_current(self, worker: WorkerKey) -> bool:

@@ -230,12 +230,13 @@ class RedisPrefixIndex:
         older = [e for e in self._entries() if e.worker_id == worker.worker_id and e.epoch < worker.epoch]
         return sum(self._drop_entry(e, force=True) for e in older)
 
-    def touch(self, worker: WorkerKey, calls_per_pass: int) -> None:
+    def touch(self, worker: WorkerKey, every_s: float) -> None:
         """Renew the life of worker's entries: its hash set, and the block sets of the next slice of
-        them (a full pass in calls_per_pass calls, which must come within a third of RETAIN_S)."""
+        them, sized so that a full pass of calls every every_s seconds takes a third of RETAIN_S."""
         k, member = self._keys, entry_member(worker)
         cursor = self._touch_cursor.get(worker, b"0")
-        args = [cursor, max(1, calls_per_pass), k.block_prefix, milliseconds(RETAIN_S)]
+        calls_per_pass = max(1, int(RETAIN_S / 3 / every_s))
+        args = [cursor, calls_per_pass, k.block_prefix, milliseconds(RETAIN_S)]
         with store_errors(f"touch() for {member}"):
             self._touch_cursor[worker] = self._touch(keys=[k.entry_hashes(member), k.entries], args=args)
 

@@ -246,7 +246,7 @@ def test_touch_keeps_everything_matchable(h):
     a = live(h, "a")
     h.index.apply(a, blocks(0, 1, 2), [])
     for _ in range(3):
-        h.index.touch(a, calls_per_pass=2)
+        h.index.touch(a, every_s=5.0)
     assert h.index.match(PROMPT) == {"a": 3}
 
 
@@ -268,8 +268,8 @@ def test_every_index_key_expires_and_a_touch_renews_the_block_sets(redis_index, 
     assert redis_client.pttl(keys.epoch("a")) > 0
     for k in names:
         redis_client.pexpire(k, 60_000)  # as if a minute of RETAIN_S were left on each
-    for _ in range(3):  # one full pass: 600 hashes in slices of at least 256
-        redis_index.touch(a, calls_per_pass=3)
+    for _ in range(3):  # one full pass in 3 calls: 600 hashes in slices of at least 256
+        redis_index.touch(a, every_s=RETAIN_S / 9)
     renewed = [k for k in names if k.startswith(keys.block_prefix) and redis_client.pttl(k) > 60_000]
     assert len(renewed) == 600
 
