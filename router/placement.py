@@ -21,7 +21,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.engine.hashing import engine_salt, hash_blocks, request_salt
-from router.breaker import CircuitBreaker
+from pdserve.index.breaker import CircuitBreaker
 from router.policy import Candidate, NoWorkerError, place_by_load
 from router.scoring import ScoringWeights, WorkerLoad, choose
 from router.workers import WorkerDirectory
@@ -63,7 +63,7 @@ class Placer:
     def __init__(self, directory: WorkerDirectory, config: PlacementConfig, match: MatchFn | None,
                  breaker: CircuitBreaker | None = None, rng: random.Random | None = None) -> None:
         self.directory, self.config, self.match = directory, config, match
-        self.breaker = breaker or CircuitBreaker()
+        self.breaker = breaker or directory.breaker  # one view of Redis's health: reads and sweeps
         self.rng = rng or random.Random()
         self._decode_turns, self._prefill_turns = itertools.count(), itertools.count()
         self._lock = threading.Lock()

@@ -72,14 +72,14 @@ class RouterServer:
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer,
                  live_workers: Callable[[], Sequence[WorkerRecord]], *, match: MatchFn | None = None,
                  load_of: Callable[[str], dict[str, int]] | None = None,
-                 rng: random.Random | None = None) -> None:
+                 sweep: Callable[[], object] | None = None, rng: random.Random | None = None) -> None:
         self.config = config
         self.security = config.security or SecurityConfig()
         if config.policy.cache_isolation == "token" and not self.security.api_tokens:
             raise ValueError("cache isolation 'token' needs API tokens (--api-token-file): without them "
                              "requests carry no tenant to keep apart")
         self.directory = WorkerDirectory(live_workers, config.refresh_s, load_of, self.security,
-                                         connections=config.connections)
+                                         connections=config.connections, sweep=sweep)
         self.placer = Placer(self.directory, config.placement, match, rng=rng)
         self.metrics = RouterMetrics()
         self.metrics_endpoint = (MetricsEndpoint(self.metrics.registry, config.host, config.metrics_port)

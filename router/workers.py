@@ -5,6 +5,19 @@ cluster); load is the router's own count of requests it has in flight on each wo
 which is exact for a single router and needs no round trip. Stubs dial with the router's
 SecurityConfig as an internal client: its TLS, and the cluster secret on every call; and with
 the router's ConnectionPolicy (keepalive while calls are open: pdserve/grpc_options.py).
+
+Each refresh, in the background thread:
+
+    registry read fails              keep the last view (Redis down, hung, refusing)
+    a worker left the registry       ask it (gRPC health, short deadline): SERVING -> keep it,
+                                     anything else -> drop it
+    every SWEEP_EVERY refreshes      sweep(): delete what departed workers left in Redis,
+                                     through the circuit breaker the placer reads the index by
+
+NOTE: a worker's lease can lapse while the worker is fine, because Redis refuses or loses
+its heartbeats (read-only, ACL revoked, stopped past the lease, restarted empty). Dropping it
+would turn a Redis fault into an outage, so the worker itself decides: one that drains,
+crashes or leaves on purpose stops answering SERVING first (WorkerActor.drain) and goes.
 """
 
 from __future__ import annotations
@@ -18,8 +31,10 @@ from contextlib import contextmanager
 from typing import Protocol
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.grpc_options import ConnectionPolicy, channel_options
+from pdserve.index.breaker import CircuitBreaker, CircuitOpen
 from pdserve.security import SecurityConfig
 from protos.pdserve.v1 import worker_pb2_grpc
 from router.policy import Candidate
@@ -29,6 +44,8 @@ log = logging.getLogger(__name__)
 # A channel to an address no live worker has had for this long, with no request of ours on it, is
 # closed: a restarted worker comes back on a new port, and each old channel would otherwise stay.
 CHANNEL_RETIRE_S = 30.0
+SWEEP_EVERY = 20  # refreshes: every 10 s at the default refresh_s of 0.5 s
+HEALTH_TIMEOUT_S = 0.5  # asking a worker that left the registry whether it still serves
 
 
 class WorkerRecord(Protocol):
@@ -42,9 +59,15 @@ class WorkerDirectory:
     def __init__(self, source: Callable[[], Sequence[WorkerRecord]], refresh_s: float = 0.5,
                  load_source: Callable[[str], dict[str, int]] | None = None,
                  security: SecurityConfig | None = None, clock: Callable[[], float] = time.monotonic, *,
-                 connections: ConnectionPolicy | None = None) -> None:
+                 connections: ConnectionPolicy | None = None, sweep: Callable[[], object] | None = None,
+                 breaker: CircuitBreaker | None = None) -> None:
         self._source = source
         self._channel_options = channel_options(connections)
+        self._sweep = sweep
+        self.breaker = breaker or CircuitBreaker()  # the index store's health, as this router sees it
+        self._refreshes = 0
+        self._kept: set[str] = set()  # ids kept after leaving the registry (logged once each)
+        self._registry_failing = False
         self._clock = clock
         self._security = security or SecurityConfig()
         self._load_source = load_source
@@ -74,11 +97,20 @@ class WorkerDirectory:
 
     def refresh(self) -> None:
         try:
-            workers = {w.worker_id: w for w in self._source()}
+            registered = {w.worker_id: w for w in self._source()}
         except Exception as e:  # the registry is down: keep the last known view
-            log.warning("worker registry unavailable, keeping %d known workers: %s", len(self._workers), e)
+            if not self._registry_failing:
+                log.warning("worker registry unavailable, keeping the %d known workers until it answers: %s",
+                            len(self._workers), e)
+            self._registry_failing = True
             return
-        loads = self._read_loads(workers)
+        if self._registry_failing:
+            log.info("worker registry answers again: %d workers registered", len(registered))
+            self._registry_failing = False
+        loads = self._read_loads(registered)
+        with self._lock:
+            left = [w for worker_id, w in self._workers.items() if worker_id not in registered]
+        workers = {**self._still_serving(left), **registered}
         with self._lock:
             self._workers = workers
             self._loads = loads
@@ -108,9 +140,48 @@ class WorkerDirectory:
         except Exception:  # load is a hint: keep routing without it
             return {}
 
+    def _still_serving(self, left: list[WorkerRecord]) -> dict[str, WorkerRecord]:
+        """The workers that left the registry but answer health SERVING (see the module's NOTE)."""
+        kept = {}
+        for w in left:
+            try:
+                reply = health_pb2_grpc.HealthStub(self._channel(w.address)).Check(
+                    health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S)
+                serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+            except grpc.RpcError:
+                serving = False
+            if serving:
+                kept[w.worker_id] = w
+                if w.worker_id not in self._kept:
+                    log.warning("worker %s left the registry but still serves; keeping it (is Redis refusing "
+                                "its heartbeats?)", w.worker_id)
+        self._kept = set(kept)
+        return kept
+
+    def sweep(self) -> None:
+        """Delete what departed workers left in Redis, unless the breaker says Redis is failing.
+
+        NOTE: not while a worker is kept after leaving the registry: Redis lost or refused its
+        heartbeats, and its entries would be deleted only for it to republish them a beat later.
+        """
+        if self._sweep is None or self._kept:
+            return
+        try:
+            self.breaker.run(self._sweep)
+        except CircuitOpen:
+            pass
+        except Exception as e:  # retried SWEEP_EVERY refreshes later
+            log.warning("sweeping the prefix index failed: %s", e)
+
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self._refresh_s):
-            self.refresh()
+            try:
+                self.refresh()
+                self._refreshes += 1
+                if self._refreshes % SWEEP_EVERY == 0:
+                    self.sweep()
+            except Exception:  # NOTE: a dead refresh thread freezes the router's view for good
+                log.exception("refreshing the worker directory failed; retrying")
 
     # --- queries ------------------------------------------------------------------------
     def workers(self, role: str | None = None) -> list[WorkerRecord]:
@@ -140,12 +211,15 @@ class WorkerDirectory:
             return self._in_flight[worker_id]
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        return worker_pb2_grpc.WorkerStub(self._channel(address))
+
+    def _channel(self, address: str) -> grpc.Channel:
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
                 channel = self._security.open_channel(address, self._channel_options, internal=True)
                 self._channels[address] = channel
-        return worker_pb2_grpc.WorkerStub(channel)
+        return channel
 
     @contextmanager
     def track(self, *candidates: Candidate | None) -> Iterator[None]:

@@ -8,8 +8,9 @@ Workers write, the router reads:
 An entry is trusted only while its writer is live *at the epoch it wrote under*. A
 worker's lease (set_live) carries its epoch and expires after ttl_s unless renewed. A
 restarted worker comes back with a higher epoch, so the blocks its previous process
-published stop counting at once, before anyone cleans them up; sweep() deletes them.
-An older epoch can never take the lease back from a newer one (Lease.SUPERSEDED).
+published stop counting at once, before anyone cleans them up: the new incarnation deletes
+them (drop_older_epochs), and the router's periodic sweep() deletes those of workers that are
+gone. An older epoch can never take the lease back from a newer one (Lease.SUPERSEDED).
 
 Wrong entries cost speed, never correctness: a worker always checks its own block
 pool, and recomputes whatever it does not hold.
@@ -89,4 +90,15 @@ class PrefixIndex(Protocol):
 
     def sweep(self) -> int:
         """Delete entries written by dead workers or old epochs; returns how many hashes went."""
+        ...
+
+    def drop_older_epochs(self, worker: WorkerKey) -> int:
+        """Delete the entries of worker's earlier incarnations (a restarted worker, once); how many
+        hashes went."""
+        ...
+
+    def touch(self, worker: WorkerKey, every_s: float) -> None:
+        """Renew the life of worker's entries where they expire (a slice of them per call, sized so
+        that calls every every_s seconds renew them all before they could expire); nothing where
+        they do not expire."""
         ...

@@ -86,6 +86,13 @@ class InMemoryPrefixIndex:
         dead = [w for w in self._hashes if not self._is_current(w)]
         return sum(self._forget(w) for w in dead)
 
+    def drop_older_epochs(self, worker: WorkerKey) -> int:
+        older = [w for w in self._hashes if w.worker_id == worker.worker_id and w.epoch < worker.epoch]
+        return sum(self._forget(w) for w in older)
+
+    def touch(self, worker: WorkerKey, every_s: float) -> None:
+        return None  # entries here live until removed
+
     def _is_current(self, worker: WorkerKey) -> bool:
         lease = self._leases.get(worker.worker_id)
         return lease is not None and lease.epoch == worker.epoch and lease.expires_at > self._clock()

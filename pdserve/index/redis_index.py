@@ -29,35 +29,60 @@ import redis
 
 from pdserve.index.base import Lease, WorkerKey
 from pdserve.index.redis_layout import (
+    RETAIN_S,
     LeaseScripts,
+    MalformedKeys,
     RedisKeys,
     entry_member,
+    milliseconds,
     parse_entry_member,
     require_bytes_client,
     store_errors,
 )
 
 # KEYS: the entry's hash set, the entries set, the worker's epoch counter.
-# ARGV: member 'w@e', epoch, block key prefix, number of stored hashes, the stored hashes,
+# ARGV: member 'w@e', epoch, block key prefix, number of stored hashes, RETAIN ms, the stored hashes,
 # then the removed hashes. Returns 0 (and writes nothing) when a newer epoch exists.
 # NOTE: a script, not a pipeline of SADDs: it is atomic, so a block set and the entry's
-# hash set (which match reads) never disagree, and it costs the worker's engine step one
-# command to encode instead of one per block (~20 us each in redis-py).
+# hash set (which match reads) never disagree, and it costs the worker's publisher one
+# command to encode instead of one per block (~20 us each in redis-py). Every set it writes
+# gets RETAIN_S of life (redis_layout.py says why).
 APPLY_LUA = """
 if tonumber(ARGV[2]) < tonumber(redis.call("GET", KEYS[3]) or "0") then return 0 end
-local member, prefix = ARGV[1], ARGV[3]
-local first_removed = 5 + tonumber(ARGV[4])
+local member, prefix, retain = ARGV[1], ARGV[3], ARGV[5]
+local first_removed = 6 + tonumber(ARGV[4])
 local function each_chunk(cmd, key, first, last)
   for i = first, last, 512 do
     redis.call(cmd, key, unpack(ARGV, i, math.min(i + 511, last)))
   end
 end
 redis.call("SADD", KEYS[2], member)
-for i = 5, first_removed - 1 do redis.call("SADD", prefix .. ARGV[i], member) end
-each_chunk("SADD", KEYS[1], 5, first_removed - 1)
+redis.call("PEXPIRE", KEYS[2], retain)
+for i = 6, first_removed - 1 do
+  redis.call("SADD", prefix .. ARGV[i], member)
+  redis.call("PEXPIRE", prefix .. ARGV[i], retain)
+end
+each_chunk("SADD", KEYS[1], 6, first_removed - 1)
 for i = first_removed, #ARGV do redis.call("SREM", prefix .. ARGV[i], member) end
 each_chunk("SREM", KEYS[1], first_removed, #ARGV)
+redis.call("PEXPIRE", KEYS[1], retain)
 return 1
+"""
+
+# KEYS: the entry's hash set, the entries set. ARGV: scan cursor, calls per RETAIN_S / 3, block key
+# prefix, RETAIN ms. Renews the life of both sets and of the block sets of the next slice of a scan
+# over the entry's hashes, sized so that a full pass takes at most a third of RETAIN_S however many
+# blocks the worker holds. Returns the next cursor ("0" when a pass ended).
+# NOTE: a rolling slice, not every block at once: 100,000 PEXPIREs in one script would stall every
+# other client of Redis for a fraction of a second; a slice costs it about a millisecond.
+TOUCH_LUA = """
+local held = redis.call("SCARD", KEYS[1])
+local count = math.max(256, math.ceil(held / tonumber(ARGV[2])))
+local scan = redis.call("SSCAN", KEYS[1], ARGV[1], "COUNT", count)
+for _, h in ipairs(scan[2]) do redis.call("PEXPIRE", ARGV[3] .. h, ARGV[4]) end
+redis.call("PEXPIRE", KEYS[1], ARGV[4])
+redis.call("PEXPIRE", KEYS[2], ARGV[4])
+return scan[1]
 """
 
 # KEYS[1]: the block key of the first hash. ARGV[1]: lease key prefix, ARGV[2]: entry hash
@@ -128,13 +153,16 @@ class RedisPrefixIndex:
         self._apply = client.register_script(APPLY_LUA)
         self._match = client.register_script(MATCH_LUA)
         self._drop = client.register_script(DROP_LUA)
+        self._touch = client.register_script(TOUCH_LUA)
+        self._touch_cursor: dict[WorkerKey, bytes] = {}
+        self._malformed = MalformedKeys()
 
     def apply(self, worker: WorkerKey, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
         if not stored and not removed:
             return
         k, member = self._keys, entry_member(worker)
         keys = [k.entry_hashes(member), k.entries, k.epoch(worker.worker_id)]
-        args = [member, worker.epoch, k.block_prefix, len(stored), *stored, *removed]
+        args = [member, worker.epoch, k.block_prefix, len(stored), milliseconds(RETAIN_S), *stored, *removed]
         with store_errors(f"apply() for {member}"):
             self._apply(keys=keys, args=args)
 
@@ -176,21 +204,52 @@ class RedisPrefixIndex:
         return self._leases.set_live(worker, ttl_s)
 
     def live_workers(self) -> dict[str, int]:
+        k = self._keys
         with store_errors("live_workers()"):
-            ids = sorted(m.decode() for m in self._client.smembers(self._keys.workers))
+            ids = sorted(self._client.smembers(k.workers))
             if not ids:
                 return {}
-            epochs = self._client.mget([self._keys.live(w) for w in ids])
-        return {w: int(e) for w, e in zip(ids, epochs) if e is not None}
+            epochs = self._client.mget([k.live_prefix.encode() + w for w in ids])
+        live = {}
+        for w, e in zip(ids, epochs):
+            if e is None:
+                continue
+            try:
+                live[w.decode()] = int(e)
+            except ValueError as bad:  # UnicodeDecodeError is one
+                self._malformed.skip(f"{k.live_prefix}{w!r}", bad)
+        return live
 
     def sweep(self) -> int:
         live = self.live_workers()
         dead = [e for e in self._entries() if live.get(e.worker_id) != e.epoch]
         return sum(self._drop_entry(e, force=False) for e in dead)
 
+    def drop_older_epochs(self, worker: WorkerKey) -> int:
+        """Delete the entries of worker's earlier incarnations; how many hashes went."""
+        older = [e for e in self._entries() if e.worker_id == worker.worker_id and e.epoch < worker.epoch]
+        return sum(self._drop_entry(e, force=True) for e in older)
+
+    def touch(self, worker: WorkerKey, every_s: float) -> None:
+        """Renew the life of worker's entries: its hash set, and the block sets of the next slice of
+        them, sized so that a full pass of calls every every_s seconds takes a third of RETAIN_S."""
+        k, member = self._keys, entry_member(worker)
+        cursor = self._touch_cursor.get(worker, b"0")
+        calls_per_pass = max(1, int(RETAIN_S / 3 / every_s))
+        args = [cursor, calls_per_pass, k.block_prefix, milliseconds(RETAIN_S)]
+        with store_errors(f"touch() for {member}"):
+            self._touch_cursor[worker] = self._touch(keys=[k.entry_hashes(member), k.entries], args=args)
+
     def _entries(self) -> list[WorkerKey]:
         with store_errors("reading the index entries"):
-            return [parse_entry_member(m) for m in self._client.smembers(self._keys.entries)]
+            members = self._client.smembers(self._keys.entries)
+        entries = []
+        for m in members:
+            try:
+                entries.append(parse_entry_member(m))
+            except ValueError as bad:  # UnicodeDecodeError is one
+                self._malformed.skip(f"{self._keys.entries} member {m!r}", bad)
+        return entries
 
     def _drop_entry(self, entry: WorkerKey, *, force: bool) -> int:
         member = entry_member(entry)

@@ -6,26 +6,53 @@ A worker's life, as the registry sees it:
     register(info, ttl)             # lease + info; raises if a newer epoch exists
     heartbeat(info, ttl, load) ...  # every ~ttl/3; Lease.SUPERSEDED means: shut down
     deregister(id)                  # or just stop: the lease expires after ttl
+    forget_departed()               # the router, now and then: drop ids whose lease is gone
 
 The lease is the index's lease (same key), so a worker the router may pick is exactly a
-worker whose prefix entries count. heartbeat() rewrites the info too, so after Redis
-restarts empty the next heartbeat puts every running worker back.
+worker whose prefix entries count. heartbeat() rewrites the info when it is missing, so after
+Redis restarts empty the next heartbeat puts every running worker back. The info and load
+hashes expire with the lease; the epoch counter lives EPOCH_RETAIN_S longer
+(pdserve/index/redis_layout.py). A malformed info hash is skipped with a warning naming its
+key, so one bad entry never hides the good ones.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 import redis
 
-from pdserve.index.base import Lease, WorkerKey, check_ttl
-from pdserve.index.redis_layout import LeaseScripts, RedisKeys, require_bytes_client, store_errors
+from pdserve.index.base import Lease, StoreUnavailable, WorkerKey, check_ttl
+from pdserve.index.redis_layout import (
+    LeaseScripts,
+    MalformedKeys,
+    RedisKeys,
+    milliseconds,
+    require_bytes_client,
+    store_errors,
+)
+
+log = logging.getLogger(__name__)
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 _INT_FIELDS = ("block_size", "num_blocks", "epoch")
+
+# KEYS: the workers set. ARGV: the lease key prefix. Removes every worker id whose lease is gone;
+# returns how many. Atomic, so a worker renewing its lease meanwhile is never dropped.
+FORGET_DEPARTED_LUA = """
+local gone = 0
+for _, w in ipairs(redis.call("SMEMBERS", KEYS[1])) do
+  if redis.call("EXISTS", ARGV[1] .. w) == 0 then
+    redis.call("SREM", KEYS[1], w)
+    gone = gone + 1
+  end
+end
+return gone
+"""
 
 
 @dataclass(frozen=True)
@@ -76,6 +103,8 @@ class WorkerRegistry:
         self._client = client
         self._keys = RedisKeys(namespace)
         self._leases = LeaseScripts(client, self._keys)
+        self._forget_departed = client.register_script(FORGET_DEPARTED_LUA)
+        self._malformed = MalformedKeys()
 
     def next_epoch(self, worker_id: str) -> int:
         """A fresh epoch for a (re)starting worker, higher than any before; ends the old lease."""
@@ -96,31 +125,60 @@ class WorkerRegistry:
         """
         lease = self._leases.set_live(info.key, ttl_s, info.to_fields())
         if lease is not Lease.SUPERSEDED and load is not None:
-            self._write_load(info.worker_id, ttl_s, load)
+            try:
+                self._write_load(info.worker_id, ttl_s, load)
+            except StoreUnavailable as e:  # NOTE: the lease was renewed; say so, load is only a hint
+                log.debug("load of %s not written: %s", info.worker_id, e)
         return lease
 
     def live_workers(self) -> list[WorkerInfo]:
         """Workers holding a lease, whose info was written by the incarnation holding it."""
         k = self._keys
         with store_errors("live_workers()"):
-            ids = sorted(m.decode() for m in self._client.smembers(k.workers))
+            ids = sorted(self._client.smembers(k.workers))
             pipe = self._client.pipeline(transaction=False)
             for w in ids:
-                pipe.get(k.live(w))
-                pipe.hgetall(k.info(w))
+                pipe.get(k.live_prefix.encode() + w)
+                pipe.hgetall(k.info_prefix.encode() + w)
             replies = pipe.execute()
         live = []
-        for epoch, raw in zip(replies[0::2], replies[1::2]):
-            if epoch is not None and raw:
-                info = WorkerInfo.from_fields(raw)
-                if info.epoch == int(epoch):
-                    live.append(info)
+        for w, epoch, raw in zip(ids, replies[0::2], replies[1::2]):
+            if epoch is None or not raw:
+                continue
+            info = self._parse_info(w, raw)
+            if info is not None and str(info.epoch).encode() == epoch:
+                live.append(info)
         return live
 
+    def _parse_info(self, worker_id: bytes, raw: Mapping[bytes, bytes]) -> WorkerInfo | None:
+        key = f"{self._keys.info_prefix}{worker_id.decode(errors='backslashreplace')}"
+        try:
+            info = WorkerInfo.from_fields(raw)
+        except (ValueError, TypeError) as e:  # UnicodeDecodeError is a ValueError
+            self._malformed.skip(key, e)
+            return None
+        if info.worker_id.encode() != worker_id:
+            self._malformed.skip(key, f"it names worker {info.worker_id!r}")
+            return None
+        return info
+
     def load_of(self, worker_id: str) -> dict[str, int]:
+        key = self._keys.load(worker_id)
         with store_errors(f"load_of({worker_id!r})"):
-            raw = self._client.hgetall(self._keys.load(worker_id))
-        return {k.decode(): int(v) for k, v in raw.items()}
+            raw = self._client.hgetall(key)
+        load = {}
+        for name, value in raw.items():
+            try:
+                load[name.decode()] = int(value)
+            except ValueError as e:
+                self._malformed.skip(f"{key} field {name!r}", e)
+        return load
+
+    def forget_departed(self) -> int:
+        """Drop from the workers set every id whose lease is gone (it comes back with its next lease)."""
+        k = self._keys
+        with store_errors("forget_departed()"):
+            return int(self._forget_departed(keys=[k.workers], args=[k.live_prefix]))
 
     def deregister(self, worker_id: str) -> None:
         """Take the worker out now (its epoch counter stays, so a restart still gets a higher one)."""
@@ -139,5 +197,5 @@ class WorkerRegistry:
             pipe.delete(key)
             if load:
                 pipe.hset(key, mapping={name: int(n) for name, n in load.items()})
-                pipe.pexpire(key, max(1, round(ttl_s * 1000)))
+                pipe.pexpire(key, milliseconds(ttl_s))
             pipe.execute()

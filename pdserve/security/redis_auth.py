@@ -9,11 +9,14 @@ space it uses and the commands of the registry and the prefix index, e.g. in an 
     user pdserve on >LONG-RANDOM-PASSWORD ~* &* +@all -@dangerous
     user default off
 
-Log URLs through redact_redis_url(): a URL with credentials is itself a secret.
+Log URLs through redact_redis_url(): a URL with credentials is itself a secret. Beyond
+loopback, use rediss://: the password, the registry and the prefix index otherwise cross
+the network in plaintext (redis_exposure_warning() says so at start).
 """
 
 from __future__ import annotations
 
+import ipaddress
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
@@ -48,6 +51,28 @@ def redact_redis_url(url: str) -> str:
     userinfo, _, host = parts.netloc.rpartition("@")
     user = userinfo.partition(":")[0]
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def redis_exposure_warning(url: str) -> str | None:
+    """What is exposed when Redis is reached at url in plaintext beyond this machine; None when the
+    URL is loopback, a unix socket, or TLS (rediss://)."""
+    parts = urlsplit(url)
+    if parts.scheme in ("rediss", "unix") or _is_loopback(parts.hostname or ""):
+        return None
+    password = "its password, " if parts.password is not None else "no password (anyone on the network " \
+        "can write the registry), "
+    return (f"Redis at {redact_redis_url(url)} is reached in plaintext beyond loopback: {password}the worker "
+            "registry and the prefix index cross the network unencrypted. Use rediss:// (TLS) and a "
+            "password (requirepass or an ACL user), or keep Redis on a private network")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def check_redis_credentials(url: str, timeout_s: float = 2.0) -> None:

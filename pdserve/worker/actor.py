@@ -4,7 +4,12 @@ Ray places the actor (num_gpus=1 on GPU nodes, CPUs otherwise), restarts it when
 process dies (max_restarts), and the constructor does everything a fresh process needs:
 load the model, take a new epoch, start the gRPC server, register in Redis. So a
 restarted actor comes back on its own, under a higher epoch, and the router never
-counts the blocks its previous process published.
+counts the blocks its previous process published (its index publisher deletes them).
+
+Redis is shared state, not a dependency of serving: the engine hands KV events to the
+index publisher's queue and never waits on Redis; the publisher and the heartbeat call
+Redis from their own threads, through one circuit breaker, and any Redis error (down,
+hung, out of memory, read-only, permission denied) costs prefix hits, never a request.
 """
 
 from __future__ import annotations
@@ -19,13 +24,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
+from grpc_health.v1 import health_pb2
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.index.base import StoreUnavailable, WorkerKey
+from pdserve.index.breaker import CircuitBreaker
 from pdserve.index.publisher import IndexPublisher
 from pdserve.index.redis_index import RedisPrefixIndex
 from pdserve.index.registry import WorkerInfo, WorkerRegistry
 from pdserve.security import SecurityConfig, TLSConfig
+from pdserve.security.redis_auth import redis_exposure_warning
 from pdserve.worker.presence import Presence
 from pdserve.worker.server import WorkerConfig, WorkerServer
 
@@ -91,22 +99,27 @@ class WorkerActor:
         logging.basicConfig(level=logging.INFO,
                             format=f"%(asctime)s {spec.worker_id} %(levelname)s %(message)s")
         self.spec = spec
+        log = logging.getLogger(__name__)
+        if (warning := redis_exposure_warning(spec.redis_url)) is not None:
+            log.warning("%s: %s", spec.worker_id, warning)
         client = redis_client(spec.redis_url)
         self.registry = WorkerRegistry(client, spec.namespace)
         self.index = RedisPrefixIndex(client, spec.namespace)
         self.epoch = _when_redis_answers(lambda: self.registry.next_epoch(spec.worker_id), spec.redis_wait_s,
                                          spec.worker_id)
-        self.publisher = IndexPublisher(self.index, WorkerKey(spec.worker_id, self.epoch))
+        breaker = CircuitBreaker()  # one view of Redis's health for the heartbeat and the publisher
+        self.publisher = IndexPublisher(self.index, WorkerKey(spec.worker_id, self.epoch), breaker)
         config = WorkerConfig(spec.role, spec.engine_config(), worker_id=spec.worker_id, host=spec.host,
                               advertise_host=_advertise_host(spec.host), node=_node_name(),
                               metrics_port=spec.metrics_port, security=spec.security_config())
         self.server = WorkerServer(config, publisher=self.publisher, epoch=self.epoch)
         address = self.server.start()
+        self.publisher.start(self._cached_hashes)
         engine = self.server.engine
         self.info = WorkerInfo(spec.worker_id, spec.role, address, address, _node_name(),
                                engine.fingerprint, engine.block_size, engine.pool.num_blocks, self.epoch)
-        self.presence = Presence(self.registry, self.publisher, self.info, self._load,
-                                 self._cached_hashes, spec.heartbeat_s, spec.liveness_ttl_s)
+        self.presence = Presence(self.registry, self.publisher, self.info, self._load, spec.heartbeat_s,
+                                 spec.liveness_ttl_s, breaker)
         self.presence.start()
         _on_sigterm(self._drain_and_exit)
 
@@ -133,12 +146,16 @@ class WorkerActor:
     def drain(self, grace_s: float | None = None) -> bool:
         """Leave the registry (the router stops picking this worker within one refresh), refuse new
         requests, and wait for in-flight ones; True when they all finished within the grace."""
+        # NOTE: NOT_SERVING before leaving the registry: a router keeps a worker that vanished from
+        # the registry while it still answers SERVING (Redis may be refusing its heartbeats).
+        self.server.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         self.presence.stop(deregister=True)
         return self.server.drain(self.spec.drain_grace_s if grace_s is None else grace_s)
 
     def stop(self) -> None:
         self.presence.stop()
         self.server.stop()
+        self.publisher.stop()
 
     def _drain_and_exit(self) -> None:
         finished = self.drain()
@@ -149,8 +166,8 @@ class WorkerActor:
 
 
 def redis_client(url: str, timeout_s: float = REDIS_TIMEOUT_S) -> redis.Redis:
-    """A client with exactly one connection, which the heartbeat thread and the engine's index
-    publisher take in turn (a caller waits at most timeout_s for it, then sees the store as
+    """A client with exactly one connection, which the heartbeat thread and the index publisher's
+    thread take in turn (a caller waits at most timeout_s for it, then sees the store as
     unavailable, as it would a Redis that does not answer). One connection, not a pool that grows
     when the two threads happen to overlap: a worker's descriptor count stays fixed (the soak
     judges it), and Redis serves every worker with one connection each."""

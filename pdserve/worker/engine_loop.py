@@ -1,7 +1,8 @@
 """The engine loop: one thread owns engine.step(); requests subscribe to their outputs.
 
     submit()/resume() --register a RequestStream--> engine.add_request / resume_transferred
-    loop thread: while work: outputs = engine.step(observer); each output -> its stream's queue
+    loop thread: while work: outputs = engine.step(observer); each output -> its stream's queue;
+                 the duration of each step that had work goes to observe_step (a metric)
     abort(): engine.abort (blocks freed now) and the stream ends with finish_reason "abort"
     a step that raises: every request in flight is aborted (blocks freed) and its stream ends
     with finish_reason "error"; the loop keeps serving new requests. After max_failed_steps
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -52,12 +54,14 @@ class RequestStream:
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, observer: StepObserver | None = None, *, max_failed_steps: int = 3,
-                 on_failing: Callable[[int], None] | None = None) -> None:
+                 on_failing: Callable[[int], None] | None = None,
+                 observe_step: Callable[[float], None] | None = None) -> None:
         self.engine = engine
         self.observer = observer  # the KV sender, on a worker that sends KV
         self.max_failed_steps = max_failed_steps
         self._on_failing = on_failing
         self._failed_in_a_row = 0
+        self._observe_step = observe_step  # seconds of each step that had work to do
         self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Condition()
         self._stopping = False
@@ -133,8 +137,10 @@ class EngineLoop:
             with self._wake:
                 if self._stopping:
                     return
-                if not self.engine.has_unfinished():
+                busy = self.engine.has_unfinished()
+                if not busy:
                     self._wake.wait(timeout=_IDLE_WAIT_S)
+            started = time.perf_counter()
             try:
                 outputs = self.engine.step(self.observer)
             except Exception:  # NOTE: one bad step must not take the worker down with it
@@ -143,6 +149,8 @@ class EngineLoop:
                 self._count_failure()
                 continue
             self._failed_in_a_row = 0
+            if busy and self._observe_step is not None:
+                self._observe_step(time.perf_counter() - started)
             for output in outputs:
                 self._deliver(output)
 

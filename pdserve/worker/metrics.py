@@ -1,9 +1,11 @@
 """A worker's Prometheus metrics.
 
-Latency histograms are observed by the Worker service as tokens leave; everything else
+Latency histograms are observed by the Worker service as tokens leave, and the engine step's
+duration by the engine loop after each step that had work (it shows whether anything, such as
+a slow index store, makes the step wait); everything else
 (queue depth, KV blocks, token totals, transfer bytes and outcomes) is read from the
 worker's own Status at scrape time, so the metrics endpoint and the Status RPC can never
-disagree and the engine loop does no metric work.
+disagree.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ class WorkerMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("pdserve_worker_itl_seconds", "Gap between successive Decode messages",
                              buckets=LATENCY_BUCKETS, registry=r)
+        self.step_seconds = Histogram("pdserve_worker_step_seconds",
+                                      "Duration of one engine step that had work (batch forward, sampling, "
+                                      "KV event hand-off)", buckets=LATENCY_BUCKETS, registry=r)
 
     def read_status_from(self, status: Callable[[], worker_pb2.WorkerStatus]) -> None:
         self.registry.register(SnapshotCollector(lambda: status_metrics(status())))

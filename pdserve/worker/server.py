@@ -132,13 +132,14 @@ class WorkerServer:
         self.sender = LayerwiseSender(self.engine, self.layout, config.max_chunk_bytes)
         self.receiver = KVReceiver(self.engine, self.layout, config.parked_ttl_s)
         self._on_failing = on_failing
+        self.metrics = WorkerMetrics()
         self.loop = EngineLoop(self.engine, observer=self.sender, max_failed_steps=config.max_failed_steps,
-                               on_failing=self._out_of_service)
+                               on_failing=self._out_of_service,
+                               observe_step=self.metrics.step_seconds.observe)
         self.faults = (FaultInjector(config.fault_plan, sleep=fault_sleep)
                        if config.fault_plan is not None else None)
         self.epoch = epoch
         self.address = ""
-        self.metrics = WorkerMetrics()
         self.metrics_endpoint = (MetricsEndpoint(self.metrics.registry, config.host, config.metrics_port)
                                  if config.metrics_port is not None else None)
         self.health = health.HealthServicer()

@@ -29,6 +29,7 @@ import redis
 
 from pdserve.client import PdserveClient
 from pdserve.index.registry import WorkerRegistry
+from pdserve.security.redis_auth import redis_url_with_credentials
 from tests.cluster.test_cluster_basics import chat_ids, reference_tokens
 from tests.cluster.test_make_up import port_is_free, read_until
 from tests.conftest import make_engine
@@ -92,6 +93,15 @@ def stop(proc: subprocess.Popen, how, timeout_s: float) -> None:
             proc.wait()
 
 
+def embedded_redis_url(up_output: str) -> str:
+    """The embedded Redis's URL with its password, which `pdserve up` prints only redacted: read from
+    the redis.conf it names, as an operator reaching for redis-cli would."""
+    found = re.search(r"^redis +(\S+) \(embedded; generated password in (\S+)\)", up_output, re.MULTILINE)
+    redacted, config = found.group(1), found.group(2)
+    password = re.search(r'^requirepass "(.*)"$', Path(config).read_text(), re.MULTILINE).group(1)
+    return redis_url_with_credentials(redacted, None, password)
+
+
 @pytest.mark.slow
 def test_prefill_and_decode_on_their_own_nodes_serve_an_exact_request(smollm_loaded, tmp_path):
     ids = chat_ids(smollm_loaded, QUESTION)
@@ -108,7 +118,7 @@ def test_prefill_and_decode_on_their_own_nodes_serve_an_exact_request(smollm_loa
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             output = read_until(up, "serving on", timeout_s=240)
             router = re.search(r"serving on (\S+);", output).group(1)
-            redis_url = re.search(r"^redis +(\S+)", output, re.MULTILINE).group(1)
+            redis_url = embedded_redis_url(output)
 
             assert len(ids) >= 32, "the prompt must be long enough for a remote prefill"
             with PdserveClient(router, timeout_s=120) as client:

@@ -1,4 +1,5 @@
-"""A real redis-server per test module, and a fresh namespace per test so tests never share keys."""
+"""A real redis-server per test module, with a password as `pdserve up` starts it, and a fresh
+namespace per test so tests never share keys."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ import uuid
 import pytest
 import redis
 
-from deploy.redis_server import RedisServer
+from deploy.redis_server import RedisServer, generate_password
 
 
 @pytest.fixture(scope="module")
 def redis_server():
-    with RedisServer() as server:
+    with RedisServer(password=generate_password()) as server:
         yield server
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -13,6 +14,7 @@ import pytest
 from pdserve.index.base import Lease, PrefixIndex, WorkerKey
 from pdserve.index.memory import InMemoryPrefixIndex
 from pdserve.index.redis_index import RedisPrefixIndex
+from pdserve.index.redis_layout import RETAIN_S, RedisKeys
 
 LONG_TTL = 60.0
 
@@ -223,3 +225,68 @@ def test_a_prompt_longer_than_one_lua_unpack(h):
     h.index.apply(a, many, [])
 
     assert h.index.match(many) == {"a": 14000}
+
+
+def test_a_new_epoch_drops_its_own_older_epochs_only(h):
+    old = live(h, "a", epoch=1)
+    h.index.apply(old, blocks(0, 1, 2), [])
+    other = live(h, "b", epoch=1)
+    h.index.apply(other, blocks(0, 1), [])
+    new = live(h, "a", epoch=2)
+    h.index.apply(new, blocks(0), [])
+
+    assert h.index.drop_older_epochs(new) == 3
+    assert h.index.worker_hashes("a") == set(blocks(0))
+    assert h.index.worker_hashes("b") == set(blocks(0, 1))
+    assert h.index.match(PROMPT) == {"a": 1, "b": 2}
+    assert h.index.drop_older_epochs(new) == 0
+
+
+def test_touch_keeps_everything_matchable(h):
+    a = live(h, "a")
+    h.index.apply(a, blocks(0, 1, 2), [])
+    for _ in range(3):
+        h.index.touch(a, every_s=5.0)
+    assert h.index.match(PROMPT) == {"a": 3}
+
+
+# --- Redis only: what each key's life is, and junk it meets --------------------------------------------
+
+@pytest.fixture
+def redis_index(redis_client, namespace) -> RedisPrefixIndex:
+    return RedisPrefixIndex(redis_client, namespace)
+
+
+def test_every_index_key_expires_and_a_touch_renews_the_block_sets(redis_index, redis_client, namespace):
+    a = WorkerKey("a", 1)
+    redis_index.set_live(a, LONG_TTL)
+    redis_index.apply(a, blocks(*range(600)), [])
+    names = redis_client.keys(f"{namespace}:*")
+    assert len(names) == 600 + 5  # blocks, the entry's hash set, entries, live, epoch, workers
+    keys = RedisKeys(namespace)
+    assert all(0 < redis_client.pttl(k) <= RETAIN_S * 1000 for k in names if k != keys.epoch("a").encode())
+    assert redis_client.pttl(keys.epoch("a")) > 0
+    for k in names:
+        redis_client.pexpire(k, 60_000)  # as if a minute of RETAIN_S were left on each
+    for _ in range(3):  # one full pass in 3 calls: 600 hashes in slices of at least 256
+        redis_index.touch(a, every_s=RETAIN_S / 9)
+    renewed = [k for k in names if k.startswith(keys.block_prefix) and redis_client.pttl(k) > 60_000]
+    assert len(renewed) == 600
+
+
+def test_a_malformed_entry_member_is_skipped_with_a_warning(redis_index, redis_client, namespace, caplog):
+    keys = RedisKeys(namespace)
+    gone = WorkerKey("gone", 1)
+    redis_index.set_live(gone, 0.2)
+    redis_index.apply(gone, blocks(0, 1), [])
+    redis_client.sadd(keys.entries, "no-epoch-here", b"\xff\xfe@1")
+    redis_client.sadd(keys.workers, b"\xff")
+    redis_client.set(keys.live_prefix.encode() + b"\xff", "1")
+    caplog.set_level(logging.WARNING)
+    time.sleep(0.35)
+
+    assert redis_index.live_workers() == {}
+    assert redis_index.sweep() == 2
+    assert redis_index.worker_hashes("gone") == set()
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert f"{keys.entries} member b'no-epoch-here'" in warned and keys.live_prefix in warned

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 
 import pytest
+import redis
 
 from pdserve.index.base import Lease, WorkerKey
 from pdserve.index.redis_index import RedisPrefixIndex
+from pdserve.index.redis_layout import EPOCH_RETAIN_S, RedisKeys
 from pdserve.index.registry import StaleEpoch, WorkerInfo, WorkerRegistry
 
 TTL = 30.0
@@ -37,7 +40,84 @@ def test_epochs_increase_across_restarts(registry):
     assert registry.live_workers() == []  # a new epoch ends the old incarnation's lease at once
     registry.register(make_info(epoch=second), TTL)
     assert [w.epoch for w in registry.live_workers()] == [second]
-    assert registry.next_epoch("other") == 1
+
+
+def test_an_expired_epoch_counter_never_hands_out_an_older_epoch(registry, redis_client, namespace):
+    """The counter expires EPOCH_RETAIN_S after the worker's last renewal (or Redis restarts empty); the
+    next epoch is seeded from the server's clock, so it is still above every one handed out before.
+    Before the seed, it started again at 1 and an old incarnation could take the lease back."""
+    keys = RedisKeys(namespace)
+    old = registry.next_epoch("p0")
+    registry.register(make_info(epoch=old), TTL)
+    assert 0 < redis_client.pttl(keys.epoch("p0")) <= EPOCH_RETAIN_S * 1000
+
+    redis_client.delete(keys.epoch("p0"))  # what expiry does
+    new = registry.next_epoch("p0")
+
+    assert new > old
+    assert registry.heartbeat(make_info(epoch=old), TTL) is Lease.SUPERSEDED
+
+
+def test_every_registry_key_expires(registry, redis_client, namespace):
+    info = make_info(epoch=registry.next_epoch("p0"))
+    registry.register(info, TTL)
+    registry.heartbeat(info, TTL, {"active": 1})
+
+    names = redis_client.keys(f"{namespace}:*")
+    assert len(names) == 5  # live, epoch, info, load, workers
+    assert all(redis_client.pttl(k) > 0 for k in names)
+
+
+def test_a_renewal_only_moves_expiry_so_a_full_redis_keeps_the_lease(registry, redis_client, namespace):
+    info = make_info(epoch=registry.next_epoch("p0"))
+    registry.register(info, SHORT_TTL)
+    redis_client.config_set("maxmemory-policy", "noeviction")
+    redis_client.config_set("maxmemory", "1")  # every write that needs memory is refused
+    try:
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            redis_client.set("grow", "x")
+        for _ in range(3):
+            time.sleep(SHORT_TTL / 2)
+            assert registry.heartbeat(info, SHORT_TTL, {"active": 2}) is Lease.RENEWED
+        assert registry.live_workers() == [info]
+    finally:
+        redis_client.config_set("maxmemory", "0")
+
+
+def test_malformed_entries_are_skipped_with_a_warning_naming_the_key(registry, redis_client, namespace,
+                                                                      caplog):
+    keys = RedisKeys(namespace)
+    good = make_info(epoch=registry.next_epoch("p0"))
+    registry.register(good, TTL)
+    redis_client.hset(keys.info("junk"), mapping={"role": "banana"})
+    redis_client.hset(keys.info("other-id"), mapping=replace(good, worker_id="p1").to_fields())
+    for w in ("junk", "other-id"):
+        redis_client.set(keys.live(w), "1", px=60_000)
+        redis_client.sadd(keys.workers, w)
+    redis_client.hset(keys.load("p0"), mapping={"active": "3", "queue": "lots"})
+    caplog.set_level(logging.WARNING)
+
+    assert registry.live_workers() == [good]
+    assert registry.load_of("p0") == {"active": 3}
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert keys.info("junk") in warned and keys.info("other-id") in warned and keys.load("p0") in warned
+    caplog.clear()
+    assert registry.live_workers() == [good]
+    assert not caplog.records  # once per key: the router reads them on every refresh
+
+
+def test_forget_departed_drops_ids_whose_lease_is_gone(registry, redis_client, namespace):
+    stays = make_info("p0", epoch=registry.next_epoch("p0"))
+    goes = make_info("p1", epoch=registry.next_epoch("p1"))
+    registry.register(stays, TTL)
+    registry.register(goes, SHORT_TTL)
+    assert registry.forget_departed() == 0
+    time.sleep(SHORT_TTL + 0.15)
+
+    assert registry.forget_departed() == 1
+    assert redis_client.smembers(RedisKeys(namespace).workers) == {b"p0"}
+    assert registry.heartbeat(goes, TTL) is Lease.STARTED  # back: listed again
+    assert [w.worker_id for w in registry.live_workers()] == ["p0", "p1"]
 
 
 def test_an_old_incarnation_cannot_register_or_heartbeat(registry):

@@ -113,3 +113,91 @@ def test_a_retired_address_gets_a_new_channel_when_asked_again(cluster):
     cluster.directory.stub("127.0.0.1:1001")
     first, second = cluster.security.opened["127.0.0.1:1001"]
     assert is_closed(first) and not is_closed(second)
+
+
+# --- a worker that leaves the registry: kept while it answers SERVING ------------------------------------
+
+@pytest.fixture
+def health_server():
+    """A real gRPC health service on a free port (what every worker serves)."""
+    from concurrent import futures
+
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    server.stop(0).wait()
+
+
+def test_a_worker_that_left_the_registry_stays_while_it_answers_serving(health_server):
+    """Redis refusing or losing heartbeats lapses every lease; that must not empty the router's view.
+    A worker that drains answers NOT_SERVING before it deregisters, and goes."""
+    from grpc_health.v1 import health_pb2
+
+    health, address = health_server
+    health.set("", health_pb2.HealthCheckResponse.SERVING)
+    live = [Record("decode-0", "decode", address)]
+    directory = WorkerDirectory(lambda: live)
+    try:
+        directory.refresh()
+        live = []
+        directory.refresh()
+        assert [w.worker_id for w in directory.workers()] == ["decode-0"]
+        health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        directory.refresh()
+        assert directory.workers() == []
+    finally:
+        directory.stop()
+
+
+def test_a_worker_that_left_and_does_not_answer_is_dropped_at_once():
+    live = [Record("decode-0", "decode", "127.0.0.1:1")]  # nothing listens on port 1
+    directory = WorkerDirectory(lambda: live)
+    try:
+        directory.refresh()
+        live.clear()
+        directory.refresh()
+        assert directory.workers() == []
+    finally:
+        directory.stop()
+
+
+def test_the_sweep_goes_through_the_breaker_and_waits_while_a_worker_is_kept(health_server):
+    from grpc_health.v1 import health_pb2
+
+    from pdserve.index.base import StoreUnavailable
+
+    health, address = health_server
+    health.set("", health_pb2.HealthCheckResponse.SERVING)
+    sweeps: list[int] = []
+    failing = [True]
+
+    def sweep() -> int:
+        sweeps.append(1)
+        if failing[0]:
+            raise StoreUnavailable("Redis refused sweep(): READONLY")
+        return 0
+
+    live = [Record("decode-0", "decode", address)]
+    directory = WorkerDirectory(lambda: live, sweep=sweep)
+    try:
+        directory.refresh()
+        directory.sweep()
+        directory.sweep()  # the breaker opened on the first failure: skipped
+        assert len(sweeps) == 1 and directory.breaker.failures == 1
+        failing[0] = False
+        live = []
+        directory.breaker.open_s = 0.0
+        directory.refresh()  # decode-0 is kept: it still serves
+        directory.sweep()
+        assert len(sweeps) == 1
+        live = [Record("decode-0", "decode", address)]
+        directory.refresh()
+        directory.sweep()
+        assert len(sweeps) == 2
+    finally:
+        directory.stop()
