@@ -121,7 +121,7 @@ class BlockPool:
             if parent is None:
                 break
             current = self._hash_to_block.get(parent)
-            if current is None:
+            if current is None or len(chain) >= self.num_blocks:  # evicted; or a cycle, never a chain
                 return None
         chain.reverse()
         return chain

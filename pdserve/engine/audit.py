@@ -1,0 +1,255 @@
+"""The KV audit: recompute cached blocks from their token prefix and compare with the stored bytes.
+
+A checksum proves KV bytes arrived as sent; this proves they are right. The pool keeps, per
+hashed block, its token ids and its parent's hash, so a cached block's whole token prefix is
+known (BlockPool.prefix_chain). One audit (KVAuditor.audit):
+
+    PLAN       under engine.lock: targets = a random sample of hashed blocks (or all of them),
+               in use or not; each target's chain = the blocks of its prefix, root first. A
+               target already on a longer planned chain rides on that chain's recompute. A
+               target with no chain (an ancestor was evicted) is SKIPPED: it can never be
+               matched (matching walks from the first block) and LRU eviction reclaims it.
+    SNAPSHOT   under engine.lock, per chain: every block must still hold its planned hash (else
+               the chain's unchecked blocks are skipped); copy their stored bytes.
+    RECOMPUTE  without the lock: the chain's tokens as one prefill chunk from position 0, through
+               the engine's own ModelRunner and model, over a scratch KV tensor sized for the
+               chain. No pool block is taken, no request or event is created.
+    COMPARE    each block's stored rows with the recomputed ones (ComparisonRule).
+    EVICT      under engine.lock, a mismatched block that still holds its hash:
+               LLMEngine.discard_block -> BlockPool.discard records BlockRemoved, which the
+               engine's publisher ships (the index unpublishes it). A block in use loses its
+               hash at once (nothing new matches it) and is freed when its holders release it;
+               the requests holding it run on.
+
+Why a tolerance (measured on CPU, float32 compute; tests/engine/test_audit.py pins each path):
+the recompute is one chunk of exactly the chain's tokens, but the block was computed inside
+a prompt of another length, in prefill chunks, batched with other sequences, by decode steps,
+or after a prefix hit. A CPU GEMM's rows can differ in the last bits with the batch shape, so
+on a real model the recompute is bit-exact only when the shapes happen to agree. Worst
+difference seen, relative to the largest |value| of the block's (layer, K|V) slab:
+
+    path (SmolLM2-135M; tiny model in brackets)  bit-exact     worst rel. diff (float32 cache)
+    one prompt, one chunk                        6/15 [all]    5.1e-6 [0]
+    chunked prefill                              4/20 [8/20]   4.1e-6 [3.5e-7]
+    batched prefill, 6 prompts a step            15/20 [all]   2.3e-6 [0]
+    chunks + decode steps, decode-written blocks 11/29 [12/29] 4.9e-6 [4.8e-7]
+    after a prefix-cache hit                     6/10 [all]    3.0e-6 [0]
+    preempted and recomputed                     0/12 [8/12]   4.6e-6 [4.0e-7]
+    1,000-token prompts, chunks of 256, decode   see _MEASURED below
+    received over gRPC from another worker       the bytes are the sender's, verbatim
+
+A float16 / bfloat16 cache rounds each value once; a last-bit difference before rounding can
+flip that rounding, so differences there are about one unit in the last place of the cache
+type (worst seen: 1.4e-3 float16, 1.4e-2 bfloat16, same paths). Hence the rule: a block
+passes when its bytes are identical (counted as exact), or when in every (layer, K|V) slab
+
+    max |stored - recomputed|  <=  tolerance(dtype) x max |recomputed|
+
+with tolerance 2^-14 (6.1e-5) for float32, 8 x 2^-10 (7.8e-3) for float16 and 8 x 2^-7
+(6.3e-2) for bfloat16: at least 4x the worst difference seen. A stored NaN or inf never
+passes. Each report gives the worst difference it saw, so the margin can be watched.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.block_pool import Discarded
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
+from pdserve.engine.scheduler import ScheduledChunk
+from pdserve.engine.sequence import SamplingParams, Sequence
+
+log = logging.getLogger(__name__)
+
+# Relative to the largest |value| of a block's (layer, K|V) slab; see the module docstring.
+TOLERANCE = {"float32": 2.0**-14, "float16": 8 * 2.0**-10, "bfloat16": 8 * 2.0**-7}
+
+
+@dataclass(frozen=True)
+class BlockVerdict:
+    exact: bool
+    passed: bool
+    max_abs_diff: float
+    max_rel_diff: float
+
+
+@dataclass(frozen=True)
+class ComparisonRule:
+    kv_dtype: str
+    tolerance: float
+
+    @classmethod
+    def for_dtype(cls, kv_dtype: str) -> ComparisonRule:
+        return cls(kv_dtype, TOLERANCE[kv_dtype])
+
+    def describe(self) -> str:
+        return (f"bit-exact, else max|stored - recomputed| <= {self.tolerance:.3g} x max|recomputed| "
+                f"in every (layer, K|V) slab of the block ({self.kv_dtype} cache)")
+
+    def compare(self, stored: torch.Tensor, recomputed: torch.Tensor) -> BlockVerdict:
+        """stored, recomputed: one block, [layers, 2, block_size, kv_heads, head_dim]."""
+        if torch.equal(stored, recomputed):
+            return BlockVerdict(True, True, 0.0, 0.0)
+        s, r = stored.float(), recomputed.float()
+        diff = (s - r).abs().amax(dim=(2, 3, 4))  # [layers, 2]; NaN when stored holds a NaN
+        scale = r.abs().amax(dim=(2, 3, 4))
+        passed = bool(torch.isfinite(s).all()) and bool((diff <= self.tolerance * scale).all())
+        max_abs = float(diff.max())
+        rel = diff / scale.clamp_min(torch.finfo(torch.float32).tiny)
+        max_rel = float(rel.max()) if torch.isfinite(rel).all() else float("inf")
+        return BlockVerdict(False, passed, max_abs if max_abs == max_abs else float("inf"), max_rel)
+
+
+@dataclass
+class AuditReport:
+    """One audit. mismatched - evicted = mismatched blocks the engine had evicted meanwhile."""
+
+    rule: str
+    cached_blocks: int = 0  # hashed blocks when the audit planned
+    checked: int = 0
+    exact: int = 0  # of checked: identical bytes
+    mismatched: int = 0
+    evicted: int = 0  # mismatched blocks taken out of the prefix cache and unpublished
+    evicted_in_use: int = 0  # of evicted: still referenced, freed when their holders release them
+    skipped: int = 0  # no chain (an ancestor evicted), or evicted between planning and the check
+    max_abs_diff: float = 0.0
+    max_rel_diff: float = 0.0
+    elapsed_s: float = 0.0
+    complete: bool = True  # False: stop_at came before every chain was checked
+
+    def add(self, verdict: BlockVerdict) -> None:
+        self.checked += 1
+        self.exact += verdict.exact
+        self.max_abs_diff = max(self.max_abs_diff, verdict.max_abs_diff)
+        self.max_rel_diff = max(self.max_rel_diff, verdict.max_rel_diff)
+
+
+@dataclass
+class AuditTotals:
+    """Since the auditor was made (Status and /metrics read these)."""
+
+    audits: int = 0
+    checked: int = 0
+    mismatched: int = 0
+    evicted: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class _Chain:
+    """One recompute: the chain's blocks and hashes, root first, and which of them to check."""
+
+    block_ids: list[int]
+    hashes: list[bytes]
+    tokens: list[int]
+    check: list[int]  # positions in the chain: blocks no earlier chain checks
+
+
+class KVAuditor:
+    """Audits one engine's prefix cache; one audit at a time (the RPC and the scrubber share it)."""
+
+    def __init__(self, engine: LLMEngine, rng: random.Random | None = None) -> None:
+        self.engine = engine
+        self.rule = ComparisonRule.for_dtype(engine.config.cache.kv_dtype)
+        self._rng = rng or random.Random()
+        self._busy = threading.Lock()
+        self._totals_lock = threading.Lock()
+        self._totals = AuditTotals()
+
+    def totals(self) -> AuditTotals:
+        with self._totals_lock:
+            return AuditTotals(**vars(self._totals))
+
+    def audit(self, sample: int = 0, stop_at: float | None = None) -> AuditReport:
+        """Check `sample` randomly chosen cached blocks (0: every one), each with its cached
+        ancestors, which the same recompute covers; stop starting chains at stop_at (monotonic)."""
+        if sample < 0:
+            raise ValueError(f"sample must be >= 0 (0 = every cached block), got {sample}")
+        with self._busy:
+            started = time.perf_counter()
+            report = AuditReport(self.rule.describe())
+            chains = self._plan(sample, report)
+            for chain in chains:
+                if stop_at is not None and time.monotonic() >= stop_at:
+                    report.complete = False
+                    break
+                self._check(chain, report)
+            report.elapsed_s = time.perf_counter() - started
+            self._count(report)
+            return report
+
+    def _count(self, report: AuditReport) -> None:
+        with self._totals_lock:
+            t = self._totals
+            t.audits += 1
+            t.checked += report.checked
+            t.mismatched += report.mismatched
+            t.evicted += report.evicted
+            t.seconds += report.elapsed_s
+
+    # --- PLAN ----------------------------------------------------------------------------------
+    def _plan(self, sample: int, report: AuditReport) -> list[_Chain]:
+        engine, pool = self.engine, self.engine.pool
+        with engine.lock:
+            hashed = pool.cached_block_ids()
+            report.cached_blocks = len(hashed)
+            targets = self._rng.sample(hashed, sample) if 0 < sample < len(hashed) else hashed
+            found = [(t, pool.prefix_chain(t)) for t in targets]
+            report.skipped += sum(chain is None for _, chain in found)
+            found = [(t, chain) for t, chain in found if chain is not None]
+            found.sort(key=lambda tc: len(tc[1]), reverse=True)  # longest first: ancestors ride on them
+            chains: list[_Chain] = []
+            covered: set[int] = set()
+            for target, ids in found:
+                if target in covered:  # on a longer chain already: checked by its recompute
+                    continue
+                tokens = [t for b in ids for t in pool.block_tokens(b)]
+                check = [i for i, b in enumerate(ids) if b not in covered]
+                chains.append(_Chain(ids, [pool.block_hash(b) for b in ids], tokens, check))
+                covered.update(ids)
+        return chains
+
+    # --- SNAPSHOT, RECOMPUTE, COMPARE, EVICT -------------------------------------------------------
+    def _check(self, chain: _Chain, report: AuditReport) -> None:
+        engine = self.engine
+        with engine.lock:
+            pool = engine.pool
+            if any(pool.block_hash(b) != h for b, h in zip(chain.block_ids, chain.hashes, strict=True)):
+                report.skipped += len(chain.check)  # evicted (maybe reused) since the plan
+                return
+            ids = [chain.block_ids[i] for i in chain.check]
+            stored = engine.kv_cache[:, :, ids].clone()  # [layers, 2, n, block_size, heads, dim]
+        recomputed = self.recompute(chain.tokens)
+        for n, pos in enumerate(chain.check):
+            verdict = self.rule.compare(stored[:, :, n], recomputed[:, :, pos])
+            report.add(verdict)
+            if not verdict.passed:
+                self._evict(chain.block_ids[pos], chain.hashes[pos], verdict, report)
+
+    def recompute(self, tokens: list[int]) -> torch.Tensor:
+        """KV of tokens (whole blocks) computed from scratch by the engine's own model code path,
+        on a scratch tensor: [layers, 2, len(tokens) // block_size, block_size, heads, dim]."""
+        engine, block_size = self.engine, self.engine.block_size
+        num_blocks = len(tokens) // block_size
+        scratch = allocate_kv_cache(engine.model, num_blocks, block_size, engine.config.cache.kv_dtype)
+        seq = Sequence("kv-audit", list(tokens), SamplingParams(max_tokens=1), arrival=0)
+        seq.block_ids = list(range(num_blocks))
+        ModelRunner(engine.model, scratch, block_size).run([ScheduledChunk(seq, 0, len(tokens))])
+        return scratch
+
+    def _evict(self, block_id: int, block_hash: bytes, verdict: BlockVerdict, report: AuditReport) -> None:
+        report.mismatched += 1
+        outcome = self.engine.discard_block(block_id, block_hash)
+        if outcome is not Discarded.GONE:
+            report.evicted += 1
+            report.evicted_in_use += outcome is Discarded.UNLISTED
+        log.warning("KV audit: block %d (hash %s) differs from its recompute by %.3g (%.3g of the slab's "
+                    "largest value; the rule: %s): %s", block_id, block_hash.hex(), verdict.max_abs_diff,
+                    verdict.max_rel_diff, self.rule.describe(), outcome.value)
