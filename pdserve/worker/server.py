@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pdserve.engine.audit import KVAuditor
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.events import KVEventPublisher
 from pdserve.engine.llm_engine import LLMEngine
@@ -33,6 +34,7 @@ from pdserve.transfer.receiver import KVReceiver
 from pdserve.transfer.sender import LayerwiseSender
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.metrics import WorkerMetrics
+from pdserve.worker.scrubber import DEFAULT_MAX_FRACTION, check_scrubber_settings, scrubber_for
 from pdserve.worker.service import WorkerServicer
 from protos.pdserve.v1 import kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -59,10 +61,13 @@ class WorkerConfig:
     # Set only by code that builds the config; nothing reads it from the environment.
     fault_plan: FaultPlan | None = None
     security: SecurityConfig | None = None  # None: plaintext, no cluster secret
+    audit_interval_s: float | None = None  # background KV audit every so often; None: off (scrubber.py)
+    audit_max_fraction: float = DEFAULT_MAX_FRACTION  # of wall time the background audit may take
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        check_scrubber_settings(self.audit_interval_s, self.audit_max_fraction)
         if self.transfer_timeout_s is not None and self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be > 0 seconds (None: the Prefill call's deadline), "
                              f"got {self.transfer_timeout_s}")
@@ -81,6 +86,8 @@ class WorkerServer:
         self.sender = LayerwiseSender(self.engine.kv_cache, self.layout, config.max_chunk_bytes)
         self.receiver = KVReceiver(self.engine, self.layout, config.parked_ttl_s)
         self.loop = EngineLoop(self.engine, layer_hook=self.sender)
+        self.auditor = KVAuditor(self.engine)
+        self.scrubber = scrubber_for(self.auditor, config.audit_interval_s, config.audit_max_fraction)
         self.faults = FaultInjector(config.fault_plan) if config.fault_plan is not None else None
         self.epoch = epoch
         self.address = ""
@@ -106,12 +113,13 @@ class WorkerServer:
             self.metrics_endpoint.start()
         self.servicer = WorkerServicer(self.engine, self.loop, self.sender, self.receiver, self.identity(),
                                        self.metrics, transfer_timeout_s=self.config.transfer_timeout_s,
-                                       faults=self.faults, security=self.security)
+                                       faults=self.faults, security=self.security, auditor=self.auditor)
         self.metrics.read_status_from(self.servicer.status)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, server)
         kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(self.receiver), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.loop.start()
+        self.scrubber.start()
         server.start()
         self._server = server
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -147,6 +155,7 @@ class WorkerServer:
             self.servicer.serving = False
         if self._server is not None:
             self._server.stop(grace_s).wait()
+        self.scrubber.stop()
         self.loop.stop()
         if self.servicer is not None:
             self.servicer.close()
