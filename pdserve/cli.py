@@ -281,6 +281,7 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
                    help="least_load/round_robin: prompts shorter than N tokens are prefilled on the "
                         f"decode worker, with no KV transfer (default: {d.min_remote_prefill_tokens})")
     _add_up_limits(p, d)
+    _add_up_audit(p, d)
     _add_up_security(p)
     p.add_argument("--no-sample", action="store_true",
                    help="do not answer the sample chat after start-up")
@@ -301,6 +302,19 @@ def _add_up_limits(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
     limits.add_argument("--max-concurrent-streams", type=int, metavar="N",
                         help="Generate calls in flight at the router; more are refused with "
                              f"RESOURCE_EXHAUSTED and a retry hint (default: {d.max_concurrent_streams})")
+
+
+def _add_up_audit(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
+    audit = p.add_argument_group("KV audit", "a background scrubber on every worker that recomputes cached "
+                                             "KV blocks and evicts any that differ (`pdserve audit` runs one "
+                                             "on demand)")
+    audit.add_argument("--audit-interval-s", type=float, metavar="SECONDS",
+                       help="audit one random cached block and its cached ancestors every SECONDS at least "
+                            "(default: off)")
+    audit.add_argument("--audit-max-fraction", type=float, metavar="F",
+                       help="most of each worker's wall time the scrubber may spend, measured: after an "
+                            "audit that took t seconds it waits at least t x (1 - F) / F "
+                            f"(default: {d.audit_max_fraction:g})")
 
 
 def _add_up_security(p: argparse.ArgumentParser) -> None:

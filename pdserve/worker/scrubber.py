@@ -18,8 +18,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
-from pdserve.engine.audit import KVAuditor
+if TYPE_CHECKING:  # NOTE: only for the type: deploy/config.py reads the settings' check without torch
+    from pdserve.engine.audit import KVAuditor
 
 log = logging.getLogger(__name__)
 
