@@ -15,6 +15,7 @@ from pdserve.metrics import scrape
 from pdserve.worker.convert import sampling_to_proto
 from pdserve.worker.server import WorkerConfig, WorkerServer
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from tests.cluster.conftest import audit_failures
 from tests.conftest import make_engine
 from tests.engine.test_audit import corrupt
 from tests.worker.test_worker_service import assert_clean
@@ -69,7 +70,9 @@ def test_audit_over_grpc_finds_a_corrupt_received_block_and_the_next_request_is_
     with decode.engine.lock:
         corrupt(decode.engine, received[2], layer=1)
     published.events.clear()
-    found = audit(decode)
+    failures = audit_failures([prefill.address, decode.address])  # the helper every fault test ends with
+    assert list(failures) == [decode.address]
+    found = failures[decode.address]
     assert (found.mismatched, found.evicted, found.evicted_in_use) == (1, 1, 0), found
     assert published.events == [BlockRemoved(hashes[2], received[2])]  # what the index publisher ships
     status = decode.status()
