@@ -119,6 +119,7 @@ class AuditReport:
     evicted: int = 0  # mismatched blocks taken out of the prefix cache and unpublished
     evicted_in_use: int = 0  # of evicted: still referenced, freed when their holders release them
     skipped: int = 0  # no chain (an ancestor evicted), or evicted between planning and the check
+    recomputed_tokens: int = 0  # what the audit cost: tokens run through the model
     max_abs_diff: float = 0.0
     max_rel_diff: float = 0.0
     elapsed_s: float = 0.0
@@ -152,6 +153,14 @@ class _Chain:
     check: list[int]  # positions in the chain: blocks no earlier chain checks
 
 
+@dataclass(frozen=True)
+class _Recomputed:
+    """The last chain's recomputed KV, kept for the next chain that shares its leading blocks."""
+
+    hashes: list[bytes]
+    kv: torch.Tensor
+
+
 class KVAuditor:
     """Audits one engine's prefix cache; one audit at a time (the RPC and the scrubber share it)."""
 
@@ -175,12 +184,14 @@ class KVAuditor:
         with self._busy:
             started = time.perf_counter()
             report = AuditReport(self.rule.describe())
-            chains = self._plan(sample, report)
-            for chain in chains:
+            previous: _Recomputed | None = None
+            # NOTE: in hash order, chains that share leading blocks are neighbours (as sorted strings
+            # are), so each one shares the most it can with the one recomputed just before it.
+            for chain in sorted(self._plan(sample, report), key=lambda c: c.hashes):
                 if stop_at is not None and time.monotonic() >= stop_at:
                     report.complete = False
                     break
-                self._check(chain, report)
+                previous = self._check(chain, report, previous) or previous
             report.elapsed_s = time.perf_counter() - started
             self._count(report)
             return report
@@ -217,31 +228,45 @@ class KVAuditor:
         return chains
 
     # --- SNAPSHOT, RECOMPUTE, COMPARE, EVICT -------------------------------------------------------
-    def _check(self, chain: _Chain, report: AuditReport) -> None:
+    def _check(self, chain: _Chain, report: AuditReport, previous: _Recomputed | None) -> _Recomputed | None:
         engine = self.engine
         with engine.lock:
             pool = engine.pool
             if any(pool.block_hash(b) != h for b, h in zip(chain.block_ids, chain.hashes, strict=True)):
                 report.skipped += len(chain.check)  # evicted (maybe reused) since the plan
-                return
+                return None
             ids = [chain.block_ids[i] for i in chain.check]
             stored = engine.kv_cache[:, :, ids].clone()  # [layers, 2, n, block_size, heads, dim]
-        recomputed = self.recompute(chain.tokens)
+        shared = 0
+        if previous is not None:
+            shared = next((i for i, (a, b) in enumerate(zip(chain.hashes, previous.hashes)) if a != b),
+                          min(len(chain.hashes), len(previous.hashes)))
+            shared = min(shared, len(chain.hashes) - 1)  # at least the last block is computed here
+        recomputed = self.recompute(chain.tokens, (previous.kv, shared) if shared else None)
+        report.recomputed_tokens += len(chain.tokens) - shared * engine.block_size
         for n, pos in enumerate(chain.check):
             verdict = self.rule.compare(stored[:, :, n], recomputed[:, :, pos])
             report.add(verdict)
             if not verdict.passed:
                 self._evict(chain.block_ids[pos], chain.hashes[pos], verdict, report)
+        return _Recomputed(chain.hashes, recomputed)
 
-    def recompute(self, tokens: list[int]) -> torch.Tensor:
-        """KV of tokens (whole blocks) computed from scratch by the engine's own model code path,
-        on a scratch tensor: [layers, 2, len(tokens) // block_size, block_size, heads, dim]."""
+    def recompute(self, tokens: list[int], reuse: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+        """KV of tokens (whole blocks) computed by the engine's own model code path on a scratch
+        tensor: [layers, 2, len(tokens) // block_size, block_size, heads, dim]. reuse=(kv, k): the
+        first k blocks are already recomputed in kv; the rest is one chunk on top of them, as a
+        prefix-cache hit computes it. Else one chunk from position 0."""
         engine, block_size = self.engine, self.engine.block_size
         num_blocks = len(tokens) // block_size
         scratch = allocate_kv_cache(engine.model, num_blocks, block_size, engine.config.cache.kv_dtype)
+        start = 0
+        if reuse is not None:
+            kv, start_block = reuse
+            scratch[:, :, :start_block] = kv[:, :, :start_block]
+            start = start_block * block_size
         seq = Sequence("kv-audit", list(tokens), SamplingParams(max_tokens=1), arrival=0)
         seq.block_ids = list(range(num_blocks))
-        ModelRunner(engine.model, scratch, block_size).run([ScheduledChunk(seq, 0, len(tokens))])
+        ModelRunner(engine.model, scratch, block_size).run([ScheduledChunk(seq, start, len(tokens) - start)])
         return scratch
 
     def _evict(self, block_id: int, block_hash: bytes, verdict: BlockVerdict, report: AuditReport) -> None:

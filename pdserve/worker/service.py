@@ -260,7 +260,7 @@ def _audit_reply(worker_id: str, r: AuditReport) -> worker_pb2.AuditReply:
         worker_id=worker_id, cached_blocks=r.cached_blocks, checked=r.checked, exact=r.exact,
         mismatched=r.mismatched, evicted=r.evicted, evicted_in_use=r.evicted_in_use, skipped=r.skipped,
         rule=r.rule, elapsed_ms=r.elapsed_s * 1e3, max_abs_diff=r.max_abs_diff, max_rel_diff=r.max_rel_diff,
-        complete=r.complete)
+        complete=r.complete, recomputed_tokens=r.recomputed_tokens)
 
 
 def _prefill_failure_code(kind: FailureKind) -> grpc.StatusCode:

@@ -219,14 +219,14 @@ def test_a_block_reused_before_the_eviction_is_left_alone(tiny_loaded):
     auditor = KVAuditor(engine)
     recompute, moved_on = auditor.recompute, []
 
-    def engine_moves_on(tokens):
-        if not moved_on:
+    def engine_moves_on(tokens, reuse=None):
+        if tokens == a and not moved_on:  # a's bytes are copied: the engine now moves on
             moved_on.append(engine.generate([c], greedy(1), detokenize=False))  # evicts a's block, reuses it
-        return recompute(tokens)
+        return recompute(tokens, reuse)
 
     auditor.recompute = engine_moves_on
     report = auditor.audit()
-    assert (report.checked, report.mismatched, report.evicted) == (2, 1, 0)
+    assert moved_on and (report.checked, report.mismatched, report.evicted) == (2, 1, 0)
     assert engine.pool.match_prefix(hash_blocks(c, BS, engine.salt)) == [victim]  # c's block stays cached
     auditor.recompute = recompute
     assert auditor.audit().mismatched == 0
@@ -245,6 +245,18 @@ def test_a_sample_checks_its_targets_with_their_ancestors_once(tiny_loaded):
     assert KVAuditor(engine).audit(sample=100).checked == 8
     with pytest.raises(ValueError, match="sample must be >= 0"):
         KVAuditor(engine).audit(sample=-1)
+    assert_no_leaks(engine)
+
+
+def test_chains_that_share_a_prefix_recompute_it_once(tiny_loaded):
+    vocab = tiny_loaded.config.vocab_size
+    shared = random_prompts(vocab, 19, 1, 48, 48)[0]
+    tails = random_prompts(vocab, 20, 5, 32, 32)
+    engine = make_engine(tiny_loaded)
+    engine.generate([shared + t for t in tails], greedy(1), detokenize=False)
+    report = KVAuditor(engine).audit()
+    assert (report.cached_blocks, report.checked, report.mismatched) == (3 + 5 * 2, 13, 0)
+    assert report.recomputed_tokens == 48 + 5 * 32  # not 5 x 80
     assert_no_leaks(engine)
 
 

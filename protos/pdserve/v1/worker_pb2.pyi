@@ -174,7 +174,7 @@ class AuditRequest(_message.Message):
     def __init__(self, sample: _Optional[int] = ...) -> None: ...
 
 class AuditReply(_message.Message):
-    __slots__ = ("worker_id", "cached_blocks", "checked", "exact", "mismatched", "evicted", "evicted_in_use", "skipped", "rule", "elapsed_ms", "max_abs_diff", "max_rel_diff", "complete")
+    __slots__ = ("worker_id", "cached_blocks", "checked", "exact", "mismatched", "evicted", "evicted_in_use", "skipped", "rule", "elapsed_ms", "max_abs_diff", "max_rel_diff", "complete", "recomputed_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CHECKED_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,7 @@ class AuditReply(_message.Message):
     MAX_ABS_DIFF_FIELD_NUMBER: _ClassVar[int]
     MAX_REL_DIFF_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     cached_blocks: int
     checked: int
@@ -201,4 +202,5 @@ class AuditReply(_message.Message):
     max_abs_diff: float
     max_rel_diff: float
     complete: bool
-    def __init__(self, worker_id: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., checked: _Optional[int] = ..., exact: _Optional[int] = ..., mismatched: _Optional[int] = ..., evicted: _Optional[int] = ..., evicted_in_use: _Optional[int] = ..., skipped: _Optional[int] = ..., rule: _Optional[str] = ..., elapsed_ms: _Optional[float] = ..., max_abs_diff: _Optional[float] = ..., max_rel_diff: _Optional[float] = ..., complete: _Optional[bool] = ...) -> None: ...
+    recomputed_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., checked: _Optional[int] = ..., exact: _Optional[int] = ..., mismatched: _Optional[int] = ..., evicted: _Optional[int] = ..., evicted_in_use: _Optional[int] = ..., skipped: _Optional[int] = ..., rule: _Optional[str] = ..., elapsed_ms: _Optional[float] = ..., max_abs_diff: _Optional[float] = ..., max_rel_diff: _Optional[float] = ..., complete: _Optional[bool] = ..., recomputed_tokens: _Optional[int] = ...) -> None: ...
