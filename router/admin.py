@@ -25,6 +25,7 @@ from router.workers import WorkerDirectory, WorkerRecord
 STATUS_TIMEOUT_S = 2.0
 AUDIT_TIMEOUT_S = 300.0  # per worker, when the AuditCluster call itself has no deadline
 AUDIT_REPLY_MARGIN_S = 1.0  # of the call's deadline, kept to gather the workers' replies
+NO_DEADLINE_S = 1e9  # time_remaining() beyond this: the caller set no deadline
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     def AuditCluster(self, request, context):  # noqa: N802
         remaining = context.time_remaining()
-        timeout = (AUDIT_TIMEOUT_S if remaining is None
+        # NOTE: gRPC gives a call without a deadline about 2**63 s remaining
+        timeout = (AUDIT_TIMEOUT_S if remaining is None or remaining > NO_DEADLINE_S
                    else max(remaining - AUDIT_REPLY_MARGIN_S, remaining / 2))
         workers = sorted(self.directory.workers(), key=lambda w: (w.role != "prefill", w.worker_id))
         audits = self._audit_pool.map(lambda w: self._audit(w, request.sample, timeout), workers)

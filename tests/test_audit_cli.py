@@ -16,7 +16,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.hashing import hash_blocks
 from pdserve.index.registry import WorkerInfo
 from pdserve.worker.server import WorkerConfig, WorkerServer
-from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from router.placement import PlacementConfig
 from router.server import RouterConfig, RouterServer
 from router.service import RouterPolicyConfig
@@ -107,6 +107,14 @@ def test_an_unreachable_worker_is_a_row_and_exit_3(cluster, capsys):
     assert row(out, "decode-9")[2:4] == ["unreachable", "-"]
     assert row(out, "decode-0")[2] == "audited" and int(row(out, "decode-0")[4]) >= 1
     assert "decode-9: UNAVAILABLE" in out
+
+
+def test_an_audit_call_without_a_deadline_gives_the_workers_a_default_one(cluster):
+    router, workers, _ = cluster
+    with grpc.insecure_channel(router.address) as channel:
+        reply = admin_pb2_grpc.AdminStub(channel).AuditCluster(admin_pb2.AuditClusterRequest(sample=1))
+    assert [(w.worker_id, w.state, w.audit.complete) for w in reply.workers] == [
+        ("prefill-0", "audited", True), ("decode-0", "audited", True)]
 
 
 def test_an_unreachable_router_exits_3_with_the_reason(capsys):

@@ -243,8 +243,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def Audit(self, request, context):  # noqa: N802
         """KV audit of this worker's cache (engine/audit.py); it stops starting new recomputes at 90%
         of the call's deadline, and says so with complete=false."""
-        remaining = context.time_remaining()
-        stop_at = time.monotonic() + 0.9 * remaining if remaining is not None else None
+        remaining = context.time_remaining()  # NOTE: about 2**63 s when the caller set no deadline
+        stop_at = time.monotonic() + 0.9 * remaining if remaining is not None and remaining < 1e9 else None
         report = self.auditor.audit(request.sample, stop_at)
         return _audit_reply(self.identity.worker_id, report)
 
