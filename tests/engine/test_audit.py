@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from pdserve.engine.audit import TOLERANCE, KVAuditor
+from pdserve.engine.audit import TOLERANCE, BlockVerdict, ComparisonRule, KVAuditor
 from pdserve.engine.block_pool import Discarded
 from pdserve.engine.events import BlockRemoved, RecordingPublisher
 from pdserve.engine.hashing import hash_blocks
@@ -277,3 +277,20 @@ def test_an_audit_stops_at_its_deadline_and_says_so(tiny_loaded):
     engine.generate(random_prompts(tiny_loaded.config.vocab_size, 18, 3, 40, 40), greedy(1), detokenize=False)
     report = KVAuditor(engine).audit(stop_at=0.0)
     assert not report.complete and report.checked == 0 and report.cached_blocks == 6
+
+
+def test_the_rule_passes_rounding_noise_and_fails_a_difference_beyond_the_tolerance():
+    rule = ComparisonRule.for_dtype("float32")
+    block = torch.randn(2, 2, 16, 2, 8, generator=torch.Generator().manual_seed(0))
+    scale = block[1, 0].abs().max()
+    assert rule.compare(block, block.clone()).exact
+    noisy = block.clone()
+    noisy[1, 0, 3, 1, 2] += 0.5 * rule.tolerance * scale
+    verdict = rule.compare(noisy, block)
+    assert verdict.passed and not verdict.exact and 0 < verdict.max_rel_diff <= rule.tolerance
+    noisy[1, 0, 3, 1, 2] += rule.tolerance * scale
+    assert not rule.compare(noisy, block).passed
+    for bad in (float("nan"), float("inf")):
+        broken = block.clone()
+        broken[0, 1, 0, 0, 0] = bad
+        assert rule.compare(broken, block) == BlockVerdict(False, False, float("inf"), float("inf"))
