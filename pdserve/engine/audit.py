@@ -245,12 +245,8 @@ class KVAuditor:
                 return None
             ids = [chain.block_ids[i] for i in chain.check]
             stored = engine.kv_cache[:, :, ids].clone()  # [layers, 2, n, block_size, heads, dim]
-        shared = 0
-        if previous is not None:
-            shared = next((i for i, (a, b) in enumerate(zip(chain.hashes, previous.hashes)) if a != b),
-                          min(len(chain.hashes), len(previous.hashes)))
-            shared = min(shared, len(chain.hashes) - 1)  # at least the last block is computed here
-        recomputed = self.recompute(chain.tokens, (previous.kv, shared) if shared else None)
+        shared = _leading_blocks_shared(chain, previous)
+        recomputed = self.recompute(chain.tokens, (previous.kv, shared) if previous and shared else None)
         report.recomputed_tokens += len(chain.tokens) - shared * engine.block_size
         for n, pos in enumerate(chain.check):
             verdict = self.rule.compare(stored[:, :, n], recomputed[:, :, pos])
@@ -286,3 +282,16 @@ class KVAuditor:
         log.warning("KV audit: block %d (hash %s) differs from its recompute by %.3g (%.3g of the slab's "
                     "largest value; the rule: %s): %s", block_id, block_hash.hex(), verdict.max_abs_diff,
                     verdict.max_rel_diff, self.rule.describe(), outcome.value)
+
+
+def _leading_blocks_shared(chain: _Chain, previous: _Recomputed | None) -> int:
+    """How many leading blocks chain can take from the previous recompute; its last block is
+    always computed here (the chunk must end at the chain's last token)."""
+    if previous is None:
+        return 0
+    shared = 0
+    for mine, theirs in zip(chain.hashes[:-1], previous.hashes):
+        if mine != theirs:
+            break
+        shared += 1
+    return shared
