@@ -277,6 +277,7 @@ def test_an_audit_stops_at_its_deadline_and_says_so(tiny_loaded):
     engine.generate(random_prompts(tiny_loaded.config.vocab_size, 18, 3, 40, 40), greedy(1), detokenize=False)
     report = KVAuditor(engine).audit(stop_at=0.0)
     assert not report.complete and report.checked == 0 and report.cached_blocks == 6
+    assert_no_leaks(engine)
 
 
 def test_the_rule_passes_rounding_noise_and_fails_a_difference_beyond_the_tolerance():

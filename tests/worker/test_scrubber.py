@@ -79,6 +79,8 @@ def test_a_worker_with_a_scrubber_finds_a_corrupt_block_on_its_own(tiny_loaded):
         wait_for(lambda: worker.status().kv_audit_mismatches_total == 1)
         assert worker.status().kv_audit_evicted_total == 1
         assert worker.engine.pool.block_hash(second) is None
+        status = worker.status()
+        assert status.used_blocks == 0 and status.free_blocks == status.num_blocks
     finally:
         worker.stop()
     assert not worker.scrubber._thread.is_alive()
