@@ -189,11 +189,11 @@ def test_a_corrupt_block_in_use_is_unlisted_at_once_and_freed_when_released(tiny
     prompt = random_prompts(tiny_loaded.config.vocab_size, 14, 1, 50, 50)[0]
     expected = make_engine(tiny_loaded).generate([prompt], greedy(4), detokenize=False)[0].token_ids
     engine = make_engine(tiny_loaded)
-    rid = engine.add_request(prompt, greedy(1), detokenize=False, hold_blocks=True)  # as a prefill sender
-    while engine.has_unfinished():
-        engine.step()
+    engine.add_request(prompt, greedy(4), detokenize=False)
+    engine.step()  # the prompt is computed and its blocks committed; the request is decoding
     hashes = hash_blocks(prompt, BS, engine.salt)
     victim = engine.pool.match_prefix(hashes)[2]
+    assert engine.pool.ref_count(victim) == 1
     corrupt(engine, victim)
     events = recording(engine)
 
@@ -201,7 +201,8 @@ def test_a_corrupt_block_in_use_is_unlisted_at_once_and_freed_when_released(tiny
     assert (report.mismatched, report.evicted, report.evicted_in_use) == (1, 1, 1)
     assert events.events == [BlockRemoved(hashes[2], victim)]
     assert len(engine.pool.match_prefix(hashes)) == 2 and engine.pool.ref_count(victim) == 1
-    engine.release_held(rid)
+    while engine.has_unfinished():  # the request holding it runs on, and lets go when it ends
+        engine.step()
     assert victim not in engine.pool.cached_block_ids()  # FREE, not cached
     assert engine.generate([prompt], greedy(4), detokenize=False)[0].token_ids == expected
     assert_no_leaks(engine)
