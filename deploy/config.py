@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve.engine.config import KV_DTYPES
+from pdserve.worker.scrubber import DEFAULT_MAX_FRACTION, check_scrubber_settings
 
 ROLES = ("prefill", "decode")
 # NOTE: mirrors router.placement.POLICIES (a test pins it); importing the router would pull gRPC
@@ -77,6 +78,9 @@ class ClusterSpec:
     max_tokens_limit: int = 4096
     max_message_bytes: int = 4 << 20
     max_concurrent_streams: int = 256
+    # The background KV audit on every worker (pdserve/worker/scrubber.py): None = off.
+    audit_interval_s: float | None = None
+    audit_max_fraction: float = DEFAULT_MAX_FRACTION  # of wall time the scrubber may spend auditing
 
     def __post_init__(self) -> None:
         if self.num_decode < 1:
@@ -114,6 +118,10 @@ class ClusterSpec:
                 raise ValueError(f"worker_env: {name!r}: {value!r} must map a variable name to a string "
                                  "(quote numbers in YAML: MALLOC_ARENA_MAX: \"4\")")
         self._check_tls()
+        try:
+            check_scrubber_settings(self.audit_interval_s, self.audit_max_fraction)
+        except ValueError as exc:
+            raise ValueError(f"audit: {exc} (--audit-interval-s, --audit-max-fraction)") from None
 
     @property
     def worker_environment(self) -> dict[str, str]:
@@ -193,6 +201,8 @@ FILE_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "tls.client_key": ("tls_client_key", _PATH),
     "auth.api_token_file": ("api_token_file", _PATH),
     "auth.cluster_secret_file": ("cluster_secret_file", _PATH),
+    "audit.interval_s": ("audit_interval_s", (int, float, _NONE)),
+    "audit.max_fraction": ("audit_max_fraction", _NUMBER),
 }
 # Fields that name a file: a relative path in the file is relative to the file.
 PATH_FIELDS = ("model_path", "tls_cert", "tls_key", "tls_ca", "tls_client_cert", "tls_client_key",

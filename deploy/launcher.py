@@ -202,7 +202,8 @@ class LocalCluster:
                           tls_cert=s.tls_cert, tls_key=s.tls_key, tls_ca=s.tls_ca,
                           tls_require_client_cert=s.tls_require_client_cert,
                           tls_client_cert=s.tls_client_cert, tls_client_key=s.tls_client_key,
-                          cluster_secret=self.security.cluster_secret)
+                          cluster_secret=self.security.cluster_secret,
+                          audit_interval_s=s.audit_interval_s, audit_max_fraction=s.audit_max_fraction)
 
     def _wait_until_live(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s

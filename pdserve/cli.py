@@ -1,4 +1,4 @@
-"""The `pdserve` command line: plan, generate, chat, up.
+"""The `pdserve` command line: plan, generate, chat, up, status, audit, loadtest.
 
 `plan` is pure arithmetic and runs here. `generate`, `chat` and `up` import their
 handlers only when invoked, so `pdserve plan` and `--help` start without torch
@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_chat(commands)
     _add_up(commands)
     _add_status(commands)
+    _add_audit(commands)
     _add_loadtest(commands)
     return parser
 
@@ -280,6 +281,7 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
                    help="least_load/round_robin: prompts shorter than N tokens are prefilled on the "
                         f"decode worker, with no KV transfer (default: {d.min_remote_prefill_tokens})")
     _add_up_limits(p, d)
+    _add_up_audit(p, d)
     _add_up_security(p)
     p.add_argument("--no-sample", action="store_true",
                    help="do not answer the sample chat after start-up")
@@ -300,6 +302,19 @@ def _add_up_limits(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
     limits.add_argument("--max-concurrent-streams", type=int, metavar="N",
                         help="Generate calls in flight at the router; more are refused with "
                              f"RESOURCE_EXHAUSTED and a retry hint (default: {d.max_concurrent_streams})")
+
+
+def _add_up_audit(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
+    audit = p.add_argument_group("KV audit", "a background scrubber on every worker that recomputes cached "
+                                             "KV blocks and evicts any that differ (`pdserve audit` runs one "
+                                             "on demand)")
+    audit.add_argument("--audit-interval-s", type=float, metavar="SECONDS",
+                       help="audit one random cached block and its cached ancestors every SECONDS at least "
+                            "(default: off)")
+    audit.add_argument("--audit-max-fraction", type=float, metavar="F",
+                       help="most of each worker's wall time the scrubber may spend, measured: after an "
+                            "audit that took t seconds it waits at least t x (1 - F) / F "
+                            f"(default: {d.audit_max_fraction:g})")
 
 
 def _add_up_security(p: argparse.ArgumentParser) -> None:
@@ -362,6 +377,43 @@ def _run_status(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
 
+
+# --- audit --------------------------------------------------------------------------------------
+
+def _add_audit(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "audit", help="recompute cached KV blocks on every worker and compare; evict what differs",
+        description="Ask the router (its Admin AuditCluster call) to audit every worker's KV cache: each "
+                    "worker recomputes cached blocks from their token prefix and compares them with the "
+                    "stored bytes (bit-exact, else within a stated tolerance for its KV dtype); a block "
+                    "that differs is evicted and unpublished from the prefix index. Prints one row per "
+                    "worker: blocks cached, checked, bit-exact, mismatched, evicted, skipped, the worst "
+                    "relative difference, and time taken.",
+        epilog="exit status: 0 every worker audited and nothing mismatched; 1 a mismatch was found; "
+               "2 a usage error; 3 nothing mismatched, but the router or a worker did not answer, or an "
+               "audit ran out of time before checking everything.")
+    p.add_argument("--router", metavar="HOST:PORT", default="127.0.0.1:50051",
+                   help="the router's gRPC address (default: %(default)s, what `pdserve up` uses)")
+    p.add_argument("--sample", type=int, default=0, metavar="N",
+                   help="per worker, audit N cached blocks chosen at random, each with its cached "
+                        "ancestors (one recompute covers them); 0 = every cached block "
+                        "(default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="deadline for the whole audit; a worker stops starting recomputes near it and "
+                        "reports what it checked (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the raw reply as JSON instead of a table")
+    add_client_security_arguments(p)
+    p.set_defaults(handler=_run_audit)
+
+
+def _run_audit(args: argparse.Namespace) -> int:
+    if args.sample < 0:
+        raise ValueError(f"--sample must be >= 0 (0 = every cached block), got {args.sample}")
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    from pdserve.audit_cli import run_audit
+
+    return run_audit(args)
 
 
 # --- loadtest -----------------------------------------------------------------------------------

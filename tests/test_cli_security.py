@@ -11,7 +11,7 @@ from pdserve.security import SecurityConfig, TLSConfig
 from pdserve.security.certs import DevCerts, make_dev_ca
 
 CLIENT_FLAGS = ("--tls-ca", "--tls-client-cert", "--tls-client-key", "--api-token-file", "--api-token-env")
-COMMANDS = (["generate", "--router", "127.0.0.1:1"], ["chat"], ["status"], ["loadtest"])
+COMMANDS = (["generate", "--router", "127.0.0.1:1"], ["chat"], ["status"], ["audit"], ["loadtest"])
 
 
 @pytest.fixture(scope="module")

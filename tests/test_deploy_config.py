@@ -90,7 +90,7 @@ def test_a_relative_model_path_is_relative_to_the_file(tmp_path):
     ("cache: {blocks: 8}", "unknown key 'cache.blocks' (did you mean 'cache.num_blocks'?)"),
     ("gpus: 4", "unknown key 'gpus' (known keys: model, host, prefill, decode, placement, gpus_per_worker, "
                 "cache, scheduler, router, redis_url, ray_address, namespace, max_restarts, worker_env, "
-                "tls, auth)"),
+                "tls, auth, audit)"),
     ("tls: {certificate: a.pem}", "unknown key 'tls.certificate' (did you mean 'tls.cert'?)"),
 ])
 def test_an_unknown_key_is_named_with_the_file_and_a_suggestion(tmp_path, text, message):
@@ -114,7 +114,7 @@ def test_an_unknown_key_is_named_with_the_file_and_a_suggestion(tmp_path, text, 
                       "max_concurrent_streams, got 50051"),
     ("- model: x", "expected a mapping of keys (model, host, prefill, decode, placement, gpus_per_worker, "
                    "cache, scheduler, router, redis_url, ray_address, namespace, max_restarts, worker_env, "
-                   "tls, auth), got list"),
+                   "tls, auth, audit), got list"),
     ("tls: {require_client_cert: 1}", "'tls.require_client_cert' must be true or false, got 1 (int)"),
     ("auth: {api_token_file: [a, b]}",
      "'auth.api_token_file' must be a string or null, got ['a', 'b'] (list)"),

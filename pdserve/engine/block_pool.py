@@ -11,9 +11,18 @@ Every block is in exactly one of three states:
     release:   ref-1; at 0 -> CACHED if hashed, else FREE
     commit:    give an IN USE full block its chained hash (BlockStored)
     evict:     CACHED -> FREE, hash dropped (BlockRemoved)
+    discard:   a block the KV audit found wrong (BlockRemoved): CACHED -> FREE at
+               once; IN USE loses its hash, so nothing new matches it, and goes
+               FREE (not CACHED) when its last reference is released
 
 NOTE: only full blocks are ever hashed (see hashing.py), so partial blocks are
 never shared; a sequence writes into its partial tail block alone.
+
+Every hashed block keeps its own token ids and its parent's hash, so the
+whole token prefix of a cached block can be rebuilt by walking the chain
+(prefix_chain); the KV audit (engine/audit.py) recomputes from it. A block
+whose ancestor was evicted has no chain: it can never be matched either
+(match_prefix walks from the first block), and LRU eviction reclaims it.
 
 The pool records BlockStored / BlockRemoved events; a publisher drains them
 (engine/events.py). Pure Python: no torch, no I/O.
@@ -21,6 +30,7 @@ The pool records BlockStored / BlockRemoved events; a publisher drains them
 
 from __future__ import annotations
 
+import enum
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
@@ -31,6 +41,14 @@ class NoFreeBlocksError(RuntimeError):
     """The pool cannot hand out the requested number of blocks right now."""
 
 
+class Discarded(enum.Enum):
+    """What discard() did with a block."""
+
+    EVICTED = "evicted"  # it was cached and unreferenced: FREE now
+    UNLISTED = "unlisted"  # it is in use: its hash is gone, it goes FREE when released
+    GONE = "gone"  # it no longer held that hash (evicted meanwhile): nothing to do
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1:
@@ -39,6 +57,8 @@ class BlockPool:
         self.block_size = block_size
         self._ref_counts = [0] * num_blocks
         self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._block_tokens: list[tuple[int, ...]] = [()] * num_blocks  # of a hashed block only
+        self._parent_hash: list[bytes | None] = [None] * num_blocks  # None: first block of a prompt
         self._free: deque[int] = deque(range(num_blocks))
         self._cached_lru: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._hash_to_block: dict[bytes, int] = {}
@@ -76,6 +96,35 @@ class BlockPool:
                 break
             matched.append(block_id)
         return matched
+
+    def block_tokens(self, block_id: int) -> tuple[int, ...]:
+        """The token ids of a hashed block (empty for an unhashed one)."""
+        return self._block_tokens[block_id]
+
+    def cached_block_ids(self) -> list[int]:
+        """Every hashed block, referenced or not: what a prefix match can return."""
+        return list(self._hash_to_block.values())
+
+    def prefix_chain(self, block_id: int) -> list[int] | None:
+        """Block ids from the first block of block_id's prefix down to block_id itself.
+
+        None when block_id holds no hash, or when an ancestor is no longer cached (the
+        block cannot be matched then, and its prefix tokens are gone).
+        """
+        chain: list[int] = []
+        current: int | None = block_id
+        while current is not None:
+            if self._block_hash[current] is None:
+                return None
+            chain.append(current)
+            parent = self._parent_hash[current]
+            if parent is None:
+                break
+            current = self._hash_to_block.get(parent)
+            if current is None or len(chain) >= self.num_blocks:  # evicted; or a cycle, never a chain
+                return None
+        chain.reverse()
+        return chain
 
     def cached_hashes(self) -> list[bytes]:
         """Every hash this pool can serve now (a resync of an index that lost events)."""
@@ -132,10 +181,28 @@ class BlockPool:
             return self._block_hash[block_id] == block_hash
         if block_hash in self._hash_to_block:
             return False
+        tokens = tuple(token_ids)
         self._block_hash[block_id] = block_hash
+        self._block_tokens[block_id] = tokens
+        self._parent_hash[block_id] = parent_hash
         self._hash_to_block[block_hash] = block_id
-        self._events.append(BlockStored(block_hash, parent_hash, tuple(token_ids), block_id))
+        self._events.append(BlockStored(block_hash, parent_hash, tokens, block_id))
         return True
+
+    def discard(self, block_id: int, block_hash: bytes) -> Discarded:
+        """Take a block whose KV is wrong out of the prefix cache (BlockRemoved).
+
+        NOTE: a block in use cannot be freed under its holders; it loses its hash instead,
+        so no new request matches it, and release() then frees it instead of caching it.
+        """
+        if self._block_hash[block_id] != block_hash:
+            return Discarded.GONE
+        self._forget_hash(block_id)
+        if self._ref_counts[block_id]:
+            return Discarded.UNLISTED
+        del self._cached_lru[block_id]
+        self._free.append(block_id)
+        return Discarded.EVICTED
 
     def reset_cache(self) -> int:
         """Evict every cached, unreferenced block; returns how many."""
@@ -157,9 +224,14 @@ class BlockPool:
 
     def _evict_lru(self) -> int:
         block_id, _ = self._cached_lru.popitem(last=False)
+        self._forget_hash(block_id)
+        return block_id
+
+    def _forget_hash(self, block_id: int) -> None:
         block_hash = self._block_hash[block_id]
         assert block_hash is not None
         del self._hash_to_block[block_hash]
         self._block_hash[block_id] = None
+        self._block_tokens[block_id] = ()
+        self._parent_hash[block_id] = None
         self._events.append(BlockRemoved(block_hash, block_id))
-        return block_id

@@ -40,7 +40,7 @@ from typing import Protocol
 
 import torch
 
-from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError
+from pdserve.engine.block_pool import BlockPool, Discarded, NoFreeBlocksError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.events import KVEventPublisher, NullPublisher
 from pdserve.engine.hashing import MAX_CACHE_SALT_BYTES, ROOT_PARENT, engine_salt, hash_blocks, request_salt
@@ -491,6 +491,15 @@ class LLMEngine:
     def leaked_blocks(self) -> list[int]:
         """Blocks still referenced by anyone; empty when the engine is idle and clean."""
         return self.pool.leaked_blocks()
+
+    # --- KV audit (engine/audit.py) ------------------------------------------------------------
+    def discard_block(self, block_id: int, block_hash: bytes) -> Discarded:
+        """Take a block the KV audit found wrong out of the prefix cache and unpublish it
+        (BlockRemoved through the publisher). A block in use loses its hash now, frees on release."""
+        with self.lock:
+            outcome = self.pool.discard(block_id, block_hash)
+            self._publish_events()
+            return outcome
 
 
 def _on_preempt(observer: StepObserver | None, dropped: list[Sequence]) -> Callable[[Sequence], None] | None:

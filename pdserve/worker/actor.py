@@ -35,6 +35,7 @@ from pdserve.index.registry import WorkerInfo, WorkerRegistry
 from pdserve.security import SecurityConfig, TLSConfig
 from pdserve.security.redis_auth import redis_exposure_warning
 from pdserve.worker.presence import Presence
+from pdserve.worker.scrubber import DEFAULT_MAX_FRACTION
 from pdserve.worker.server import WorkerConfig, WorkerServer
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
@@ -75,6 +76,8 @@ class WorkerSpec:
     tls_client_cert: str | None = None  # presented when pushing KV to a mutual-TLS decode worker
     tls_client_key: str | None = None
     cluster_secret: str | None = field(default=None, repr=False)  # None: no check
+    audit_interval_s: float | None = None  # background KV audit (pdserve/worker/scrubber.py); None: off
+    audit_max_fraction: float = DEFAULT_MAX_FRACTION
     extra: dict = field(default_factory=dict)
 
     def engine_config(self) -> EngineConfig:
@@ -111,7 +114,9 @@ class WorkerActor:
         self.publisher = IndexPublisher(self.index, WorkerKey(spec.worker_id, self.epoch), breaker)
         config = WorkerConfig(spec.role, spec.engine_config(), worker_id=spec.worker_id, host=spec.host,
                               advertise_host=_advertise_host(spec.host), node=_node_name(),
-                              metrics_port=spec.metrics_port, security=spec.security_config())
+                              metrics_port=spec.metrics_port, security=spec.security_config(),
+                              audit_interval_s=spec.audit_interval_s,
+                              audit_max_fraction=spec.audit_max_fraction)
         self.server = WorkerServer(config, publisher=self.publisher, epoch=self.epoch)
         address = self.server.start()
         self.publisher.start(self._cached_hashes)

@@ -65,4 +65,14 @@ def status_metrics(s: worker_pb2.WorkerStatus) -> dict[str, tuple]:
                                                 sum(failures.values())),
         "pdserve_worker_kv_transfers_sent": ("counter", "Outgoing KV transfers by outcome",
                                              dict(s.send_outcomes), "outcome"),
+        "pdserve_worker_kv_audited_blocks": ("counter", "Cached KV blocks the audit compared with their "
+                                             "recompute (Audit RPC and background scrubber)",
+                                             s.kv_audited_blocks_total),
+        "pdserve_worker_kv_audit_mismatches": ("counter", "Cached KV blocks whose stored bytes failed the "
+                                               "audit's comparison with their recompute",
+                                               s.kv_audit_mismatches_total),
+        "pdserve_worker_kv_audit_evicted_blocks": ("counter", "Blocks the audit took out of the prefix cache "
+                                                   "and the index", s.kv_audit_evicted_total),
+        "pdserve_worker_kv_audit_seconds": ("counter", "Wall time spent in KV audits",
+                                            s.kv_audit_seconds_total),
     }

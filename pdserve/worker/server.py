@@ -32,6 +32,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.call_limits import CallLimit, CallLimiter, health_watch_limit, method_paths, service_prefix
+from pdserve.engine.audit import KVAuditor
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.events import KVEventPublisher
 from pdserve.engine.llm_engine import LLMEngine
@@ -52,6 +53,7 @@ from pdserve.transfer.sender import KVChannel, LayerwiseSender
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.peers import DecodeTargets
+from pdserve.worker.scrubber import DEFAULT_MAX_FRACTION, check_scrubber_settings, scrubber_for
 from pdserve.worker.service import WorkerServicer
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -91,10 +93,13 @@ class WorkerConfig:
     # Set only by code that builds the config; nothing reads it from the environment.
     fault_plan: FaultPlan | None = None
     security: SecurityConfig | None = None  # None: plaintext, no cluster secret
+    audit_interval_s: float | None = None  # background KV audit every so often; None: off (scrubber.py)
+    audit_max_fraction: float = DEFAULT_MAX_FRACTION  # of wall time the background audit may take
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        check_scrubber_settings(self.audit_interval_s, self.audit_max_fraction)
         if self.transfer_timeout_s is not None and self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be > 0 seconds (None: the Prefill call's deadline), "
                              f"got {self.transfer_timeout_s}")
@@ -136,6 +141,8 @@ class WorkerServer:
         self.loop = EngineLoop(self.engine, observer=self.sender, max_failed_steps=config.max_failed_steps,
                                on_failing=self._out_of_service,
                                observe_step=self.metrics.step_seconds.observe)
+        self.auditor = KVAuditor(self.engine)
+        self.scrubber = scrubber_for(self.auditor, config.audit_interval_s, config.audit_max_fraction)
         self.faults = (FaultInjector(config.fault_plan, sleep=fault_sleep)
                        if config.fault_plan is not None else None)
         self.epoch = epoch
@@ -162,12 +169,13 @@ class WorkerServer:
         self.servicer = WorkerServicer(self.engine, self.loop, self.sender, self.receiver, self.identity(),
                                        self.metrics, transfer_timeout_s=self.config.transfer_timeout_s,
                                        faults=self.faults, security=self.security, dial=self._dial,
-                                       decode_targets=self._decode_targets)
+                                       decode_targets=self._decode_targets, auditor=self.auditor)
         self.metrics.read_status_from(self.servicer.status)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, server)
         kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(self.kv_servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.loop.start()
+        self.scrubber.start()
         server.start()
         self._server = server
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -220,6 +228,7 @@ class WorkerServer:
             self.servicer.serving = False
         if self._server is not None:
             self._server.stop(grace_s).wait()
+        self.scrubber.stop()
         self.loop.stop()
         if self.servicer is not None:
             self.servicer.close()

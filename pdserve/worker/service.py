@@ -15,6 +15,7 @@ Decode:
     resume the parked KV with the prefill worker's first token, or prefill here when told
     to or when no KV arrived (a failed transfer: recompute, so output stays exact) -> stream.
 A cancelled or expired call aborts the request on this worker: its blocks are freed at once.
+Audit: the KV audit of this worker's cache (engine/audit.py), shared with the background scrubber.
 KV channels to decode workers dial with this worker's SecurityConfig (TLS, cluster secret).
 """
 
@@ -28,6 +29,7 @@ from dataclasses import dataclass, replace
 
 import grpc
 
+from pdserve.engine.audit import AuditReport, KVAuditor
 from pdserve.engine.llm_engine import InvalidRequestError, LLMEngine
 from pdserve.security import SecurityConfig
 from pdserve.transfer.errors import FailureKind, TransferFailed
@@ -67,8 +69,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                  transfer_timeout_s: float | None = None, faults: FaultInjector | None = None,
                  security: SecurityConfig | None = None,
                  dial: Callable[[str], KVChannel] | None = None,
-                 decode_targets: DecodeTargets | None = None) -> None:
+                 decode_targets: DecodeTargets | None = None, auditor: KVAuditor | None = None) -> None:
         self.engine, self.loop, self.sender, self.receiver = engine, loop, sender, receiver
+        self.auditor = auditor or KVAuditor(engine)
         self.transfer_timeout_s = transfer_timeout_s  # None: the Prefill call's remaining time
         self.faults = faults  # None (the default): channels are not wrapped at all
         self.security = security  # how KV channels dial decode workers; None: plaintext
@@ -279,15 +282,35 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             status.preemptions_total = self.totals.preemptions
             status.send_outcomes.update(self.send_outcomes)
         status.transfer_outcomes.update(self.receiver.outcomes)
+        audit = self.auditor.totals()
+        status.kv_audited_blocks_total, status.kv_audit_mismatches_total = audit.checked, audit.mismatched
+        status.kv_audit_evicted_total, status.kv_audit_seconds_total = audit.evicted, audit.seconds
         status.serving = self.serving and self.failing is None
         status.MergeFrom(self.identity)
         return status
+
+    # --- Audit -----------------------------------------------------------------------------------
+    def Audit(self, request, context):  # noqa: N802
+        """KV audit of this worker's cache (engine/audit.py); it stops starting new recomputes at 90%
+        of the call's deadline, and says so with complete=false."""
+        remaining = context.time_remaining()  # NOTE: about 2**63 s when the caller set no deadline
+        stop_at = time.monotonic() + 0.9 * remaining if remaining is not None and remaining < 1e9 else None
+        report = self.auditor.audit(request.sample, stop_at)
+        return _audit_reply(self.identity.worker_id, report)
 
     def close(self) -> None:
         with self._lock:
             for channel in self._channels.values():
                 _close(channel)
             self._channels.clear()
+
+
+def _audit_reply(worker_id: str, r: AuditReport) -> worker_pb2.AuditReply:
+    return worker_pb2.AuditReply(
+        worker_id=worker_id, cached_blocks=r.cached_blocks, checked=r.checked, exact=r.exact,
+        mismatched=r.mismatched, evicted=r.evicted, evicted_in_use=r.evicted_in_use, skipped=r.skipped,
+        rule=r.rule, elapsed_ms=r.elapsed_s * 1e3, max_abs_diff=r.max_abs_diff, max_rel_diff=r.max_rel_diff,
+        complete=r.complete, recomputed_tokens=r.recomputed_tokens)
 
 
 def _prefill_failure_code(kind: FailureKind) -> grpc.StatusCode:

@@ -9,7 +9,13 @@ import pytest
 from pdserve.client import PdserveError
 from pdserve.engine.hashing import hash_blocks
 from pdserve.engine.sequence import SamplingParams
-from tests.cluster.conftest import client_of, wait_until_clean, worker_status
+from tests.cluster.conftest import (
+    audit_failures,
+    client_of,
+    wait_until_clean,
+    worker_addresses,
+    worker_status,
+)
 from tests.conftest import make_engine
 
 PROMPTS = [
@@ -129,6 +135,7 @@ def test_cancel_and_deadline_free_blocks_on_both_workers(cluster_1p1d):
             client.generate(long_text, temperature=0, max_tokens=400, ignore_eos=True, timeout_s=1.5)
         assert err.value.code == "DEADLINE_EXCEEDED"
         assert not wait_until_clean(cluster_1p1d, 10), "expired request left blocks behind"
+    assert not audit_failures(worker_addresses(cluster_1p1d))
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -158,6 +165,17 @@ def cluster_1p1d_index(cluster):
     from pdserve.index.redis_index import RedisPrefixIndex
 
     return RedisPrefixIndex(redis.Redis.from_url(cluster.redis_url), cluster.spec.namespace)
+
+
+def test_pdserve_audit_checks_every_worker_of_the_cluster(cluster_1p1d, capsys):
+    from pdserve.cli import main
+
+    code = main(["audit", "--router", cluster_1p1d.router.address])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:3]}
+    assert set(rows) == {"prefill-0", "decode-0"}
+    assert all(r[2] == "audited" and r[6] == "0" and int(r[4]) == int(r[3]) > 0 for r in rows.values()), out
 
 
 def test_status_reports_both_workers(cluster_1p1d):

@@ -7,7 +7,13 @@ import time
 
 import pytest
 
-from tests.cluster.conftest import client_of, start_cluster, wait_until_clean
+from tests.cluster.conftest import (
+    audit_failures,
+    client_of,
+    start_cluster,
+    wait_until_clean,
+    worker_addresses,
+)
 
 SYSTEM = " ".join(f"Rule {i}: answer briefly, cite no sources, and stay polite." for i in range(64))
 
@@ -82,3 +88,4 @@ def test_redis_down_30_s_under_load_then_back(cluster_2p2d):
     assert again.decode_worker == warm.decode_worker and again.prefill_worker is None, "affinity lost"
     assert again.usage["cached_tokens"] >= 0.9 * again.usage["prompt_tokens"]
     assert not wait_until_clean(cluster_2p2d)
+    assert not audit_failures(worker_addresses(cluster_2p2d))

@@ -16,7 +16,14 @@ import pytest
 
 from pdserve.client import PdserveError
 from pdserve.engine.sequence import SamplingParams
-from tests.cluster.conftest import client_of, start_cluster, wait_until_clean, worker_status
+from tests.cluster.conftest import (
+    audit_failures,
+    client_of,
+    start_cluster,
+    wait_until_clean,
+    worker_addresses,
+    worker_status,
+)
 from tests.conftest import make_engine
 
 POOL_BLOCKS = 64  # 1,024 tokens a worker
@@ -24,7 +31,8 @@ POOL_BLOCKS = 64  # 1,024 tokens a worker
 
 @pytest.fixture(scope="module")
 def small_pools(ray_session):
-    cluster = start_cluster(1, 1, num_blocks=POOL_BLOCKS, routing="least_load")
+    # the background KV audit runs through both storms, at its default share of the time
+    cluster = start_cluster(1, 1, num_blocks=POOL_BLOCKS, routing="least_load", audit_interval_s=0.5)
     yield cluster
     cluster.stop()
 
@@ -64,6 +72,7 @@ def test_cancellation_storm_leaks_no_block(small_pools):
     for status in worker_status(small_pools).values():
         assert status.free_blocks == status.num_blocks == POOL_BLOCKS
     assert small_pools.router.servicer.requests_in_flight == 0
+    assert not audit_failures(worker_addresses(small_pools))
 
 
 def test_pool_exhaustion_preempts_and_stays_exact(small_pools, smollm_loaded):
@@ -78,5 +87,9 @@ def test_pool_exhaustion_preempts_and_stays_exact(small_pools, smollm_loaded):
                    for p in prompts]
         done = [f.result(timeout=600) for f in futures]
     assert [d.token_ids for d in done] == expected
-    assert sum(s.preemptions_total for s in worker_status(small_pools).values()) > 0
+    statuses = worker_status(small_pools).values()
+    assert sum(s.preemptions_total for s in statuses) > 0
+    assert all(s.kv_audited_blocks_total > 0 for s in statuses)  # the background scrubber ran
+    assert all(s.kv_audit_mismatches_total == 0 for s in statuses)
     assert not wait_until_clean(small_pools)
+    assert not audit_failures(worker_addresses(small_pools))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError
+from pdserve.engine.block_pool import BlockPool, Discarded, NoFreeBlocksError
 from pdserve.engine.events import BlockRemoved, BlockStored
 
 
@@ -115,3 +115,64 @@ def test_double_release_is_an_error():
     pool.release([b])
     with pytest.raises(RuntimeError, match="released more often"):
         pool.release([b])
+
+
+def committed_chain(pool: BlockPool, tokens: list[list[int]]) -> list[int]:
+    """Blocks committed as one prompt's chain h(1) <- h(2) <- ..., still referenced."""
+    blocks = pool.allocate(len(tokens))
+    for i, (b, t) in enumerate(zip(blocks, tokens)):
+        pool.commit(b, h(i + 1), h(i) if i else None, t)
+    return blocks
+
+
+def test_a_cached_block_keeps_its_tokens_and_its_prefix_chain_root_first():
+    pool = BlockPool(6, 2)
+    pool.allocate(1)  # block 0 stays private, so the chain's ids are not its positions
+    blocks = committed_chain(pool, [[1, 2], [3, 4], [5, 6]])
+    pool.release(blocks)
+    assert blocks == [1, 2, 3]
+    assert [pool.block_tokens(b) for b in blocks] == [(1, 2), (3, 4), (5, 6)]
+    assert pool.prefix_chain(3) == [1, 2, 3] and pool.prefix_chain(1) == [1]
+    assert sorted(pool.cached_block_ids()) == [1, 2, 3]
+    assert pool.prefix_chain(0) is None  # never hashed
+    pool.release([0])
+    assert_no_leaks(pool)
+
+
+def test_a_block_whose_ancestor_was_evicted_has_no_chain():
+    pool = BlockPool(2, 2)
+    blocks = committed_chain(pool, [[1, 2], [3, 4]])
+    pool.release(blocks[:1])
+    pool.release(blocks[1:])  # the child is released last, so the root is evicted first
+    pool.allocate(1)
+    assert pool.block_hash(0) is None and pool.block_tokens(0) == ()
+    assert pool.prefix_chain(1) is None and pool.match_prefix([h(1), h(2)]) == []
+    pool.release([0])
+    assert_no_leaks(pool)
+
+
+def test_discard_evicts_a_cached_block_and_records_its_removal():
+    pool = BlockPool(3, 2)
+    blocks = committed_chain(pool, [[1, 2], [3, 4]])
+    pool.release(blocks)
+    pool.drain_events()
+    assert pool.discard(1, h(2)) is Discarded.EVICTED
+    assert pool.drain_events() == [BlockRemoved(h(2), 1)]
+    assert pool.match_prefix([h(1), h(2)]) == [0] and pool.block_tokens(1) == ()
+    assert pool.num_cached_blocks == 1
+    assert pool.allocate(2) == [2, 1]  # FREE now, handed out before the cached root is evicted
+    assert pool.discard(1, h(2)) is Discarded.GONE and pool.drain_events() == []
+    pool.release([2, 1])
+    assert_no_leaks(pool)
+
+
+def test_discard_of_a_block_in_use_unlists_it_and_its_release_frees_it():
+    pool = BlockPool(2, 2)
+    [b] = committed_chain(pool, [[1, 2]])
+    pool.drain_events()
+    assert pool.discard(b, h(1)) is Discarded.UNLISTED
+    assert pool.drain_events() == [BlockRemoved(h(1), b)]
+    assert pool.match_prefix([h(1)]) == [] and pool.ref_count(b) == 1
+    pool.release([b])
+    assert pool.num_cached_blocks == 0 and pool.cached_block_ids() == []  # FREE, not CACHED
+    assert_no_leaks(pool)

@@ -36,3 +36,31 @@ class ClusterStatusReply(_message.Message):
     index_available: bool
     workers: _containers.RepeatedCompositeFieldContainer[WorkerView]
     def __init__(self, router_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., routing_policy: _Optional[str] = ..., requests_in_flight: _Optional[int] = ..., index_available: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerView, _Mapping]]] = ...) -> None: ...
+
+class AuditClusterRequest(_message.Message):
+    __slots__ = ("sample",)
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    sample: int
+    def __init__(self, sample: _Optional[int] = ...) -> None: ...
+
+class WorkerAudit(_message.Message):
+    __slots__ = ("worker_id", "role", "address", "state", "error", "audit")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: str
+    address: str
+    state: str
+    error: str
+    audit: _worker_pb2.AuditReply
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., audit: _Optional[_Union[_worker_pb2.AuditReply, _Mapping]] = ...) -> None: ...
+
+class AuditClusterReply(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerAudit]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerAudit, _Mapping]]] = ...) -> None: ...

@@ -39,6 +39,11 @@ class AdminStub:
                 request_serializer=protos_dot_pdserve_dot_v1_dot_admin__pb2.ClusterStatusRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_admin__pb2.ClusterStatusReply.FromString,
                 _registered_method=True)
+        self.AuditCluster = channel.unary_unary(
+                '/pdserve.v1.Admin/AuditCluster',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_admin__pb2.AuditClusterRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_admin__pb2.AuditClusterReply.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -53,6 +58,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AuditCluster(self, request, context):
+        """A KV audit (Worker.Audit) of every worker the router knows, in parallel (`pdserve audit`); a
+        worker that does not answer is listed with state "unreachable" and the error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +73,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ClusterStatus,
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_admin__pb2.ClusterStatusRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_admin__pb2.ClusterStatusReply.SerializeToString,
+            ),
+            'AuditCluster': grpc.unary_unary_rpc_method_handler(
+                    servicer.AuditCluster,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_admin__pb2.AuditClusterRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_admin__pb2.AuditClusterReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -89,6 +107,33 @@ class Admin:
             '/pdserve.v1.Admin/ClusterStatus',
             protos_dot_pdserve_dot_v1_dot_admin__pb2.ClusterStatusRequest.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_admin__pb2.ClusterStatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AuditCluster(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/AuditCluster',
+            protos_dot_pdserve_dot_v1_dot_admin__pb2.AuditClusterRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_admin__pb2.AuditClusterReply.FromString,
             options,
             channel_credentials,
             insecure,

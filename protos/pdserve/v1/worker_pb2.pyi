@@ -96,7 +96,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "node", "epoch", "active_requests", "waiting_requests", "num_blocks", "free_blocks", "cached_blocks", "used_blocks", "parked_transfers", "held_blocks", "bytes_sent", "bytes_received", "transfer_outcomes", "model_fingerprint", "block_size", "prompt_tokens_total", "cached_tokens_total", "generated_tokens_total", "metrics_address", "serving", "send_outcomes", "preemptions_total")
+    __slots__ = ("worker_id", "role", "address", "node", "epoch", "active_requests", "waiting_requests", "num_blocks", "free_blocks", "cached_blocks", "used_blocks", "parked_transfers", "held_blocks", "bytes_sent", "bytes_received", "transfer_outcomes", "model_fingerprint", "block_size", "prompt_tokens_total", "cached_tokens_total", "generated_tokens_total", "metrics_address", "serving", "send_outcomes", "preemptions_total", "kv_audited_blocks_total", "kv_audit_mismatches_total", "kv_audit_evicted_total", "kv_audit_seconds_total")
     class TransferOutcomesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,10 @@ class WorkerStatus(_message.Message):
     SERVING_FIELD_NUMBER: _ClassVar[int]
     SEND_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_AUDITED_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_AUDIT_MISMATCHES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_AUDIT_EVICTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_AUDIT_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -161,4 +165,46 @@ class WorkerStatus(_message.Message):
     serving: bool
     send_outcomes: _containers.ScalarMap[str, int]
     preemptions_total: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., epoch: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., parked_transfers: _Optional[int] = ..., held_blocks: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., transfer_outcomes: _Optional[_Mapping[str, int]] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., metrics_address: _Optional[str] = ..., serving: _Optional[bool] = ..., send_outcomes: _Optional[_Mapping[str, int]] = ..., preemptions_total: _Optional[int] = ...) -> None: ...
+    kv_audited_blocks_total: int
+    kv_audit_mismatches_total: int
+    kv_audit_evicted_total: int
+    kv_audit_seconds_total: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., epoch: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., parked_transfers: _Optional[int] = ..., held_blocks: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., transfer_outcomes: _Optional[_Mapping[str, int]] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., metrics_address: _Optional[str] = ..., serving: _Optional[bool] = ..., send_outcomes: _Optional[_Mapping[str, int]] = ..., preemptions_total: _Optional[int] = ..., kv_audited_blocks_total: _Optional[int] = ..., kv_audit_mismatches_total: _Optional[int] = ..., kv_audit_evicted_total: _Optional[int] = ..., kv_audit_seconds_total: _Optional[float] = ...) -> None: ...
+
+class AuditRequest(_message.Message):
+    __slots__ = ("sample",)
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    sample: int
+    def __init__(self, sample: _Optional[int] = ...) -> None: ...
+
+class AuditReply(_message.Message):
+    __slots__ = ("worker_id", "cached_blocks", "checked", "exact", "mismatched", "evicted", "evicted_in_use", "skipped", "rule", "elapsed_ms", "max_abs_diff", "max_rel_diff", "complete", "recomputed_tokens")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CHECKED_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
+    MISMATCHED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ABS_DIFF_FIELD_NUMBER: _ClassVar[int]
+    MAX_REL_DIFF_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    cached_blocks: int
+    checked: int
+    exact: int
+    mismatched: int
+    evicted: int
+    evicted_in_use: int
+    skipped: int
+    rule: str
+    elapsed_ms: float
+    max_abs_diff: float
+    max_rel_diff: float
+    complete: bool
+    recomputed_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., checked: _Optional[int] = ..., exact: _Optional[int] = ..., mismatched: _Optional[int] = ..., evicted: _Optional[int] = ..., evicted_in_use: _Optional[int] = ..., skipped: _Optional[int] = ..., rule: _Optional[str] = ..., elapsed_ms: _Optional[float] = ..., max_abs_diff: _Optional[float] = ..., max_rel_diff: _Optional[float] = ..., complete: _Optional[bool] = ..., recomputed_tokens: _Optional[int] = ...) -> None: ...

@@ -54,6 +54,11 @@ class WorkerStub:
                 request_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.StatusRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
                 _registered_method=True)
+        self.Audit = channel.unary_unary(
+                '/pdserve.v1.Worker/Audit',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.AuditRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.AuditReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -88,6 +93,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Audit(self, request, context):
+        """KV audit: recompute a sample of cached blocks (or all of them) from their token prefix and
+        compare with the stored bytes; a block that differs is evicted and unpublished from the index.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +123,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.StatusRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.WorkerStatus.SerializeToString,
+            ),
+            'Audit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Audit,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.AuditRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.AuditReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +238,33 @@ class Worker:
             '/pdserve.v1.Worker/Status',
             protos_dot_pdserve_dot_v1_dot_worker__pb2.StatusRequest.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Audit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/Audit',
+            protos_dot_pdserve_dot_v1_dot_worker__pb2.AuditRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_worker__pb2.AuditReply.FromString,
             options,
             channel_credentials,
             insecure,
