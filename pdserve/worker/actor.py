@@ -34,6 +34,7 @@ from pdserve.index.redis_index import RedisPrefixIndex
 from pdserve.index.registry import WorkerInfo, WorkerRegistry
 from pdserve.security import SecurityConfig, TLSConfig
 from pdserve.security.redis_auth import redis_exposure_warning
+from pdserve.worker.peers import RegisteredDecodeTargets
 from pdserve.worker.presence import Presence
 from pdserve.worker.scrubber import DEFAULT_MAX_FRACTION
 from pdserve.worker.server import WorkerConfig, WorkerServer
@@ -117,7 +118,8 @@ class WorkerActor:
                               metrics_port=spec.metrics_port, security=spec.security_config(),
                               audit_interval_s=spec.audit_interval_s,
                               audit_max_fraction=spec.audit_max_fraction)
-        self.server = WorkerServer(config, publisher=self.publisher, epoch=self.epoch)
+        self.server = WorkerServer(config, publisher=self.publisher, epoch=self.epoch, on_failing=self._leave,
+                                   decode_targets=RegisteredDecodeTargets(self.registry.live_workers))
         address = self.server.start()
         self.publisher.start(self._cached_hashes)
         engine = self.server.engine
@@ -127,6 +129,14 @@ class WorkerActor:
                                  spec.liveness_ttl_s, breaker)
         self.presence.start()
         _on_sigterm(self._drain_and_exit)
+
+    def _leave(self, reason: str) -> None:
+        """The engine keeps failing (the server is NOT_SERVING already): leave the registry too, so
+        no router or prefill worker sends work here. The process stays for an operator to look at."""
+        logging.getLogger(__name__).error("%s leaves the registry: %s", self.spec.worker_id, reason)
+        presence = getattr(self, "presence", None)  # None: it failed before it ever registered
+        if presence is not None:
+            presence.stop(deregister=True)
 
     def _load(self) -> dict[str, int]:
         s = self.server.status()

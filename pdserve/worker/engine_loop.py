@@ -144,7 +144,8 @@ class EngineLoop:
             try:
                 outputs = self.engine.step(self.observer)
             except Exception:  # NOTE: one bad step must not take the worker down with it
-                log.exception("engine step failed; failing the %d requests in flight", len(self._streams))
+                if self._failed_in_a_row < self.max_failed_steps:  # then it is out of service: once is enough
+                    log.exception("engine step failed; failing the %d requests in flight", len(self._streams))
                 self._fail_in_flight()
                 self._count_failure()
                 continue

@@ -89,3 +89,31 @@ def test_steps_failing_again_and_again_take_the_worker_out_of_service(tiny_loade
         assert status.used_blocks == 0 and status.free_blocks == status.num_blocks
     finally:
         server.stop()
+
+
+def test_a_worker_whose_steps_keep_failing_leaves_routing_and_the_others_serve(tiny_loaded, tiny_model_dir):
+    """Two decode workers (the production WorkerActor, no Ray) behind a router over a real
+    redis-server: decode-0's every step fails. After max_failed_steps it answers health NOT_SERVING
+    and leaves the registry; the router drops it, and every later request is served, exactly, by
+    decode-1."""
+    from deploy.redis_server import RedisServer
+    from tests.worker.redis_cluster import RedisCluster, sigterm_kept, wait_for
+
+    with RedisServer(password="step-failure-test") as redis_server, sigterm_kept():
+        cluster = RedisCluster(tiny_loaded, str(tiny_model_dir), redis_server.url)
+        try:
+            cluster.start_router()
+            broken = cluster.workers[0]
+
+            def always_fail(*args, **kwargs):
+                raise RuntimeError("injected step failure")
+
+            broken.server.engine.step = always_fail  # the engine loop calls it even when idle
+            wait_for(lambda: not broken.server.status().serving, 10, "decode-0 took itself out of service")
+            wait_for(lambda: cluster.routed_ids() == {"decode-1"}, 10, "the router dropped decode-0")
+            assert "decode-0" not in {w.worker_id for w in cluster.workers[1].registry.live_workers()}
+            served = cluster.concurrently([list(range(100 + i, 140 + i)) for i in range(8)])
+            assert {r.decode_worker for r in served} == {"decode-1"}
+            assert cluster.workers[1].server.status().used_blocks == 0
+        finally:
+            cluster.stop()
