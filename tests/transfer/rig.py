@@ -33,6 +33,7 @@ from pdserve.worker.convert import sampling_to_proto
 from pdserve.worker.server import WorkerConfig, WorkerServer
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.conftest import make_engine
+from tests.kv_audit import audit_failures
 
 CHANNELS = ("loopback", "grpc", "faults")
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -163,6 +164,13 @@ def eventually(condition: Callable[[], object], timeout_s: float, what: str):
 def is_clean(worker: WorkerServer) -> bool:
     s = worker.status()
     return (s.used_blocks, s.parked_transfers, s.held_blocks, s.free_blocks) == (0, 0, 0, s.num_blocks)
+
+
+def assert_no_wrong_kv(*workers: WorkerServer) -> None:
+    """The KV audit of every worker: each block it caches is its prompt's true KV (tests/kv_audit.py).
+    Every fault test ends with it."""
+    failures = audit_failures([w.address for w in workers])
+    assert not failures, failures
 
 
 def assert_clean(*workers: WorkerServer, timeout_s: float = 5.0) -> None:

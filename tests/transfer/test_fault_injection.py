@@ -37,7 +37,14 @@ from router.placement import PlacementConfig
 from router.server import RouterConfig, RouterServer
 from router.service import RouterPolicyConfig
 from tests.transfer.processes import WorkerProcess
-from tests.transfer.rig import Gate, assert_clean, cached_prompt_blocks, reference_tokens, start_rig
+from tests.transfer.rig import (
+    Gate,
+    assert_clean,
+    assert_no_wrong_kv,
+    cached_prompt_blocks,
+    reference_tokens,
+    start_rig,
+)
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -113,6 +120,7 @@ def test_fault_is_reported_by_both_ends_and_recompute_is_exact(tiny_loaded, tran
         tokens, used = rig.decode_tokens("hit", PROMPT, sampling=GREEDY)
         assert not used and tokens == reference_tokens(tiny_loaded, PROMPT, GREEDY)
         assert_clean(rig.prefill, rig.decode)
+        assert_no_wrong_kv(rig.prefill, rig.decode)
     finally:
         rig.close()
 
@@ -130,6 +138,7 @@ def test_transfers_the_plan_does_not_hit_go_through_untouched(tiny_loaded, trans
         assert used and tokens == reference_tokens(tiny_loaded, PROMPT, GREEDY)
         assert rig.prefill.faults.injected == {}
         assert_clean(rig.prefill, rig.decode)
+        assert_no_wrong_kv(rig.prefill, rig.decode)
     finally:
         rig.close()
 
@@ -143,6 +152,7 @@ def test_delay_sleeps_past_the_push_deadline(tiny_loaded):
         assert slept == [2.25] and rig.prefill.faults.injected == {"delay": 1}
         rig.decode_tokens("late", PROMPT, reply, GREEDY)
         assert_clean(rig.prefill, rig.decode)
+        assert_no_wrong_kv(rig.prefill, rig.decode)
     finally:
         rig.close()
 
@@ -272,6 +282,7 @@ def test_injected_faults_are_all_detected_counted_and_recomputed_exactly(faulty_
     assert value(m, "pdserve_router_requests_total", code="OK") == N_REQUESTS
     for worker in (prefill, decode):
         eventually(lambda w=worker: clean(w), 2, f"{worker.config.role} worker holds no blocks")
+    assert_no_wrong_kv(prefill, decode)
 
 
 # --- a prefill worker SIGKILLed mid-transfer ------------------------------------------------------------
@@ -308,6 +319,7 @@ def test_prefill_worker_killed_mid_transfer_frees_the_reservation_and_output_is_
         m = scrape(f"http://{router.metrics_address}/metrics")
         assert value(m, "pdserve_router_remote_prefills_total", outcome="fallback") == 1
         eventually(lambda: clean(decode), 2, "the decode worker holds no blocks")
+        assert_no_wrong_kv(decode)
     finally:
         if router is not None:
             router.stop()
@@ -326,6 +338,7 @@ def test_kv_parked_for_a_request_prefilled_here_after_all_is_freed_with_it(tiny_
         tokens, used = rig.decode_tokens("stranded", PROMPT, sampling=GREEDY)  # prefill_here
         assert not used and tokens == reference_tokens(tiny_loaded, PROMPT, GREEDY)
         assert_clean(rig.prefill, rig.decode, timeout_s=2)
+        assert_no_wrong_kv(rig.prefill, rig.decode)
     finally:
         rig.close()
 
@@ -355,6 +368,7 @@ def test_a_stalled_transfer_falls_back_to_local_prefill_well_inside_the_request_
         gate.open()
         for worker in (prefill, decode):
             eventually(lambda w=worker: clean(w), 5, f"{worker.config.role} worker holds no blocks")
+        assert_no_wrong_kv(prefill, decode)
     finally:
         gate.open()
         router.stop()

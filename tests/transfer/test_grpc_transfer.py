@@ -17,6 +17,7 @@ from pdserve.transfer.faults import FaultKind, FaultPlan, FaultRule, RequestIds
 from pdserve.worker.convert import sampling_to_proto
 from pdserve.worker.server import WorkerConfig, WorkerServer
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from tests.kv_audit import audit_failures
 from tests.transfer.processes import WorkerProcess
 from tests.transfer.rig import assert_clean, eventually, reference_tokens
 
@@ -80,6 +81,7 @@ def test_greedy_tokens_identical_to_one_engine(smollm_loaded, smol_prefill, smol
         assert tokens == reference_tokens(smollm_loaded, prompt, GREEDY)
     assert_clean(smol_prefill)
     assert_process_clean(smol_decode)
+    assert not audit_failures([smol_prefill.address, smol_decode.address])
 
 
 def test_receiver_cached_prefix_sends_fewer_bytes(smollm_loaded, smol_prefill, smol_decode):
@@ -100,6 +102,7 @@ def test_receiver_cached_prefix_sends_fewer_bytes(smollm_loaded, smol_prefill, s
     assert used and tokens == reference_tokens(smollm_loaded, second, GREEDY)
     assert_clean(smol_prefill)
     assert_process_clean(smol_decode)
+    assert not audit_failures([smol_prefill.address, smol_decode.address])
 
 
 def test_flipped_byte_over_grpc_is_detected_and_recompute_is_exact(smollm_loaded, smol_prefill, smol_decode):
@@ -114,3 +117,4 @@ def test_flipped_byte_over_grpc_is_detected_and_recompute_is_exact(smollm_loaded
     assert not used and tokens == reference_tokens(smollm_loaded, prompt, GREEDY)
     assert_clean(smol_prefill)
     assert_process_clean(smol_decode)
+    assert not audit_failures([smol_prefill.address, smol_decode.address])

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from pdserve.engine.audit import KVAuditor
 from pdserve.engine.hashing import hash_blocks
 from pdserve.engine.sequence import SamplingParams
 from pdserve.kvwire import KVLayout, LayerChunkHeader, TransferBegin, TransferEnd, decode_header
@@ -55,11 +56,18 @@ def prefill_with(engine, sender, request_id: str, prompt: list[int], channel) ->
     return transfer, outputs
 
 
+def assert_cache_right(engine) -> None:
+    """The KV audit (pdserve/engine/audit.py): every block the engine caches is its prompt's KV."""
+    report = KVAuditor(engine).audit()
+    assert report.complete and report.mismatched == 0, report
+
+
 @pytest.fixture
 def engine(tiny_loaded):
     engine = make_engine(tiny_loaded, num_blocks=16)
     yield engine
     assert_no_leaks(engine)
+    assert_cache_right(engine)
 
 
 def sender_of(engine) -> LayerwiseSender:
@@ -127,3 +135,4 @@ def test_preempting_a_request_whose_kv_is_being_sent_aborts_the_transfer_and_dro
     assert older_tokens == reference[0].token_ids
     sender.finish("victim")
     assert_no_leaks(engine)
+    assert_cache_right(engine)

@@ -22,6 +22,7 @@ from protos.pdserve.v1 import worker_pb2
 from tests.transfer.rig import (
     CHANNELS,
     assert_clean,
+    assert_no_wrong_kv,
     cached_prompt_blocks,
     engine_config,
     eventually,
@@ -49,6 +50,7 @@ def rig(request, tiny_loaded):
     rig = start_rig(tiny_loaded, request.param, prefill_engine=engine_config(budget=20), max_chunk_bytes=4096)
     yield rig
     assert_clean(rig.prefill, rig.decode)
+    assert_no_wrong_kv(rig.prefill, rig.decode)
     rig.close()
 
 
@@ -96,6 +98,7 @@ def test_each_block_goes_once_per_layer_under_chunked_prefill(tiny_loaded, kind_
         tokens, used = rig.decode_tokens("r4", PROMPT, reply)
         assert used and tokens == reference_tokens(tiny_loaded, PROMPT)
         assert_clean(rig.prefill, rig.decode)
+        assert_no_wrong_kv(rig.prefill, rig.decode)
     finally:
         rig.close()
 
@@ -108,6 +111,7 @@ def test_parked_kv_expires_and_the_decode_call_prefills_instead(tiny_loaded, kin
         tokens, used = rig.decode_tokens("r5", PROMPT, reply)
         assert not used and tokens == reference_tokens(tiny_loaded, PROMPT)
         assert_clean(rig.prefill, rig.decode)
+        assert_no_wrong_kv(rig.prefill, rig.decode)
     finally:
         rig.close()
 
@@ -121,6 +125,7 @@ def assert_refused(rig, loaded, request_id: str, code: grpc.StatusCode, message:
     tokens, used = rig.decode_tokens(request_id, PROMPT)
     assert not used and tokens == reference_tokens(loaded, PROMPT)
     assert_clean(rig.prefill, rig.decode)
+    assert_no_wrong_kv(rig.prefill, rig.decode)
 
 
 def test_flipped_byte_is_detected_and_the_recompute_is_exact(tiny_loaded, kind_param):
@@ -154,6 +159,7 @@ def test_layout_mismatch_fails_precondition_naming_the_field(tiny_loaded, other_
         assert field in failure.value.details()
         assert rig.decode.status().transfer_outcomes == {"FAILED_PRECONDITION": 1}
         assert_clean(rig.prefill, rig.decode)
+        assert_no_wrong_kv(rig.prefill, rig.decode)
     finally:
         rig.close()
 
@@ -171,6 +177,7 @@ def test_pool_too_small_is_resource_exhausted(tiny_loaded, kind_param):
         assert "retry later" in failure.value.details()
         busy.cancel()
         assert_clean(rig.prefill, rig.decode)
+        assert_no_wrong_kv(rig.prefill, rig.decode)
     finally:
         rig.close()
 
@@ -190,6 +197,7 @@ def held_rig(request, tiny_loaded):
                     prefill_engine=engine_config(num_blocks=8))
     yield rig
     rig.gate.open()
+    assert_no_wrong_kv(rig.prefill, rig.decode)
     rig.close()
 
 
@@ -273,6 +281,7 @@ def test_preemption_mid_prefill_aborts_the_transfer(tiny_loaded, kind):
         tokens, used = rig.decode_tokens("again", VICTIM_PROMPT)
         assert not used and tokens == reference_tokens(tiny_loaded, VICTIM_PROMPT)
         assert_clean(rig.prefill, rig.decode)
+        assert_no_wrong_kv(rig.prefill, rig.decode)
     finally:
         rig.gate.open()
         rig.close()

@@ -15,9 +15,9 @@ from pdserve.metrics import scrape
 from pdserve.worker.convert import sampling_to_proto
 from pdserve.worker.server import WorkerConfig, WorkerServer
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from tests.cluster.conftest import audit_failures
 from tests.conftest import make_engine
 from tests.engine.test_audit import corrupt
+from tests.kv_audit import audit_failures
 from tests.worker.test_worker_service import assert_clean
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
