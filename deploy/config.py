@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve.engine.config import KV_DTYPES
+from pdserve.engine.hashing import CACHE_ISOLATION
 from pdserve.worker.scrubber import DEFAULT_MAX_FRACTION, check_scrubber_settings
 
 ROLES = ("prefill", "decode")
@@ -78,6 +79,13 @@ class ClusterSpec:
     max_tokens_limit: int = 4096
     max_message_bytes: int = 4 << 20
     max_concurrent_streams: int = 256
+    # none: any request may reuse any other's cached prefix; token: only requests of the same API token
+    # (router/service.py CACHE_ISOLATION; docs/security.md weighs the two). token needs api_token_file.
+    cache_isolation: str = "none"
+    # The remote prefill phase's own deadline: this share of the request's remaining time (so a stalled
+    # prefill worker or transfer still leaves the fallback time to answer), at most prefill_timeout_s.
+    prefill_deadline_fraction: float = 0.5
+    prefill_timeout_s: float = 60.0
     # The background KV audit on every worker (pdserve/worker/scrubber.py): None = off.
     audit_interval_s: float | None = None
     audit_max_fraction: float = DEFAULT_MAX_FRACTION  # of wall time the scrubber may spend auditing
@@ -94,6 +102,14 @@ class ClusterSpec:
         _check_choice("router.routing (--routing)", self.routing, ROUTING_POLICIES)
         _check_choice("placement (--placement)", self.placement, tuple(PLACEMENTS))
         _check_choice("cache.kv_dtype (--kv-dtype)", self.kv_dtype, KV_DTYPES)
+        _check_choice("router.cache_isolation (--cache-isolation)", self.cache_isolation, CACHE_ISOLATION)
+        if self.cache_isolation == "token" and self.api_token_file is None:
+            raise ValueError("router.cache_isolation (--cache-isolation) token keeps each API token's cache "
+                             "apart, so it needs auth.api_token_file (--api-token-file)")
+        if not 0 < self.prefill_deadline_fraction < 1 or self.prefill_timeout_s <= 0:
+            raise ValueError("router.prefill_deadline_fraction (--prefill-deadline-fraction) must be in "
+                             f"(0, 1) and router.prefill_timeout_s (--prefill-timeout-s) > 0, got "
+                             f"{self.prefill_deadline_fraction} and {self.prefill_timeout_s}")
         if self.gpus_per_worker is not None and self.gpus_per_worker < 0:
             raise ValueError(f"gpus_per_worker (--gpus-per-worker) must be >= 0, got {self.gpus_per_worker}")
         for role, resources in self.actor_resources.items():
@@ -188,6 +204,9 @@ FILE_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "router.max_tokens_limit": ("max_tokens_limit", (int,)),
     "router.max_message_bytes": ("max_message_bytes", (int,)),
     "router.max_concurrent_streams": ("max_concurrent_streams", (int,)),
+    "router.cache_isolation": ("cache_isolation", (str,)),
+    "router.prefill_deadline_fraction": ("prefill_deadline_fraction", _NUMBER),
+    "router.prefill_timeout_s": ("prefill_timeout_s", _NUMBER),
     "redis_url": ("redis_url", (str, _NONE)),
     "ray_address": ("ray_address", (str, _NONE)),
     "namespace": ("namespace", (str,)),

@@ -117,9 +117,11 @@ class LocalCluster:
         limits = RequestLimits(max_prompt_tokens=s.max_prompt_tokens, max_tokens_limit=s.max_tokens_limit,
                                max_message_bytes=s.max_message_bytes,
                                max_concurrent_streams=s.max_concurrent_streams)
+        policy = RouterPolicyConfig(max_context_tokens=max_context_tokens, cache_isolation=s.cache_isolation,
+                                    prefill_deadline_fraction=s.prefill_deadline_fraction,
+                                    prefill_timeout_s=s.prefill_timeout_s)
         config = RouterConfig(host=s.host, port=s.port, metrics_port=s.metrics_port, placement=placement,
-                              policy=RouterPolicyConfig(max_context_tokens=max_context_tokens), limits=limits,
-                              security=self.security)
+                              policy=policy, limits=limits, security=self.security)
         return redis_router(config, tokenizer, self.redis_url, s.namespace)
 
     def _init_ray(self) -> None:

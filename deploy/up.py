@@ -20,7 +20,8 @@ FLAG_FIELDS = {dest: _RENAMED.get(dest, dest) for dest in (
     "address", "namespace", "block_size", "kv_dtype", "num_blocks", "kv_cache_gib", "max_batched_tokens",
     "routing", "min_remote_prefill_tokens", "max_prompt_tokens", "max_tokens_limit", "max_message_bytes",
     "max_concurrent_streams", "tls_cert", "tls_key", "tls_ca", "tls_require_client_cert", "tls_client_cert",
-    "tls_client_key", "api_token_file", "cluster_secret_file", "audit_interval_s", "audit_max_fraction")}
+    "tls_client_key", "api_token_file", "cluster_secret_file", "audit_interval_s", "audit_max_fraction",
+    "cache_isolation", "prefill_deadline_fraction", "prefill_timeout_s")}
 
 
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:

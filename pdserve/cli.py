@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from pdserve import __version__
 from pdserve.client_security import add_client_security_arguments, given_flags
 from pdserve.engine.config import KV_DTYPES, CacheConfig, SchedulerConfig
+from pdserve.engine.hashing import CACHE_ISOLATION
 from pdserve.units import human_bytes
 
 if TYPE_CHECKING:
@@ -280,6 +281,13 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--min-remote-prefill-tokens", type=int, metavar="N",
                    help="least_load/round_robin: prompts shorter than N tokens are prefilled on the "
                         f"decode worker, with no KV transfer (default: {d.min_remote_prefill_tokens})")
+    p.add_argument("--prefill-deadline-fraction", type=float, metavar="F",
+                   help="share of a request's remaining time its remote prefill may take before the "
+                        "router prefills on the decode worker instead, so a stalled prefill worker or KV "
+                        f"transfer still leaves time to answer (default: {d.prefill_deadline_fraction:g})")
+    p.add_argument("--prefill-timeout-s", type=float, metavar="SECONDS",
+                   help="the remote prefill's deadline at most, whatever the request's "
+                        f"(default: {d.prefill_timeout_s:g})")
     _add_up_limits(p, d)
     _add_up_audit(p, d)
     _add_up_security(p)
@@ -342,6 +350,11 @@ def _add_up_security(p: argparse.ArgumentParser) -> None:
     security.add_argument("--cluster-secret-file", metavar="FILE",
                           help="require this secret (one line) on the workers' Worker and KVTransfer "
                                "services; the router and workers send it to each other")
+    security.add_argument("--cache-isolation", choices=CACHE_ISOLATION,
+                          help="none: any request may reuse any other's cached prefix (more hits); token: "
+                               "only requests made with the same API token share cached blocks, so one "
+                               "tenant cannot tell from cached_tokens what another asked (needs "
+                               "--api-token-file; default: none)")
 
 
 def _run_up(args: argparse.Namespace) -> int:

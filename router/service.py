@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.engine.hashing import CACHE_ISOLATION
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.security.auth import bearer_token, tenant_cache_salt
 from pdserve.worker.convert import sampling_from_proto
@@ -44,9 +45,6 @@ log = logging.getLogger(__name__)
 # would refuse it too. Anything else (the prefill worker down, its transfer failed or stalled past
 # the prefill phase's deadline) falls back to prefill on the decode worker while the client waits.
 NOT_FALLBACK = {grpc.StatusCode.INVALID_ARGUMENT}
-# none: every request may reuse any other's cached prefix. token: a request reuses only blocks of
-# requests made with the same API token (docs/security.md weighs the two).
-CACHE_ISOLATION = ("none", "token")
 # A decode worker that answers these before the first token did nothing for the request: it is dead or
 # draining (UNAVAILABLE), or full (RESOURCE_EXHAUSTED: its own call limit); another may start afresh.
 RETRY_ON_ANOTHER_DECODE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}

@@ -111,7 +111,8 @@ def test_an_unknown_key_is_named_with_the_file_and_a_suggestion(tmp_path, text, 
      "'decode.resources.decode' must be a number (units of the Ray resource), got 'one'"),
     ("router: 50051", "'router' must be a mapping of port, metrics_port, routing, min_remote_prefill_tokens, "
                       "max_in_flight_per_decode, max_prompt_tokens, max_tokens_limit, max_message_bytes, "
-                      "max_concurrent_streams, got 50051"),
+                      "max_concurrent_streams, cache_isolation, prefill_deadline_fraction, "
+                      "prefill_timeout_s, got 50051"),
     ("- model: x", "expected a mapping of keys (model, host, prefill, decode, placement, gpus_per_worker, "
                    "cache, scheduler, router, redis_url, ray_address, namespace, max_restarts, worker_env, "
                    "tls, auth, audit), got list"),
@@ -359,3 +360,22 @@ def test_kuberay_cluster_has_the_same_shape():
     post_start = head["template"]["spec"]["containers"][0]["lifecycle"]["postStart"]
     head_command = " ".join(post_start["exec"]["command"])
     assert "pdserve up --config deploy/examples/gpu.yaml" in head_command
+
+
+def test_cache_isolation_and_the_prefill_deadline_reach_the_spec_from_file_and_flags(tmp_path):
+    from deploy.up import spec_from_args
+    from pdserve.cli import build_parser
+
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text("a-token\n")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"router: {{cache_isolation: token, prefill_deadline_fraction: 0.25}}\n"
+                      f"auth: {{api_token_file: {tokens}}}\n")
+    args = build_parser().parse_args(["up", "--config", str(config), "--prefill-timeout-s", "9"])
+    spec = spec_from_args(args)
+    assert spec.cache_isolation == "token"
+    assert (spec.prefill_deadline_fraction, spec.prefill_timeout_s) == (0.25, 9)
+    with pytest.raises(ValueError, match="cache_isolation .* needs auth.api_token_file"):
+        ClusterSpec(cache_isolation="token")
+    with pytest.raises(ValueError, match=r"prefill_deadline_fraction .* must be in \(0, 1\)"):
+        ClusterSpec(prefill_deadline_fraction=1.0)

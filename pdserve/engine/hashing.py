@@ -39,6 +39,9 @@ def engine_salt(model_fingerprint: str, block_size: int, kv_dtype: str) -> bytes
 
 
 MAX_CACHE_SALT_BYTES = 64
+# How the router picks a request's cache_salt. none: b"" for all, so any request may reuse any
+# other's cached prefix; token: the digest of its API token, so only requests of one token share.
+CACHE_ISOLATION = ("none", "token")
 
 
 def request_salt(salt: bytes, cache_salt: bytes) -> bytes:
