@@ -258,8 +258,9 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
                    help="GPUs each worker actor asks Ray for; 0 = run on CPU (default: 1 when the Ray "
                         "cluster has a GPU for every worker at start, else 0)")
     p.add_argument("--redis-url", metavar="URL",
-                   help="Redis for the registry and prefix index, e.g. redis://host:6379/0 "
-                        "(default: start an embedded redis-server on a free loopback port)")
+                   help="Redis for the registry and prefix index, e.g. redis://:PASSWORD@host:6379/0 "
+                        "(default: start an embedded redis-server on a free loopback port, with a "
+                        "generated password)")
     p.add_argument("--address", metavar="RAY_ADDRESS",
                    help="Ray cluster to join, e.g. host:6379, or auto for the one running on this "
                         "node (default: start a local Ray)")
