@@ -48,7 +48,8 @@ def status_metrics(s: worker_pb2.WorkerStatus) -> dict[str, tuple]:
                                       "cached": s.cached_blocks}, "state"),
         "pdserve_worker_parked_transfers": ("gauge", "Received KV waiting for its Decode call",
                                             s.parked_transfers),
-        "pdserve_worker_held_blocks": ("gauge", "Blocks held for outgoing transfers", s.held_blocks),
+        "pdserve_worker_held_blocks": ("gauge", "Block references outgoing KV transfers hold (pinned until "
+                                       "sent)", s.held_blocks),
         "pdserve_worker_prompt_tokens": ("counter", "Prompt tokens of requests finished here",
                                          s.prompt_tokens_total),
         "pdserve_worker_prefix_hit_tokens": ("counter", "Prompt tokens served from this worker's prefix "
