@@ -31,7 +31,7 @@ from router.placement import PlacementConfig
 from router.redis_backend import redis_router
 from router.server import RouterConfig, RouterServer
 from router.service import RouterPolicyConfig
-from tests.conftest import make_engine
+from tests.conftest import MIN_GREEDY_MARGIN, greedy_margin, make_engine
 
 TINY_CONTEXT = 512
 HEARTBEAT_S = 0.25
@@ -166,6 +166,12 @@ class RedisCluster:
         last = replies[-1]
         assert last.finished and last.finish_reason == "length", last
         return last
+
+    def clear_of_near_ties(self, prompt: list[int]) -> bool:
+        """Whether prompt's greedy path keeps its top two logits MIN_GREEDY_MARGIN apart, so batching
+        cannot flip it (tests/conftest.py)."""
+        with self._reference_lock:
+            return greedy_margin(self._reference, prompt, MAX_TOKENS) >= MIN_GREEDY_MARGIN
 
     def expected(self, prompt: list[int]) -> list[int]:
         """What the in-process engine (prefix caching off) generates for prompt."""

@@ -19,6 +19,7 @@ Redis socket timeout (1 s).
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import time
@@ -37,10 +38,13 @@ pytestmark = pytest.mark.slow
 PASSWORD = "fault-test-password"
 SHARED = list(range(300, 348))  # 3 full blocks every request starts with
 FAULT_PROMPT = list(range(600, 660))  # a prefix first seen while Redis misbehaves
+AFTER_FAULT_PROMPT = FAULT_PROMPT[:48] + [7, 7, 7]  # its 3 blocks, asked again once Redis is well
 
 
-def round_of_prompts(tag: int) -> list[list[int]]:
-    return [SHARED + [tag % 50, i] + list(range(400 + i, 410 + i)) for i in range(8)]
+def round_of_prompts(cluster: RedisCluster, tag: int) -> list[list[int]]:
+    """8 prompts that start with SHARED, none with a greedy near-tie (tests/conftest.py)."""
+    candidates = (SHARED + [tag % 50, i] + list(range(400 + i, 410 + i)) for i in itertools.count())
+    return list(itertools.islice(filter(cluster.clear_of_near_ties, candidates), 8))
 
 
 @pytest.fixture
@@ -61,7 +65,8 @@ def run_through_fault(cluster: RedisCluster, inject: Callable[[], None], clear: 
     cluster.start_router()
     workers = cluster.workers
     start = StepTimes.of(workers)
-    cluster.concurrently(round_of_prompts(0))
+    assert cluster.clear_of_near_ties(FAULT_PROMPT) and cluster.clear_of_near_ties(AFTER_FAULT_PROMPT)
+    cluster.concurrently(round_of_prompts(cluster, 0))
     without_fault = StepTimes.of(workers).since(start)
 
     inject()
@@ -69,7 +74,7 @@ def run_through_fault(cluster: RedisCluster, inject: Callable[[], None], clear: 
     rounds = 0
     while rounds < 2 or time.monotonic() - began < hold_s:  # past every lease: they lapse in Redis
         rounds += 1
-        cluster.concurrently(round_of_prompts(rounds))
+        cluster.concurrently(round_of_prompts(cluster, rounds))
     served = cluster.generate(FAULT_PROMPT)
     with_fault = StepTimes.of(workers).since(start)
     assert cluster.routed_ids() == {"decode-0", "decode-1"}  # the router still sends work to both
@@ -88,7 +93,7 @@ def run_through_fault(cluster: RedisCluster, inject: Callable[[], None], clear: 
     breaker = cluster.router.placer.breaker
     wait_for(lambda: breaker.state is not BreakerState.OPEN or breaker.retry_in() == 0, 10,
              "the router's breaker lets an index lookup through")
-    again = cluster.generate(FAULT_PROMPT[:48] + [7, 7, 7])
+    again = cluster.generate(AFTER_FAULT_PROMPT)
     assert again.decode_worker == holder and again.usage.cached_tokens == 48, again
     cluster.wait_until_clean()
 
