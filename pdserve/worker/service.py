@@ -97,6 +97,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._refuse_if_draining(context)
         rid, prompt = request.request_id, list(request.prompt_token_ids)
         sampling = _sampling_or_abort(request.sampling, context)
+        if not rid:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty: give each request an id")
         if not self.decode_targets.allows(request.decode_target):
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"decode_target {request.decode_target!r} is not a live decode worker in the "

@@ -80,4 +80,8 @@ def test_an_empty_request_id_is_invalid_argument(rig):
         list(rig.stub(rig.decode).Decode(request, timeout=30))
     assert failure.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "request_id is empty" in failure.value.details()
-    assert_clean(rig.decode)
+    with pytest.raises(grpc.RpcError) as failure:
+        rig.remote_prefill("", PROMPT)
+    assert failure.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "request_id is empty" in failure.value.details()
+    assert_clean(rig.prefill, rig.decode)
