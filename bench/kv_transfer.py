@@ -59,7 +59,7 @@ from bench.common import (
 from bench.kv_transfer_wire import MIB, Case, keep_freed_memory, measure
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.sequence import SamplingParams
-from pdserve.transfer.grpc_transport import GRPC_OPTIONS
+from pdserve.grpc_options import message_options
 from pdserve.worker.convert import sampling_to_proto
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -88,13 +88,16 @@ QUICK = Sizes(wire_mib=(16, 64), wire_reps=1, prompt_tokens=512, reps=1)
 
 def serve_worker(role: str, threads: int, kv_dtype: str, num_blocks: int) -> None:
     """A worker process: one WorkerServer on a free loopback port until stdin closes."""
+    from decode_worker.role import DecodeRole
     from pdserve.engine.weights import load_model
     from pdserve.worker.server import WorkerConfig, WorkerServer
+    from prefill_worker.role import PrefillRole
 
     set_threads(threads)
     engine = EngineConfig(cache=CacheConfig(block_size=BLOCK_SIZE, kv_dtype=kv_dtype, num_blocks=num_blocks),
                           num_threads=threads)
-    server = WorkerServer(WorkerConfig(role, engine), load_model(None, progress=False))
+    server = WorkerServer(WorkerConfig(role, engine), PrefillRole() if role == "prefill" else DecodeRole(),
+                          load_model(None, progress=False))
     address = server.start()
     print(f"address {address} {server.engine.device}", flush=True)
     sys.stdin.read()  # the parent closes stdin when it is done
@@ -155,9 +158,10 @@ class Pair:
 
     def __init__(self, prefill_address: str, decode_address: str) -> None:
         self.decode_address = decode_address
-        self._channels = [grpc.insecure_channel(a, options=GRPC_OPTIONS) for a in (prefill_address,
-                                                                                   decode_address)]
-        self.p, self.d = (worker_pb2_grpc.WorkerStub(c) for c in self._channels)
+        self._channels = [grpc.insecure_channel(a, options=message_options()) for a in (prefill_address,
+                                                                                        decode_address)]
+        self.p = worker_pb2_grpc.PrefillServiceStub(self._channels[0])
+        self.d = worker_pb2_grpc.DecodeServiceStub(self._channels[1])
         self.sampling = sampling_to_proto(GREEDY_ONE)
 
     def disaggregated(self, rid: str, prompt: list[int]) -> Disaggregated:

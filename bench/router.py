@@ -354,7 +354,7 @@ def warm_up(cluster: Any, address: str) -> None:
 
     from pdserve.client import request_from
     from pdserve.engine.sequence import SamplingParams
-    from pdserve.transfer.grpc_transport import GRPC_OPTIONS
+    from pdserve.grpc_options import message_options
     from pdserve.worker.convert import sampling_to_proto
     from protos.pdserve.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -362,19 +362,20 @@ def warm_up(cluster: Any, address: str) -> None:
     prompt = lambda: [rng.randrange(2000, VOCAB) for _ in range(300)]
     sampling = sampling_to_proto(SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     workers = cluster.router.directory.workers()
-    channels = {w.address: grpc.insecure_channel(w.address, options=GRPC_OPTIONS) for w in workers}
-    stubs = {a: worker_pb2_grpc.WorkerStub(c) for a, c in channels.items()}
+    channels = {w.address: grpc.insecure_channel(w.address, options=message_options()) for w in workers}
+    prefill_stubs = {a: worker_pb2_grpc.PrefillServiceStub(c) for a, c in channels.items()}
+    decode_stubs = {a: worker_pb2_grpc.DecodeServiceStub(c) for a, c in channels.items()}
     try:
         for d in (w for w in workers if w.role == "decode"):
             for p in (w for w in workers if w.role == "prefill"):
                 ids, rid = prompt(), f"warm-{p.worker_id}-{d.worker_id}"
-                reply = stubs[p.address].Prefill(worker_pb2.PrefillRequest(
+                reply = prefill_stubs[p.address].Prefill(worker_pb2.PrefillRequest(
                     request_id=rid, prompt_token_ids=ids, sampling=sampling, decode_target=d.address),
                     timeout=300)
-                list(stubs[d.address].Decode(worker_pb2.DecodeRequest(
+                list(decode_stubs[d.address].Decode(worker_pb2.DecodeRequest(
                     request_id=rid, prompt_token_ids=ids, sampling=sampling, first_token=reply.first_token,
                     rng_state=reply.rng_state), timeout=300))
-            list(stubs[d.address].Decode(worker_pb2.DecodeRequest(
+            list(decode_stubs[d.address].Decode(worker_pb2.DecodeRequest(
                 request_id=f"warm-{d.worker_id}", prompt_token_ids=prompt(), sampling=sampling,
                 prefill_here=True), timeout=300))
         with grpc.insecure_channel(address) as channel:

@@ -1,6 +1,9 @@
-"""The prefill worker: a Ray actor that computes prompts and streams their KV to decode workers."""
+"""The prefill worker's Ray actor: the shared worker body (pdserve/worker/actor.py) serving the
+prefill role, which pushes KV only to the decode workers the registry lists as live."""
 
 from pdserve.worker.actor import WorkerActor, WorkerSpec
+from prefill_worker.peers import RegisteredDecodeTargets
+from prefill_worker.role import PrefillRole
 
 
 class PrefillWorker(WorkerActor):
@@ -8,3 +11,6 @@ class PrefillWorker(WorkerActor):
         if spec.role != "prefill":
             raise ValueError(f"PrefillWorker needs role 'prefill', got {spec.role!r}")
         super().__init__(spec)
+
+    def role(self) -> PrefillRole:
+        return PrefillRole(decode_targets=RegisteredDecodeTargets(self.registry.live_workers))

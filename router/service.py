@@ -281,7 +281,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                             sampling=job.sampling, decode_target=placement.decode.address,
                                             target_cached_blocks=placement.decode_cached_blocks,
                                             cache_salt=job.cache_salt)
-        future = self.directory.stub(placement.prefill.address).Prefill.future(
+        future = self.directory.prefill_stub(placement.prefill.address).Prefill.future(
             request, timeout=self._prefill_timeout(context))
         if not context.add_callback(future.cancel):  # the client is already gone
             future.cancel()
@@ -314,7 +314,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if prefill is not None:
             request.first_token, request.rng_state = prefill.first_token, prefill.rng_state
         trace.phase = RequestPhase.DECODING
-        call = self.directory.stub(placement.decode.address).Decode(request, timeout=self._timeout(context))
+        call = self.directory.decode_stub(placement.decode.address).Decode(request,
+                                                                           timeout=self._timeout(context))
         if not context.add_callback(call.cancel):  # the client is already gone
             call.cancel()
         sent = False

@@ -211,7 +211,14 @@ class WorkerDirectory:
             return self._in_flight[worker_id]
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        """The Worker service every worker serves (Abort, Status, Audit)."""
         return worker_pb2_grpc.WorkerStub(self._channel(address))
+
+    def prefill_stub(self, address: str) -> worker_pb2_grpc.PrefillServiceStub:
+        return worker_pb2_grpc.PrefillServiceStub(self._channel(address))
+
+    def decode_stub(self, address: str) -> worker_pb2_grpc.DecodeServiceStub:
+        return worker_pb2_grpc.DecodeServiceStub(self._channel(address))
 
     def _channel(self, address: str) -> grpc.Channel:
         with self._lock:

@@ -12,15 +12,17 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 OpenCall = Callable[[grpc.aio.Channel], grpc.aio.Call]
 
@@ -151,3 +153,22 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+class HeldPrefill:
+    """A Prefill call held open on a prefill worker: its decode target is a socket that takes TCP
+    connections and never speaks HTTP/2, so the KV push, and the call, wait until close()."""
+
+    def __init__(self, target: str, prompt: Sequence[int]) -> None:
+        self._black_hole = socket.create_server(("127.0.0.1", 0))
+        self._channel = grpc.insecure_channel(target)
+        request = worker_pb2.PrefillRequest(
+            request_id=f"held-{uuid.uuid4().hex[:8]}", prompt_token_ids=list(prompt),
+            decode_target=f"127.0.0.1:{self._black_hole.getsockname()[1]}")
+        request.sampling.max_tokens = 1
+        self.future = worker_pb2_grpc.PrefillServiceStub(self._channel).Prefill.future(request, timeout=120)
+
+    def close(self) -> None:
+        self.future.cancel()
+        self._channel.close()
+        self._black_hole.close()

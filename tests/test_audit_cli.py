@@ -15,7 +15,7 @@ from pdserve.cli import main
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.hashing import hash_blocks
 from pdserve.index.registry import WorkerInfo
-from pdserve.worker.server import WorkerConfig, WorkerServer
+from pdserve.worker.server import WorkerConfig
 from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from router.placement import PlacementConfig
 from router.server import RouterConfig, RouterServer
@@ -23,6 +23,7 @@ from router.service import RouterPolicyConfig
 from tests.engine.test_audit import corrupt
 from tests.router.inprocess import TINY_CONTEXT, greedy, info
 from tests.worker.test_worker_service import assert_clean
+from tests.workers import worker_server
 
 PROMPT = list(range(800, 870))  # 70 tokens: prefilled remotely, 4 whole blocks on both workers
 
@@ -36,7 +37,7 @@ def unused_address() -> str:
 @pytest.fixture(scope="module")
 def cluster(tiny_loaded):
     engine = EngineConfig(cache=CacheConfig(num_blocks=64), device="cpu")
-    workers = [WorkerServer(WorkerConfig(role, engine, worker_id=f"{role}-0"), tiny_loaded)
+    workers = [worker_server(WorkerConfig(role, engine, worker_id=f"{role}-0"), tiny_loaded)
                for role in ("prefill", "decode")]
     live = [info(w, w.start()) for w in workers]
     config = RouterConfig(port=0, metrics_port=None,

@@ -7,12 +7,12 @@ import textwrap
 
 import pytest
 
+from decode_worker.actor import DecodeWorker
 from deploy.config import ClusterSpec, load_config
 from deploy.launcher import LocalCluster
 from deploy.redis_server import RedisServer
 from deploy.up import spec_from_args
 from pdserve.cli import build_parser, main
-from pdserve.worker.actor import WorkerActor
 from pdserve.worker.scrubber import AuditScrubber
 
 
@@ -51,7 +51,7 @@ def test_a_worker_started_by_the_launcher_runs_the_scrubber_it_was_given(tiny_mo
         cluster.redis_url = server.url
         spec = cluster._worker_spec("decode", "decode-0", threads=1)
         assert (spec.audit_interval_s, spec.audit_max_fraction) == (7.5, 0.1)
-        actor = WorkerActor(spec)
+        actor = DecodeWorker(spec)
         try:
             scrubber = actor.server.scrubber
             assert isinstance(scrubber, AuditScrubber) and scrubber._thread.is_alive()

@@ -1,8 +1,8 @@
-"""KV handoff between engines: a layer-wise sender, a fail-closed receiver, two transports.
+"""What both ends of a KV transfer agree on: the channel contract and why a transfer failed.
 
-    prefill engine --step observer--> LayerwiseSender --frames--> KVChannel --> KVReceiver --> decode engine
-                                                     (GrpcKVChannel or LoopbackKVChannel)
+    prefill_worker/sender.py --frames--> KVChannel --> decode_worker/receiver.py
+                                  (prefill_worker/channels.py over gRPC, to decode_worker/kv_service.py)
 
-faults.py: a debug-only FaultInjectingChannel around the KVChannel (drop, corrupt, delay),
-present only on a worker built with a FaultPlan.
+channel.py (Frame, PushResult, KVChannel, TransferState), errors.py (FailureKind,
+TransferFailed), status.py (FailureKind <-> gRPC status). The wire codec is pdserve/kvwire.py.
 """

@@ -1,8 +1,11 @@
-"""A worker process: one engine, its loop thread, its gRPC services and its presence in Redis.
+"""What every worker shares, whatever its role (prefill_worker/, decode_worker/ hold the rest).
 
-    WorkerServer
-      EngineLoop (thread) -- steps the engine, fans outputs out to RequestStreams
-      gRPC server: Worker (Prefill/Decode/Abort/Status) + KVTransfer + health
-      Presence (thread)   -- registry heartbeat + liveness; KV events go to the index per step
-      KVAuditor           -- Worker.Audit, and the optional AuditScrubber (thread) in the background
+    server.py       WorkerServer: the engine, its loop, the gRPC server; a Role adds its services
+    service.py      the Worker service (Abort, Status, Audit); ServingState, TokenTotals, WorkerParts
+    engine_loop.py  the thread that steps the engine and fans outputs out to request streams
+    actor.py        the Ray actor body: epoch, registry, presence, drain; each role's actor subclasses it
+    presence.py     registration and heartbeat in Redis
+    scrubber.py     the optional background KV audit
+    metrics.py      Prometheus metrics, read from Status
+    convert.py      protobuf <-> engine types
 """

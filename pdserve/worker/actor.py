@@ -1,4 +1,6 @@
-"""The Ray actor body shared by prefill_worker/ and decode_worker/.
+"""The Ray actor body shared by prefill_worker/ and decode_worker/: each role's actor class
+(prefill_worker/actor.py, decode_worker/actor.py) subclasses WorkerActor and says, in role(),
+which services its WorkerServer serves.
 
 Ray places the actor (num_gpus=1 on GPU nodes, CPUs otherwise), restarts it when its
 process dies (max_restarts), and the constructor does everything a fresh process needs:
@@ -34,10 +36,9 @@ from pdserve.index.redis_index import RedisPrefixIndex
 from pdserve.index.registry import WorkerInfo, WorkerRegistry
 from pdserve.security import SecurityConfig, TLSConfig
 from pdserve.security.redis_auth import redis_exposure_warning
-from pdserve.worker.peers import RegisteredDecodeTargets
 from pdserve.worker.presence import Presence
 from pdserve.worker.scrubber import DEFAULT_MAX_FRACTION
-from pdserve.worker.server import WorkerConfig, WorkerServer
+from pdserve.worker.server import Role, WorkerConfig, WorkerServer
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 REDIS_TIMEOUT_S = 1.0  # per Redis call: connect, answer, and wait for the worker's one connection
@@ -118,8 +119,8 @@ class WorkerActor:
                               metrics_port=spec.metrics_port, security=spec.security_config(),
                               audit_interval_s=spec.audit_interval_s,
                               audit_max_fraction=spec.audit_max_fraction)
-        self.server = WorkerServer(config, publisher=self.publisher, epoch=self.epoch, on_failing=self._leave,
-                                   decode_targets=RegisteredDecodeTargets(self.registry.live_workers))
+        self.server = WorkerServer(config, self.role(), publisher=self.publisher, epoch=self.epoch,
+                                   on_failing=self._leave)
         address = self.server.start()
         self.publisher.start(self._cached_hashes)
         engine = self.server.engine
@@ -129,6 +130,10 @@ class WorkerActor:
                                  spec.liveness_ttl_s, breaker)
         self.presence.start()
         _on_sigterm(self._drain_and_exit)
+
+    def role(self) -> Role:
+        """The services this worker serves beside the shared ones (each role's actor says)."""
+        raise NotImplementedError("construct PrefillWorker or DecodeWorker, not WorkerActor")
 
     def _leave(self, reason: str) -> None:
         """The engine keeps failing (the server is NOT_SERVING already): leave the registry too, so

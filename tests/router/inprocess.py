@@ -26,6 +26,7 @@ from router.limits import RequestLimits
 from router.placement import PlacementConfig
 from router.server import RouterConfig, RouterServer
 from router.service import RouterPolicyConfig
+from tests.workers import worker_server
 
 TINY_CONTEXT = 512  # the tiny model's max_position_embeddings
 
@@ -50,7 +51,7 @@ def running_cluster(loaded: LoadedModel, limits: RequestLimits | None = None, nu
     the tiny one), default one prefill and one decode worker."""
     engine = EngineConfig(cache=CacheConfig(num_blocks=num_blocks), device="cpu")
     configs = worker_configs or (WorkerConfig("prefill"), WorkerConfig("decode"))
-    workers = [WorkerServer(replace(c, engine=engine), loaded) for c in configs]
+    workers = [worker_server(replace(c, engine=engine), loaded) for c in configs]
     records = [info(w, w.start()) for w in workers]
     placement = PlacementConfig(policy=routing, min_remote_prefill_tokens=32)
     policy = RouterPolicyConfig(max_context_tokens=TINY_CONTEXT)

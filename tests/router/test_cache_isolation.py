@@ -16,12 +16,13 @@ import pytest
 from pdserve.client import PdserveClient
 from pdserve.engine.sequence import SamplingParams
 from pdserve.security import SecurityConfig
-from pdserve.worker.server import WorkerConfig, WorkerServer
+from pdserve.worker.server import WorkerConfig
 from router.placement import PlacementConfig
 from router.server import RouterConfig, RouterServer
 from router.service import RouterPolicyConfig
 from tests.router.inprocess import info
 from tests.transfer.rig import assert_clean, engine_config, reference_tokens
+from tests.workers import WorkerStubs, worker_server
 
 TOKENS = ("tenant-a-token", "tenant-b-token")
 PROMPT = [(11 * j) % 700 + 50 for j in range(80)]  # 5 full blocks: 4 can be a prefix hit
@@ -30,7 +31,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 @pytest.fixture
 def workers(tiny_loaded):
-    workers = [WorkerServer(WorkerConfig(role, engine_config(), metrics_port=None), tiny_loaded)
+    workers = [worker_server(WorkerConfig(role, engine_config(), metrics_port=None), tiny_loaded)
                for role in ("prefill", "decode")]
     records = [info(w, w.start()) for w in workers]
     yield workers, records
@@ -78,10 +79,10 @@ def test_token_isolation_needs_api_tokens(tiny_loaded):
 def test_a_decode_call_must_carry_the_cache_salt_its_kv_was_sent_under(tiny_loaded, workers):
     """The decode worker checks the resume against the parked KV's salt too (trust nothing)."""
     from pdserve.worker.convert import sampling_to_proto
-    from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+    from protos.pdserve.v1 import worker_pb2
 
     (prefill, decode), _ = workers
-    stub = lambda w: worker_pb2_grpc.WorkerStub(grpc.insecure_channel(w.address))  # noqa: E731
+    stub = lambda w: WorkerStubs(grpc.insecure_channel(w.address))  # noqa: E731
     reply = stub(prefill).Prefill(worker_pb2.PrefillRequest(
         request_id="salted", prompt_token_ids=PROMPT, sampling=sampling_to_proto(GREEDY),
         decode_target=decode.address, cache_salt=b"tenant-a"), timeout=30)

@@ -14,11 +14,12 @@ import pytest
 
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.sequence import SamplingParams
-from pdserve.worker.server import WorkerConfig, WorkerServer
+from pdserve.worker.server import WorkerConfig
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from router.placement import PlacementConfig
 from router.server import RouterConfig, RouterServer
 from tests.conftest import make_engine
+from tests.workers import worker_server
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class Record:
 @pytest.fixture(scope="module")
 def cluster(tiny_loaded):
     engine = EngineConfig(cache=CacheConfig(num_blocks=128), device="cpu")
-    workers = [WorkerServer(WorkerConfig(role, engine), tiny_loaded) for role in ("prefill", "decode")]
+    workers = [worker_server(WorkerConfig(role, engine), tiny_loaded) for role in ("prefill", "decode")]
     records = [Record(w.config.worker_id, w.config.role, w.start()) for w in workers]
     placement = PlacementConfig(policy="least_load", min_remote_prefill_tokens=32)
     config = RouterConfig(port=0, placement=placement)

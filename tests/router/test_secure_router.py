@@ -31,13 +31,13 @@ from protos.pdserve.v1 import (
     kv_transfer_pb2,
     kv_transfer_pb2_grpc,
     worker_pb2,
-    worker_pb2_grpc,
 )
 from router.limits import RequestLimits
 from router.placement import PlacementConfig
 from router.server import RouterConfig, RouterServer
 from router.service import RouterPolicyConfig
 from tests.router.inprocess import TINY_CONTEXT, greedy, info, running_cluster, wait_until_clean
+from tests.workers import WorkerStubs, worker_server
 
 TOKEN, SECOND_TOKEN, SECRET = "api-token-alpha-1", "api-token-beta-2", "cluster-secret-gamma-3"
 PROMPT = list(range(300, 350))  # 50 tokens >= min_remote_prefill_tokens: prefilled remotely, KV pushed
@@ -68,7 +68,7 @@ def secured_cluster(loaded, certs: DevCerts, mutual: bool = False) -> Iterator[S
                                       cluster_secret=SECRET)
     router_security = replace(workers_security, api_tokens=(TOKEN, SECOND_TOKEN))
     engine = EngineConfig(cache=CacheConfig(num_blocks=128), device="cpu")
-    workers = [WorkerServer(WorkerConfig(role, engine, metrics_port=None, security=workers_security), loaded)
+    workers = [worker_server(WorkerConfig(role, engine, metrics_port=None, security=workers_security), loaded)
                for role in ("prefill", "decode")]
     records = [info(w, w.start()) for w in workers]
     config = RouterConfig(port=0, metrics_port=0, security=router_security,
@@ -225,7 +225,8 @@ def test_workers_refuse_callers_without_the_cluster_secret(secured, metadata, wh
     before = worker_totals(secured)
     for worker in secured.workers:
         channel = tls_channel(secured, worker.address)
-        for name, call in internal_calls(channel, secured.decode.address, metadata).items():
+        calls = internal_calls(channel, worker.config.role, secured.decode.address, metadata)
+        for name, call in calls.items():
             error = refused(call)
             assert (name, error.code()) == (name, grpc.StatusCode.UNAUTHENTICATED)
             assert why in error.details() and SECRET not in error.details()
@@ -233,25 +234,28 @@ def test_workers_refuse_callers_without_the_cluster_secret(secured, metadata, wh
     assert worker_totals(secured) == before
 
 
-def internal_calls(channel: grpc.Channel, decode_target: str, metadata) -> dict[str, Callable[[], object]]:
-    """Every Worker and KVTransfer method, called on channel with metadata."""
-    stub, push = worker_pb2_grpc.WorkerStub(channel), kv_transfer_pb2_grpc.KVTransferStub(channel)
+def internal_calls(channel: grpc.Channel, role: str, decode_target: str,
+                   metadata) -> dict[str, Callable[[], object]]:
+    """Every method a worker of that role serves, called on channel with metadata."""
+    stub, push = WorkerStubs(channel), kv_transfer_pb2_grpc.KVTransferStub(channel)
     prefill = worker_pb2.PrefillRequest(request_id="intruder", prompt_token_ids=PROMPT,
                                         decode_target=decode_target)
     decode = worker_pb2.DecodeRequest(request_id="intruder", prompt_token_ids=PROMPT, prefill_here=True)
     chunks = [kv_transfer_pb2.KVChunk(header=b"x")]
-    return {
+    shared = {
         "Status": lambda: stub.Status(worker_pb2.StatusRequest(), timeout=10, metadata=metadata),
-        "Prefill": lambda: stub.Prefill(prefill, timeout=10, metadata=metadata),
-        "Decode": lambda: list(stub.Decode(decode, timeout=10, metadata=metadata)),
         "Abort": lambda: stub.Abort(worker_pb2.AbortRequest(request_id="x"), timeout=10, metadata=metadata),
-        "Push": lambda: push.Push(iter(chunks), timeout=10, metadata=metadata),
+        "Audit": lambda: stub.Audit(worker_pb2.AuditRequest(), timeout=10, metadata=metadata),
     }
+    if role == "prefill":
+        return {**shared, "Prefill": lambda: stub.Prefill(prefill, timeout=10, metadata=metadata)}
+    return {**shared, "Decode": lambda: list(stub.Decode(decode, timeout=10, metadata=metadata)),
+            "Push": lambda: push.Push(iter(chunks), timeout=10, metadata=metadata)}
 
 
 def test_the_cluster_secret_opens_a_worker_and_health_is_open(secured):
     channel = tls_channel(secured, secured.decode.address)
-    status = worker_pb2_grpc.WorkerStub(channel).Status(worker_pb2.StatusRequest(), timeout=10,
+    status = WorkerStubs(channel).Status(worker_pb2.StatusRequest(), timeout=10,
                                                         metadata=((CLUSTER_SECRET_KEY, SECRET),))
     assert status.worker_id == secured.decode.config.worker_id
     health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
@@ -270,7 +274,7 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(mutual):
 
     channel = open_channel(mutual.decode.address, TLSConfig(ca=mutual.certs.ca))  # no cert, the right secret
     with pytest.raises(grpc.RpcError) as refused_worker:
-        worker_pb2_grpc.WorkerStub(channel).Status(worker_pb2.StatusRequest(), timeout=10,
+        WorkerStubs(channel).Status(worker_pb2.StatusRequest(), timeout=10,
                                                    metadata=((CLUSTER_SECRET_KEY, SECRET),))
     assert refused_worker.value.code() is grpc.StatusCode.UNAVAILABLE
     channel.close()

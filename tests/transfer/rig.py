@@ -1,7 +1,7 @@
 """A prefill worker and a decode worker in this process, for the KV transfer contract suite.
 
-Both are production `WorkerServer`s, called over real gRPC sockets (Worker.Prefill,
-Worker.Decode): the prefill orchestration under test is the one production runs. Only the
+Both are production `WorkerServer`s, called over real gRPC sockets (PrefillService.Prefill,
+DecodeService.Decode): the prefill orchestration under test is the one production runs. Only the
 channel that carries KV from P to D varies (CHANNELS):
 
     loopback  LoopbackKVChannel straight into D's receiver (no socket on the KV hop)
@@ -23,17 +23,20 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from decode_worker.role import DecodeConfig, DecodeRole
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.hashing import hash_blocks
 from pdserve.engine.sequence import SamplingParams
 from pdserve.engine.weights import LoadedModel
-from pdserve.transfer.faults import FaultKind, FaultPlan, FaultRule, RequestIds
-from pdserve.transfer.loopback import LoopbackKVChannel
 from pdserve.worker.convert import sampling_to_proto
 from pdserve.worker.server import WorkerConfig, WorkerServer
-from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from prefill_worker.faults import FaultKind, FaultPlan, FaultRule, RequestIds
+from prefill_worker.role import PrefillConfig, PrefillRole
+from protos.pdserve.v1 import worker_pb2
 from tests.conftest import make_engine
 from tests.kv_audit import audit_failures
+from tests.transfer.loopback import LoopbackKVChannel
+from tests.workers import WorkerStubs
 
 CHANNELS = ("loopback", "grpc", "faults")
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -74,10 +77,10 @@ class Rig:
     gate: Gate
     _channels: list[grpc.Channel] = field(default_factory=list)
 
-    def stub(self, worker: WorkerServer) -> worker_pb2_grpc.WorkerStub:
+    def stub(self, worker: WorkerServer) -> WorkerStubs:
         channel = grpc.insecure_channel(worker.address)
         self._channels.append(channel)
-        return worker_pb2_grpc.WorkerStub(channel)
+        return WorkerStubs(channel)
 
     def prefill_request(self, request_id: str, prompt: list[int], sampling: SamplingParams = GREEDY,
                         target_cached_blocks: int = 0) -> worker_pb2.PrefillRequest:
@@ -122,18 +125,19 @@ def start_rig(loaded: LoadedModel, kind: str, *, rules: tuple[FaultRule, ...] = 
     if kind not in CHANNELS:
         raise ValueError(f"kind must be one of {CHANNELS}, got {kind!r}")
     gate = Gate()
-    decode = WorkerServer(WorkerConfig("decode", decode_engine or engine_config(), metrics_port=None,
-                                       parked_ttl_s=parked_ttl_s), decode_loaded or loaded)
+    decode = WorkerServer(WorkerConfig("decode", decode_engine or engine_config(), metrics_port=None),
+                          DecodeRole(DecodeConfig(parked_ttl_s=parked_ttl_s)), decode_loaded or loaded)
     decode.start()
     if kind == "faults":
         rules = (*rules, NEVER_HIT)
     plan = FaultPlan(rules) if rules else None
     dial: Callable | None = None
     if kind == "loopback":
-        dial = lambda target: LoopbackKVChannel(decode.receiver)  # noqa: ARG005
-    config = WorkerConfig("prefill", prefill_engine or engine_config(), metrics_port=None, fault_plan=plan,
-                          max_chunk_bytes=max_chunk_bytes, transfer_timeout_s=transfer_timeout_s)
-    prefill = WorkerServer(config, loaded, dial=dial, fault_sleep=fault_sleep or gate)
+        dial = lambda target: LoopbackKVChannel(decode.role.receiver)  # noqa: ARG005
+    role = PrefillRole(PrefillConfig(max_chunk_bytes, transfer_timeout_s, fault_plan=plan), dial=dial,
+                       fault_sleep=fault_sleep or gate)
+    config = WorkerConfig("prefill", prefill_engine or engine_config(), metrics_port=None)
+    prefill = WorkerServer(config, role, loaded)
     prefill.start()
     return Rig(kind, prefill, decode, gate)
 

@@ -1,4 +1,4 @@
-"""Injected KV transfer faults (pdserve/transfer/faults.py): every one is detected, no corrupted
+"""Injected KV transfer faults (prefill_worker/faults.py): every one is detected, no corrupted
 token reaches a client, and the failure counters equal the injections, kind by kind.
 
 First the plan and the injector on the loopback transport (milliseconds), then a router and
@@ -17,10 +17,12 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
+from decode_worker.role import DecodeRole
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.sequence import SamplingParams
 from pdserve.metrics import scrape
-from pdserve.transfer.faults import (
+from pdserve.worker.server import WorkerConfig, WorkerServer
+from prefill_worker.faults import (
     EXPECTED_FAILURE,
     Chance,
     EveryNth,
@@ -31,7 +33,7 @@ from pdserve.transfer.faults import (
     Matching,
     RequestIds,
 )
-from pdserve.worker.server import WorkerConfig, WorkerServer
+from prefill_worker.role import PrefillConfig, PrefillRole
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from router.placement import PlacementConfig
 from router.server import RouterConfig, RouterServer
@@ -89,7 +91,7 @@ def test_first_matching_rule_wins_and_hits_once():
     (lambda: EveryNth(0), "EveryNth.n must be >= 1"),
     (lambda: Chance(1.5), r"Chance.probability must be in \[0, 1\]"),
     (lambda: FaultRule(FaultKind.DROP, EveryNth(1), at_frame=-1), "at_frame must be >= 0"),
-    (lambda: WorkerConfig("prefill", transfer_timeout_s=0), "transfer_timeout_s must be > 0"),
+    (lambda: PrefillConfig(transfer_timeout_s=0), "transfer_timeout_s must be > 0"),
 ])
 def test_bad_plans_are_refused_with_the_reason(build, message):
     with pytest.raises(ValueError, match=message):
@@ -97,7 +99,7 @@ def test_bad_plans_are_refused_with_the_reason(build, message):
 
 
 def test_a_worker_has_no_faults_unless_built_with_a_plan():
-    assert WorkerConfig("prefill").fault_plan is None
+    assert PrefillConfig().fault_plan is None and PrefillRole().faults is None
 
 
 # --- the injector on the loopback and gRPC transports --------------------------------------------------
@@ -113,9 +115,10 @@ def test_fault_is_reported_by_both_ends_and_recompute_is_exact(tiny_loaded, tran
         with pytest.raises(grpc.RpcError):
             rig.remote_prefill("hit", PROMPT, GREEDY)
         expected = EXPECTED_FAILURE[kind].value
-        assert rig.decode.status().transfer_outcomes == {expected: 1}
+        # NOTE: a dropped stream reaches the receiver as a cancel just after the sender gave up
+        eventually(lambda: rig.decode.status().transfer_outcomes == {expected: 1}, 5, "D counted the failure")
         assert rig.prefill.status().send_outcomes == {expected: 1}
-        assert rig.prefill.faults.injected == {kind.value: 1}
+        assert rig.prefill.role.faults.injected == {kind.value: 1}
         assert cached_prompt_blocks(rig.decode, PROMPT) == 0
         tokens, used = rig.decode_tokens("hit", PROMPT, sampling=GREEDY)
         assert not used and tokens == reference_tokens(tiny_loaded, PROMPT, GREEDY)
@@ -136,7 +139,7 @@ def test_transfers_the_plan_does_not_hit_go_through_untouched(tiny_loaded, trans
         reply = rig.remote_prefill("clean", PROMPT, GREEDY)
         tokens, used = rig.decode_tokens("clean", PROMPT, reply, GREEDY)
         assert used and tokens == reference_tokens(tiny_loaded, PROMPT, GREEDY)
-        assert rig.prefill.faults.injected == {}
+        assert rig.prefill.role.faults.injected == {}
         assert_clean(rig.prefill, rig.decode)
         assert_no_wrong_kv(rig.prefill, rig.decode)
     finally:
@@ -149,7 +152,7 @@ def test_delay_sleeps_past_the_push_deadline(tiny_loaded):
     rig = start_rig(tiny_loaded, "loopback", rules=(delay,), transfer_timeout_s=2.0, fault_sleep=slept.append)
     try:
         reply = rig.remote_prefill("late", PROMPT, GREEDY)  # loopback has no deadline: it completes
-        assert slept == [2.25] and rig.prefill.faults.injected == {"delay": 1}
+        assert slept == [2.25] and rig.prefill.role.faults.injected == {"delay": 1}
         rig.decode_tokens("late", PROMPT, reply, GREEDY)
         assert_clean(rig.prefill, rig.decode)
         assert_no_wrong_kv(rig.prefill, rig.decode)
@@ -210,9 +213,9 @@ ENGINE = EngineConfig(cache=CacheConfig(num_blocks=128), device="cpu")
 
 @pytest.fixture()
 def faulty_cluster(tiny_loaded):
-    prefill = WorkerServer(WorkerConfig("prefill", ENGINE, transfer_timeout_s=TRANSFER_DEADLINE_S,
-                                        fault_plan=fault_plan()), tiny_loaded)
-    decode = WorkerServer(WorkerConfig("decode", ENGINE), tiny_loaded)
+    role = PrefillRole(PrefillConfig(transfer_timeout_s=TRANSFER_DEADLINE_S, fault_plan=fault_plan()))
+    prefill = WorkerServer(WorkerConfig("prefill", ENGINE), role, tiny_loaded)
+    decode = WorkerServer(WorkerConfig("decode", ENGINE), DecodeRole(), tiny_loaded)
     records = [Record(w.config.worker_id, w.config.role, w.start()) for w in (prefill, decode)]
     router = start_router(tiny_loaded, records)
     yield router, prefill, decode
@@ -262,8 +265,7 @@ def test_injected_faults_are_all_detected_counted_and_recomputed_exactly(faulty_
         assert stream[-1].prefill_worker == ("" if r in faulted else prefill.config.worker_id), r
 
     n = len(DROPPED)  # of each kind
-    assert prefill.faults.injected == {"drop": n, "corrupt": n, "delay": n}
-    assert decode.faults is None
+    assert prefill.role.faults.injected == {"drop": n, "corrupt": n, "delay": n}
     outcomes = {"done": N_REQUESTS - 3 * n, "CANCELLED": n, "DATA_LOSS": n, "DEADLINE_EXCEEDED": n}
     eventually(lambda: sum(decode.status().transfer_outcomes.values()) == N_REQUESTS, 5,
                "the decode worker counted every push")
@@ -292,7 +294,7 @@ def test_prefill_worker_killed_mid_transfer_frees_the_reservation_and_output_is_
     plan = FaultPlan((FaultRule(FaultKind.DELAY, EveryNth(1), at_frame=1),))  # its only transfer
     prefill = WorkerProcess(str(tiny_model_dir), role="prefill", fault_plan=plan,
                             transfer_timeout_s=TRANSFER_DEADLINE_S)
-    decode = WorkerServer(WorkerConfig("decode", ENGINE), tiny_loaded)
+    decode = WorkerServer(WorkerConfig("decode", ENGINE), DecodeRole(), tiny_loaded)
     router = None
     try:
         records = [Record(prefill.worker_id, "prefill", prefill.address),
@@ -350,8 +352,9 @@ def test_a_stalled_transfer_falls_back_to_local_prefill_well_inside_the_request_
     the exact answer, long before its own deadline, and no worker keeps a block."""
     gate = Gate()
     plan = FaultPlan((FaultRule(FaultKind.DELAY, client_request(0)),))
-    prefill = WorkerServer(WorkerConfig("prefill", ENGINE, fault_plan=plan), tiny_loaded, fault_sleep=gate)
-    decode = WorkerServer(WorkerConfig("decode", ENGINE), tiny_loaded)
+    role = PrefillRole(PrefillConfig(fault_plan=plan), fault_sleep=gate)
+    prefill = WorkerServer(WorkerConfig("prefill", ENGINE), role, tiny_loaded)
+    decode = WorkerServer(WorkerConfig("decode", ENGINE), DecodeRole(), tiny_loaded)
     records = [Record(w.config.worker_id, w.config.role, w.start()) for w in (prefill, decode)]
     router = start_router(tiny_loaded, records, RouterPolicyConfig(prefill_deadline_fraction=0.5))
     try:

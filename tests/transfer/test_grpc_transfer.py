@@ -13,9 +13,10 @@ import pytest
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.sequence import SamplingParams
-from pdserve.transfer.faults import FaultKind, FaultPlan, FaultRule, RequestIds
 from pdserve.worker.convert import sampling_to_proto
 from pdserve.worker.server import WorkerConfig, WorkerServer
+from prefill_worker.faults import FaultKind, FaultPlan, FaultRule, RequestIds
+from prefill_worker.role import PrefillConfig, PrefillRole
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.kv_audit import audit_failures
 from tests.transfer.processes import WorkerProcess
@@ -37,7 +38,8 @@ def smol_prefill(smollm_loaded):
     engine = EngineConfig(cache=CacheConfig(num_blocks=256), device="cpu",
                           scheduler=SchedulerConfig(max_num_batched_tokens=64))
     plan = FaultPlan((FaultRule(FaultKind.CORRUPT, RequestIds({CORRUPTED}), at_frame=5),))
-    worker = WorkerServer(WorkerConfig("prefill", engine, metrics_port=None, fault_plan=plan), smollm_loaded)
+    worker = WorkerServer(WorkerConfig("prefill", engine, metrics_port=None),
+                          PrefillRole(PrefillConfig(fault_plan=plan)), smollm_loaded)
     worker.start()
     yield worker
     worker.stop()
@@ -49,7 +51,7 @@ def chat(loaded, text: str) -> list[int]:
 
 def remote_prefill(prefill: WorkerServer, decode: WorkerProcess, request_id: str, prompt: list[int],
                    target_cached_blocks: int = 0) -> worker_pb2.PrefillReply:
-    stub = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(prefill.address))
+    stub = worker_pb2_grpc.PrefillServiceStub(grpc.insecure_channel(prefill.address))
     return stub.Prefill(worker_pb2.PrefillRequest(
         request_id=request_id, prompt_token_ids=prompt, sampling=sampling_to_proto(GREEDY),
         decode_target=decode.address, target_cached_blocks=target_cached_blocks), timeout=120)

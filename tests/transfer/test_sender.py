@@ -16,8 +16,9 @@ from pdserve.engine.audit import KVAuditor
 from pdserve.engine.hashing import hash_blocks
 from pdserve.engine.sequence import SamplingParams
 from pdserve.kvwire import KVLayout, LayerChunkHeader, TransferBegin, TransferEnd, decode_header
+from pdserve.transfer.channel import Frame, PushResult
 from pdserve.transfer.errors import FailureKind, TransferFailed
-from pdserve.transfer.sender import Frame, LayerwiseSender, PushResult
+from prefill_worker.sender import LayerwiseSender
 from tests.conftest import assert_no_leaks, make_engine
 
 PROMPT = list(range(300, 350))  # 3 full blocks and a partial one

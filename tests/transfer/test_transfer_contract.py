@@ -8,16 +8,14 @@ prompt's true KV, and every flow ends with both workers clean.
 
 from __future__ import annotations
 
-import threading
-
 import grpc
 import pytest
 
 from pdserve.engine.sequence import SamplingParams
 from pdserve.engine.tiny_model import write_tiny_model
 from pdserve.engine.weights import load_model
-from pdserve.transfer.faults import FaultKind, FaultRule, RequestIds
 from pdserve.worker.convert import sampling_to_proto
+from prefill_worker.faults import FaultKind, FaultRule, RequestIds
 from protos.pdserve.v1 import worker_pb2
 from tests.transfer.rig import (
     CHANNELS,
@@ -205,15 +203,16 @@ def overwrite_freed_blocks_then_let_the_sender_go_on(rig) -> None:
     """Once P has let go of the victim's blocks, give them to another request (its prompt fills
     P's whole pool), and only then let the held sender gather the rest of the victim's blocks."""
     eventually(lambda: rig.prefill.status().used_blocks == 0, 10, "P released the victim's blocks")
-    rig.decode_tokens("filler", FILLER, sampling=SamplingParams(temperature=0, max_tokens=1),
-                      worker=rig.prefill)
+    one_token = SamplingParams(temperature=0, max_tokens=1)
+    filler = rig.remote_prefill("filler", FILLER, one_token)  # P computes it into the freed blocks
+    rig.decode_tokens("filler", FILLER, filler, one_token)
     rig.gate.open()
-    eventually(lambda: finished_transfers(rig.decode) == 1, 10, "D ended the victim's transfer")
+    eventually(lambda: finished_transfers(rig.decode) == 2, 10, "D ended the victim's transfer")
 
 
 def assert_victim_left_nothing_and_the_prompt_stays_exact(rig, loaded) -> None:
     assert cached_prompt_blocks(rig.decode, PROMPT) == 0, "D cached blocks of an aborted transfer"
-    assert "done" not in rig.decode.status().transfer_outcomes
+    assert rig.decode.status().transfer_outcomes["done"] == 1  # the filler's, not the victim's
     tokens, used = rig.decode_tokens("again", PROMPT)
     assert not used and tokens == reference_tokens(loaded, PROMPT)
     assert_clean(rig.prefill, rig.decode)
@@ -238,46 +237,34 @@ def test_deadline_while_the_prefill_worker_waits_on_the_transfer(held_rig, tiny_
     assert_victim_left_nothing_and_the_prompt_stays_exact(rig, tiny_loaded)
 
 
-# Pool arithmetic for the preemption test (block size 16, budget 17 = one decode token + a
-# 16-token chunk): the older request X (16-token prompt, 40 tokens) holds 2 blocks when the
-# victim (80 tokens, 5 blocks) arrives; the victim takes one block a step, so after 4 chunks
-# the 6-block pool is full and its 5th chunk preempts it (the newest). X's growth then evicts
-# the victim's cached blocks, deepest first, and writes its own KV into them.
-OLDER_PROMPT = list(range(900, 916))
+# Pool arithmetic for the preemption test (block size 16, budget 16, an 8-block pool): the holder's
+# transfer is held on the Gate, so its 4 blocks stay pinned; the victim (80 tokens, 5 blocks) is
+# then the only request running, takes one block a step, and its 5th chunk finds the pool full:
+# the newest running request, itself, is preempted, with blocks of its transfer still queued.
+HOLDER_PROMPT = list(range(900, 964))
 VICTIM_PROMPT = [(5 * j) % 300 + 1000 for j in range(80)]
 
 
 @pytest.mark.parametrize("kind", CHANNELS)
 def test_preemption_mid_prefill_aborts_the_transfer(tiny_loaded, kind):
-    rig = start_rig(tiny_loaded, kind, rules=(hold("victim"),),
-                    prefill_engine=engine_config(num_blocks=6, budget=17))
+    rig = start_rig(tiny_loaded, kind, rules=(hold("holder"),),
+                    prefill_engine=engine_config(num_blocks=8, budget=16))
     try:
-        older_sampling = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-        older: dict[str, list[int]] = {}
-        first_token = threading.Event()
-
-        def run_older():
-            tokens = []
-            for reply in rig.stub(rig.prefill).Decode(worker_pb2.DecodeRequest(
-                    request_id="older", prompt_token_ids=OLDER_PROMPT, prefill_here=True,
-                    sampling=sampling_to_proto(older_sampling)), timeout=60):
-                tokens += reply.token_ids
-                first_token.set()
-            older["tokens"] = tokens
-
-        older_thread = threading.Thread(target=run_older)
-        older_thread.start()
-        assert first_token.wait(30)
-        call = rig.stub(rig.prefill).Prefill.future(rig.prefill_request("victim", VICTIM_PROMPT), timeout=60)
-        older_thread.join(60)  # X done: the victim's freed blocks were overwritten by then
-        rig.gate.open()
-        failure = call.exception(60)
-
-        assert older["tokens"] == reference_tokens(tiny_loaded, OLDER_PROMPT, older_sampling)
-        eventually(lambda: finished_transfers(rig.decode) == 1, 10, "D ended the victim's transfer")
-        assert cached_prompt_blocks(rig.decode, VICTIM_PROMPT) == 0, "D cached blocks of an aborted transfer"
+        prefill = rig.stub(rig.prefill).Prefill
+        holder = prefill.future(rig.prefill_request("holder", HOLDER_PROMPT), timeout=60)
+        assert rig.gate.reached.wait(30), "the holder's transfer never reached the gate"
+        eventually(lambda: not rig.prefill.engine.has_unfinished(), 10, "P computed the holder's prompt")
+        failure = prefill.future(rig.prefill_request("victim", VICTIM_PROMPT), timeout=60).exception(60)
         assert failure is not None and failure.code() is grpc.StatusCode.ABORTED, failure
         assert "preempted" in failure.details()
+        eventually(lambda: finished_transfers(rig.decode) == 1, 10, "D ended the victim's transfer")
+        assert cached_prompt_blocks(rig.decode, VICTIM_PROMPT) == 0, "D cached blocks of an aborted transfer"
+        assert rig.prefill.status().preemptions_total == 0  # the victim never finished: it was dropped
+
+        rig.gate.open()
+        reply = holder.result(60)  # the holder's KV was pinned all along: it arrives whole
+        tokens, used = rig.decode_tokens("holder", HOLDER_PROMPT, reply)
+        assert used and tokens == reference_tokens(tiny_loaded, HOLDER_PROMPT)
         tokens, used = rig.decode_tokens("again", VICTIM_PROMPT)
         assert not used and tokens == reference_tokens(tiny_loaded, VICTIM_PROMPT)
         assert_clean(rig.prefill, rig.decode)

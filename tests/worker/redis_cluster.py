@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import grpc
 import redis
 
+from decode_worker.actor import DecodeWorker
 from pdserve.engine.hashing import hash_blocks
 from pdserve.engine.sequence import SamplingParams
 from pdserve.engine.weights import LoadedModel
@@ -124,7 +125,7 @@ class RedisCluster:
 
     def add_worker(self, worker_id: str, **overrides) -> WorkerActor:
         spec = decode_spec(worker_id, self.redis_url, self.model_dir, self.namespace, **overrides)
-        actor = WorkerActor(spec)
+        actor = DecodeWorker(spec)
         self.workers.append(actor)
         return actor
 

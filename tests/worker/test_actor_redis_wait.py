@@ -12,10 +12,11 @@ import time
 import pytest
 import redis
 
+from decode_worker.actor import DecodeWorker
 from deploy.redis_server import RedisServer
 from pdserve.index.base import StoreUnavailable
 from pdserve.index.registry import WorkerRegistry
-from pdserve.worker.actor import WorkerActor, WorkerSpec, redis_client
+from pdserve.worker.actor import WorkerSpec, redis_client
 
 
 @pytest.mark.slow
@@ -29,7 +30,7 @@ def test_a_worker_starting_while_redis_is_down_waits_and_registers():
 
     def construct() -> None:
         try:
-            outcome["actor"] = WorkerActor(spec)
+            outcome["actor"] = DecodeWorker(spec)
         except Exception as e:  # what the test reports if the wait does not happen
             outcome["error"] = e
 

@@ -19,6 +19,7 @@ from tests.conftest import make_engine
 from tests.engine.test_audit import corrupt
 from tests.kv_audit import audit_failures
 from tests.worker.test_worker_service import assert_clean
+from tests.workers import WorkerStubs, worker_server
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 PROMPT = list(range(500, 567))  # 67 tokens: 4 whole blocks, and decode fills a fifth
@@ -28,8 +29,8 @@ PROMPT = list(range(500, 567))  # 67 tokens: 4 whole blocks, and decode fills a 
 def workers(tiny_loaded):
     engine = EngineConfig(cache=CacheConfig(num_blocks=64), device="cpu")
     published = RecordingPublisher()
-    prefill = WorkerServer(WorkerConfig("prefill", engine), tiny_loaded)
-    decode = WorkerServer(WorkerConfig("decode", engine), tiny_loaded, publisher=published)
+    prefill = worker_server(WorkerConfig("prefill", engine), tiny_loaded)
+    decode = worker_server(WorkerConfig("decode", engine), tiny_loaded, publisher=published)
     for s in (prefill, decode):
         s.start()
     yield prefill, decode, published
@@ -38,7 +39,7 @@ def workers(tiny_loaded):
 
 
 def stub(server: WorkerServer) -> worker_pb2_grpc.WorkerStub:
-    return worker_pb2_grpc.WorkerStub(grpc.insecure_channel(server.address))
+    return WorkerStubs(grpc.insecure_channel(server.address))
 
 
 def remote_prefill_then_decode(prefill: WorkerServer, decode: WorkerServer, rid: str) -> list[int]:

@@ -1,6 +1,6 @@
 """A prefill worker pushes KV only to decode workers the registry lists as live.
 
-First the rule itself (pdserve/worker/peers.py, a fake clock), then a real redis-server registry
+First the rule itself (prefill_worker/peers.py, a fake clock), then a real redis-server registry
 with a prefill worker asked to push to a registered and to an unregistered decode worker.
 """
 
@@ -14,9 +14,11 @@ import redis
 
 from deploy.redis_server import RedisServer
 from pdserve.index.registry import WorkerInfo, WorkerRegistry
-from pdserve.worker.peers import RegisteredDecodeTargets
 from pdserve.worker.server import WorkerConfig, WorkerServer
+from prefill_worker.peers import RegisteredDecodeTargets
+from prefill_worker.role import PrefillRole
 from tests.transfer.rig import Rig, assert_clean, engine_config, reference_tokens
+from tests.workers import worker_server
 
 PROMPT = list(range(300, 350))
 
@@ -76,10 +78,11 @@ def register(registry: WorkerRegistry, worker: WorkerServer) -> None:
 
 
 def test_a_prefill_naming_an_unregistered_decode_target_is_refused(tiny_loaded, registry):
-    decode = WorkerServer(WorkerConfig("decode", engine_config(), metrics_port=None), tiny_loaded)
-    stranger = WorkerServer(WorkerConfig("decode", engine_config(), metrics_port=None), tiny_loaded)
-    prefill = WorkerServer(WorkerConfig("prefill", engine_config(), metrics_port=None), tiny_loaded,
-                           decode_targets=RegisteredDecodeTargets(registry.live_workers))
+    decode = worker_server(WorkerConfig("decode", engine_config(), metrics_port=None), tiny_loaded)
+    stranger = worker_server(WorkerConfig("decode", engine_config(), metrics_port=None), tiny_loaded)
+    targets = RegisteredDecodeTargets(registry.live_workers)
+    prefill = WorkerServer(WorkerConfig("prefill", engine_config(), metrics_port=None),
+                           PrefillRole(decode_targets=targets), tiny_loaded)
     for worker in (decode, stranger, prefill):
         worker.start()
     register(registry, decode)
@@ -98,7 +101,7 @@ def test_a_prefill_naming_an_unregistered_decode_target_is_refused(tiny_loaded, 
         assert stranger.address in refused.value.details() and "registry" in refused.value.details()
         status = stranger.status()
         assert status.bytes_received == 0 and not status.transfer_outcomes, "KV reached an unlisted worker"
-        assert stranger.address not in prefill.servicer._channels, "the prefill worker dialled it"
+        assert stranger.address not in prefill.role.channels.addresses(), "the prefill worker dialled it"
         assert_clean(prefill, decode, stranger)
     finally:
         rig.close()

@@ -11,9 +11,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.sequence import SamplingParams
 from pdserve.worker.convert import sampling_to_proto
-from pdserve.worker.server import WorkerConfig, WorkerServer
-from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.worker.server import WorkerConfig
+from protos.pdserve.v1 import worker_pb2
 from tests.conftest import make_engine
+from tests.workers import WorkerStubs, worker_server
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -21,14 +22,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 @pytest.fixture()
 def decode_worker(tiny_loaded):
     engine = EngineConfig(cache=CacheConfig(num_blocks=32), device="cpu")
-    server = WorkerServer(WorkerConfig("decode", engine), tiny_loaded)
+    server = worker_server(WorkerConfig("decode", engine), tiny_loaded)
     server.start()
     yield server
     server.stop()
 
 
 def decode(server, rid: str, prompt: list[int]):
-    stub = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(server.address))
+    stub = WorkerStubs(grpc.insecure_channel(server.address))
     request = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, prefill_here=True,
                                        sampling=sampling_to_proto(GREEDY))
     return [t for r in stub.Decode(request, timeout=30) for t in r.token_ids]
@@ -61,7 +62,7 @@ def test_steps_failing_again_and_again_take_the_worker_out_of_service(tiny_loade
     router goes elsewhere), on_failing called once (the Ray actor leaves the registry there)."""
     reasons: list[str] = []
     engine = EngineConfig(cache=CacheConfig(num_blocks=32), device="cpu")
-    server = WorkerServer(WorkerConfig("decode", engine, max_failed_steps=3, metrics_port=None), tiny_loaded,
+    server = worker_server(WorkerConfig("decode", engine, max_failed_steps=3, metrics_port=None), tiny_loaded,
                           on_failing=reasons.append)
     server.start()
     try:

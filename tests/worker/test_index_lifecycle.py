@@ -17,6 +17,7 @@ import logging
 import pytest
 import redis
 
+from decode_worker.actor import DecodeWorker
 from deploy.redis_server import RedisServer
 from pdserve.engine.sequence import SamplingParams
 from pdserve.index.redis_layout import RedisKeys
@@ -89,7 +90,7 @@ def test_twenty_restarts_of_a_decode_worker_leave_redis_bounded(redis_server, ad
     spec = decode_spec("decode-0", redis_server.url, str(tiny_model_dir), keys.namespace, num_blocks=32)
     for restart in range(RESTARTS):
         with sigterm_kept():
-            actor = WorkerActor(spec)  # a restart: the same worker id, a new epoch
+            actor = DecodeWorker(spec)  # a restart: the same worker id, a new epoch
         try:
             serve(actor, SHARED, f"shared-{restart}")
             serve(actor, [restart] * 3 + list(range(500, 537)), f"own-{restart}")  # blocks new each time

@@ -13,11 +13,12 @@ from pdserve.engine.hashing import hash_blocks
 from pdserve.engine.sequence import SamplingParams
 from pdserve.worker.convert import sampling_to_proto
 from pdserve.worker.scrubber import AuditScrubber, NullScrubber
-from pdserve.worker.server import WorkerConfig, WorkerServer
+from pdserve.worker.server import WorkerConfig
 from protos.pdserve.v1 import worker_pb2
 from tests.conftest import assert_no_leaks, make_engine
 from tests.engine.test_audit import corrupt, random_prompts
 from tests.worker.test_audit_rpc import stub
+from tests.workers import worker_server
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
@@ -62,7 +63,7 @@ def test_the_scrubber_spends_at_most_its_fraction_of_wall_time(tiny_loaded, frac
 
 def test_a_worker_with_a_scrubber_finds_a_corrupt_block_on_its_own(tiny_loaded):
     config = EngineConfig(cache=CacheConfig(num_blocks=32), device="cpu")
-    worker = WorkerServer(WorkerConfig("decode", config, audit_interval_s=0.01, audit_max_fraction=0.5),
+    worker = worker_server(WorkerConfig("decode", config, audit_interval_s=0.01, audit_max_fraction=0.5),
                           tiny_loaded)
     assert isinstance(worker.scrubber, AuditScrubber)
     worker.start()
@@ -87,7 +88,7 @@ def test_a_worker_with_a_scrubber_finds_a_corrupt_block_on_its_own(tiny_loaded):
 
 
 def test_the_scrubber_is_off_by_default_and_its_settings_are_checked(tiny_loaded):
-    assert isinstance(WorkerServer(WorkerConfig("decode", EngineConfig(device="cpu", cache=CacheConfig(
+    assert isinstance(worker_server(WorkerConfig("decode", EngineConfig(device="cpu", cache=CacheConfig(
         num_blocks=8))), tiny_loaded).scrubber, NullScrubber)
     with pytest.raises(ValueError, match="audit_interval_s must be > 0 seconds"):
         WorkerConfig("decode", audit_interval_s=0)

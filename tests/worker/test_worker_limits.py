@@ -20,20 +20,23 @@ from contextlib import ExitStack
 import grpc
 import pytest
 
+from decode_worker.kv_service import _PushClock, peer_host
+from decode_worker.role import DecodeConfig, DecodeRole
 from pdserve.call_limits import CallLimit
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.sequence import SamplingParams
 from pdserve.grpc_options import ConnectionPolicy
 from pdserve.kvwire import TransferBegin
-from pdserve.transfer.grpc_transport import _PushClock, peer_host
 from pdserve.worker.convert import sampling_to_proto
 from pdserve.worker.server import WorkerConfig, WorkerServer, call_limits
-from protos.pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from prefill_worker.role import PrefillRole
+from protos.pdserve.v1 import generation_pb2, worker_pb2
 from tests.conftest import make_engine
-from tests.grpc_clients import HeldPush, seconds_until_idle_after_a_call, wait_for
+from tests.grpc_clients import HeldPrefill, HeldPush, seconds_until_idle_after_a_call, wait_for
 from tests.router.inprocess import greedy, running_cluster, wait_until_clean
+from tests.workers import WorkerStubs, worker_server
 
-CALLS = "Worker and KVTransfer calls"
+CALLS = "the worker's calls"
 PROMPT = list(range(300, 350))  # 50 tokens, 4 blocks of 16
 SAMPLING = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 TINY_ENGINE = EngineConfig(cache=CacheConfig(num_blocks=64), device="cpu")
@@ -51,23 +54,26 @@ def begin_frame(worker: WorkerServer, prompt: list[int], request_id: str) -> tup
     return begin.encode(), b""
 
 
-def stub(address: str) -> worker_pb2_grpc.WorkerStub:
-    return worker_pb2_grpc.WorkerStub(grpc.insecure_channel(address))
+def stub(address: str) -> WorkerStubs:
+    return WorkerStubs(grpc.insecure_channel(address))
 
 
 def assert_clean(worker: WorkerServer) -> None:
     status = worker.status()
     assert (status.used_blocks, status.parked_transfers, status.held_blocks) == (0, 0, 0), status
     assert status.free_blocks == status.num_blocks
-    assert worker.kv_servicer.pushes_in_flight() == {}
+    if worker.config.role == "decode":
+        assert worker.role.kv_servicer.pushes_in_flight() == {}
 
 
 @pytest.fixture
 def start_worker(tiny_loaded) -> Iterator:
     started: list[WorkerServer] = []
 
-    def start(role: str = "decode", **fields) -> WorkerServer:
-        worker = WorkerServer(WorkerConfig(role, TINY_ENGINE, metrics_port=None, **fields), tiny_loaded)
+    def start(role: str = "decode", decode: DecodeConfig | None = None, **fields) -> WorkerServer:
+        config = WorkerConfig(role, TINY_ENGINE, metrics_port=None, **fields)
+        worker = (WorkerServer(config, DecodeRole(decode), tiny_loaded) if decode is not None
+                  else worker_server(config, tiny_loaded))
         worker.start()
         started.append(worker)
         return worker
@@ -79,7 +85,8 @@ def start_worker(tiny_loaded) -> Iterator:
 
 # --- max_concurrent_calls --------------------------------------------------------------------------
 def test_a_full_worker_refuses_at_once_and_the_router_goes_elsewhere(tiny_loaded):
-    """Prefill worker and decode-a each have room for one call, taken by a push that sends nothing.
+    """Prefill worker and decode-a each have room for one call, taken by a call held open (a Prefill
+    whose push never gets through; a push that sends nothing).
     A request placed on them is refused by both at once: the router prefills on the decode side
     instead, and runs the decode on decode-b; the output is exact."""
     full = {"max_concurrent_calls": 1}
@@ -89,8 +96,9 @@ def test_a_full_worker_refuses_at_once_and_the_router_goes_elsewhere(tiny_loaded
     with running_cluster(tiny_loaded, routing="round_robin", worker_configs=workers) as cluster, \
             ExitStack() as holds:
         prefill, decode_a, decode_b = cluster.workers
+        holds.callback(HeldPrefill(prefill.address, PROMPT).close)
+        holds.callback(HeldPush(decode_a.address).close)
         for worker in (prefill, decode_a):
-            holds.callback(HeldPush(worker.address).close)
             assert wait_for(lambda w=worker: w.call_limiter.counts()[CALLS].in_flight == 1)
 
         started = time.monotonic()
@@ -100,7 +108,7 @@ def test_a_full_worker_refuses_at_once_and_the_router_goes_elsewhere(tiny_loaded
                 prefill_here=True), timeout=30))
         assert time.monotonic() - started < 2.0  # refused, not queued behind the held call
         assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert ("1 Worker and KVTransfer calls are open on this server; its limit is 1 "
+        assert ("1 the worker's calls are open on this server; its limit is 1 "
                 "(WorkerConfig.max_concurrent_calls)") in refused.value.details()
         assert stub(decode_a.address).Status(worker_pb2.StatusRequest(), timeout=5).worker_id == "decode-a"
 
@@ -120,17 +128,22 @@ def test_a_full_worker_refuses_at_once_and_the_router_goes_elsewhere(tiny_loaded
 
 
 def test_the_worker_limit_covers_every_long_call_and_spares_status_and_abort():
-    limit = next(lim for lim in call_limits(WorkerConfig("decode")) if lim.name == CALLS)
+    limit = next(lim for lim in call_limits(WorkerConfig("decode"), DecodeRole.limited_services)
+                 if lim.name == CALLS)
     assert limit.max_calls == 256 > 64  # above the router's default per-decode admission limit
-    covered = [m for m in ("/pdserve.v1.Worker/Prefill", "/pdserve.v1.Worker/Decode",
-                           "/pdserve.v1.KVTransfer/Push", "/pdserve.v1.Worker/Status",
+    covered = [m for m in ("/pdserve.v1.DecodeService/Decode", "/pdserve.v1.KVTransfer/Push",
+                           "/pdserve.v1.Worker/Audit", "/pdserve.v1.Worker/Status",
                            "/pdserve.v1.Worker/Abort", "/grpc.health.v1.Health/Check") if limit.covers(m)]
-    assert covered == ["/pdserve.v1.Worker/Prefill", "/pdserve.v1.Worker/Decode",
-                       "/pdserve.v1.KVTransfer/Push"]
+    assert covered == ["/pdserve.v1.DecodeService/Decode", "/pdserve.v1.KVTransfer/Push",
+                       "/pdserve.v1.Worker/Audit"]
+    prefill_limit = next(lim for lim in call_limits(WorkerConfig("prefill"), PrefillRole.limited_services)
+                         if lim.name == CALLS)
+    assert prefill_limit.covers("/pdserve.v1.PrefillService/Prefill")
+    assert not prefill_limit.covers("/pdserve.v1.KVTransfer/Push")  # a prefill worker does not serve it
     with pytest.raises(ValueError, match="max_concurrent_calls must be >= 1, got 0"):
         WorkerConfig("decode", max_concurrent_calls=0)
     with pytest.raises(ValueError, match="push_time_limit_s must be > 0 seconds, got 0"):
-        WorkerConfig("decode", push_time_limit_s=0)
+        DecodeConfig(push_time_limit_s=0)
     with pytest.raises(ValueError, match="covers no method"):
         CallLimit("nothing", 1, "X.y", ())
 
@@ -138,13 +151,13 @@ def test_the_worker_limit_covers_every_long_call_and_spares_status_and_abort():
 # --- max_pushes_per_peer ---------------------------------------------------------------------------
 def test_kv_pushes_are_capped_per_peer_before_anything_is_reserved(start_worker, tiny_loaded):
     """The decode worker listens on 127.0.0.1 and ::1, so one process is two peers."""
-    decode = start_worker("decode", host="localhost", max_pushes_per_peer=2)
+    decode = start_worker("decode", decode=DecodeConfig(max_pushes_per_peer=2), host="localhost")
     port = decode.address.rpartition(":")[2]
     ipv4, ipv6 = f"127.0.0.1:{port}", f"[::1]:{port}"
     with ExitStack() as holds:
         for _ in range(2):
             holds.callback(HeldPush(ipv4).close)
-        assert wait_for(lambda: decode.kv_servicer.pushes_in_flight() == {"127.0.0.1": 2})
+        assert wait_for(lambda: decode.role.kv_servicer.pushes_in_flight() == {"127.0.0.1": 2})
 
         over = HeldPush(ipv4, [begin_frame(decode, PROMPT, "over-the-cap")])
         assert over.code(timeout_s=5) is grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -153,11 +166,11 @@ def test_kv_pushes_are_capped_per_peer_before_anything_is_reserved(start_worker,
                 "(max_pushes_per_peer)") in over.future.details()
         over.close()
         assert decode.status().used_blocks == 0  # its BEGIN was never read
-        assert decode.kv_servicer.refused_over_peer_cap == 1
+        assert decode.role.kv_servicer.refused_over_peer_cap == 1
 
         holds.callback(HeldPush(ipv6).close)  # another peer still gets in
-        assert wait_for(lambda: decode.kv_servicer.pushes_in_flight() == {"127.0.0.1": 2, "::1": 1})
-    assert wait_for(lambda: decode.kv_servicer.pushes_in_flight() == {})
+        assert wait_for(lambda: decode.role.kv_servicer.pushes_in_flight() == {"127.0.0.1": 2, "::1": 1})
+    assert wait_for(lambda: decode.role.kv_servicer.pushes_in_flight() == {})
 
     prefill = start_worker("prefill")
     reply = stub(prefill.address).Prefill(worker_pb2.PrefillRequest(
@@ -186,7 +199,7 @@ def test_peer_host_is_the_connection_host(peer, host):
 # --- push_time_limit_s -----------------------------------------------------------------------------
 def test_a_begin_only_push_is_freed_within_the_servers_limit(start_worker):
     """A real client sends BEGIN and then nothing, with no deadline of its own."""
-    decode = start_worker("decode", push_time_limit_s=2.0)
+    decode = start_worker("decode", decode=DecodeConfig(push_time_limit_s=2.0))
     push = HeldPush(decode.address, [begin_frame(decode, PROMPT, "begin-only")], timeout_s=None)
     try:
         # NOTE: 2 s, not less, so a loaded machine (the whole suite on 2 cores) still sees the
@@ -199,7 +212,8 @@ def test_a_begin_only_push_is_freed_within_the_servers_limit(start_worker):
     assert reserved  # the BEGIN was read and the prompt's 4 blocks reserved before the limit struck
     assert code is grpc.StatusCode.CANCELLED  # how a sync gRPC server ends a call from another thread
     assert 2.0 <= push.ended_after_s < 5.0
-    assert decode.status().transfer_outcomes == {"DEADLINE_EXCEEDED": 1}  # the receiver counted it
+    # the receiver counts it once its next read breaks, just after the call is cancelled
+    assert wait_for(lambda: decode.status().transfer_outcomes == {"DEADLINE_EXCEEDED": 1})
     assert not decode.engine.has_parked("begin-only")
     assert_clean(decode)
 
@@ -216,7 +230,7 @@ def test_the_clock_stops_at_end_and_never_cuts_a_push_that_reached_it():
 
 
 def test_an_honest_push_within_the_limit_goes_through(start_worker, tiny_loaded):
-    decode = start_worker("decode", push_time_limit_s=5.0)
+    decode = start_worker("decode", decode=DecodeConfig(push_time_limit_s=5.0))
     prefill = start_worker("prefill")
     reply = stub(prefill.address).Prefill(worker_pb2.PrefillRequest(
         request_id="honest", prompt_token_ids=PROMPT, sampling=sampling_to_proto(SAMPLING),

@@ -9,8 +9,9 @@ from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.sequence import SamplingParams
 from pdserve.worker.convert import sampling_to_proto
 from pdserve.worker.server import WorkerConfig, WorkerServer
-from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from protos.pdserve.v1 import kv_transfer_pb2_grpc, worker_pb2
 from tests.conftest import make_engine
+from tests.workers import WorkerStubs, worker_server
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPT = list(range(400, 447))
@@ -19,7 +20,7 @@ PROMPT = list(range(400, 447))
 @pytest.fixture(scope="module")
 def workers(tiny_loaded):
     engine = EngineConfig(cache=CacheConfig(num_blocks=64), device="cpu")
-    servers = [WorkerServer(WorkerConfig(role, engine), tiny_loaded) for role in ("prefill", "decode")]
+    servers = [worker_server(WorkerConfig(role, engine), tiny_loaded) for role in ("prefill", "decode")]
     for s in servers:
         s.start()
     yield servers
@@ -27,8 +28,8 @@ def workers(tiny_loaded):
         s.stop()
 
 
-def stub(server: WorkerServer) -> worker_pb2_grpc.WorkerStub:
-    return worker_pb2_grpc.WorkerStub(grpc.insecure_channel(server.address))
+def stub(server: WorkerServer) -> WorkerStubs:
+    return WorkerStubs(grpc.insecure_channel(server.address))
 
 
 def assert_clean(server: WorkerServer) -> None:
@@ -101,16 +102,38 @@ def test_cancelled_decode_frees_blocks(workers):
     assert_clean(decode)
 
 
-def test_kv_channels_are_bounded_least_recently_used_closed_first(workers, monkeypatch):
-    import pdserve.worker.service as service
+def test_a_worker_serves_only_its_own_roles_services(workers):
+    """Prefill workers serve PrefillService; decode workers DecodeService and KVTransfer; both serve
+    Worker (Status, Abort, Audit). Another role's method is UNIMPLEMENTED."""
+    prefill, decode = workers
+    decode_request = worker_pb2.DecodeRequest(request_id="wrong", prompt_token_ids=PROMPT, prefill_here=True)
+    calls = {
+        prefill: {"Decode": lambda: list(stub(prefill).Decode(decode_request, timeout=10)),
+                  "Push": lambda: kv_transfer_pb2_grpc.KVTransferStub(grpc.insecure_channel(prefill.address))
+                  .Push(iter(()), timeout=10)},
+        decode: {"Prefill": lambda: stub(decode).Prefill(worker_pb2.PrefillRequest(
+            request_id="wrong", prompt_token_ids=PROMPT, decode_target=decode.address), timeout=10)},
+    }
+    for worker, wrong in calls.items():
+        assert stub(worker).Status(worker_pb2.StatusRequest(), timeout=10).role == worker.config.role
+        for name, call in wrong.items():
+            with pytest.raises(grpc.RpcError) as refused:
+                call()
+            assert refused.value.code() is grpc.StatusCode.UNIMPLEMENTED, (worker.config.role, name)
+    assert_clean(prefill)
+    assert_clean(decode)
 
-    monkeypatch.setattr(service, "MAX_KV_PEER_CHANNELS", 2)
-    servicer = workers[0].servicer
-    first, second = servicer._channel("127.0.0.1:1"), servicer._channel("127.0.0.1:2")
-    assert servicer._channel("127.0.0.1:1") is first  # reused, and now the most recent
-    servicer._channel("127.0.0.1:3")
 
-    assert list(servicer._channels) == ["127.0.0.1:1", "127.0.0.1:3"]
+def test_kv_channels_are_bounded_least_recently_used_closed_first(monkeypatch):
+    import prefill_worker.channels as channels
+
+    monkeypatch.setattr(channels, "MAX_DECODE_CHANNELS", 2)
+    decode_channels = channels.DecodeChannels(lambda target: channels.GrpcKVChannel(target))
+    first, second = decode_channels("127.0.0.1:1"), decode_channels("127.0.0.1:2")
+    assert decode_channels("127.0.0.1:1") is first  # reused, and now the most recent
+    decode_channels("127.0.0.1:3")
+
+    assert decode_channels.addresses() == ["127.0.0.1:1", "127.0.0.1:3"]
     with pytest.raises(ValueError, match="closed channel"):
         second.push(iter(()), timeout_s=1)
-    servicer.close()
+    decode_channels.close()

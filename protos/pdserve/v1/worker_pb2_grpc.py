@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class WorkerStub:
-    """Missing associated documentation comment in .proto file."""
+    """What every worker serves, whatever its role.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -34,16 +35,6 @@ class WorkerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Prefill = channel.unary_unary(
-                '/pdserve.v1.Worker/Prefill',
-                request_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.PrefillReply.FromString,
-                _registered_method=True)
-        self.Decode = channel.unary_stream(
-                '/pdserve.v1.Worker/Decode',
-                request_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeReply.FromString,
-                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.Worker/Abort',
                 request_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
@@ -62,23 +53,8 @@ class WorkerStub:
 
 
 class WorkerServicer:
-    """Missing associated documentation comment in .proto file."""
-
-    def Prefill(self, request, context):
-        """Prefill worker: compute the prompt's KV (reusing its own cached prefix), stream the
-        blocks the decode target lacks to it over KVTransfer, return the first token.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Decode(self, request, context):
-        """Decode worker: continue a sequence whose KV has arrived, or prefill it here when told
-        to (or when the transfer failed); streams tokens, ending with finished=true.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+    """What every worker serves, whatever its role.
+    """
 
     def Abort(self, request, context):
         """Abort a request wherever it is on this worker; its blocks are freed at once.
@@ -104,16 +80,6 @@ class WorkerServicer:
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Prefill': grpc.unary_unary_rpc_method_handler(
-                    servicer.Prefill,
-                    request_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
-                    response_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.PrefillReply.SerializeToString,
-            ),
-            'Decode': grpc.unary_stream_rpc_method_handler(
-                    servicer.Decode,
-                    request_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
-                    response_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeReply.SerializeToString,
-            ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.AbortRequest.FromString,
@@ -138,61 +104,8 @@ def add_WorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Worker:
-    """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def Prefill(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.Worker/Prefill',
-            protos_dot_pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-            protos_dot_pdserve_dot_v1_dot_worker__pb2.PrefillReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Decode(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/pdserve.v1.Worker/Decode',
-            protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-            protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
+    """What every worker serves, whatever its role.
+    """
 
     @staticmethod
     def Abort(request,
@@ -265,6 +178,160 @@ class Worker:
             '/pdserve.v1.Worker/Audit',
             protos_dot_pdserve_dot_v1_dot_worker__pb2.AuditRequest.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_worker__pb2.AuditReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class PrefillServiceStub:
+    """Served by prefill workers only (prefill_worker/).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Prefill = channel.unary_unary(
+                '/pdserve.v1.PrefillService/Prefill',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.PrefillReply.FromString,
+                _registered_method=True)
+
+
+class PrefillServiceServicer:
+    """Served by prefill workers only (prefill_worker/).
+    """
+
+    def Prefill(self, request, context):
+        """Compute the prompt's KV (reusing this worker's own cached prefix), stream the blocks the
+        decode target lacks to it over KVTransfer, return the first token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PrefillServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Prefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.PrefillReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.PrefillService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.PrefillService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class PrefillService:
+    """Served by prefill workers only (prefill_worker/).
+    """
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillService/Prefill',
+            protos_dot_pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_worker__pb2.PrefillReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class DecodeServiceStub:
+    """Served by decode workers only (decode_worker/), beside KVTransfer.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Decode = channel.unary_stream(
+                '/pdserve.v1.DecodeService/Decode',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeReply.FromString,
+                _registered_method=True)
+
+
+class DecodeServiceServicer:
+    """Served by decode workers only (decode_worker/), beside KVTransfer.
+    """
+
+    def Decode(self, request, context):
+        """Continue a sequence whose KV has arrived, or prefill it here when told to (or when the
+        transfer failed); streams tokens, ending with finished=true.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_DecodeServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Decode': grpc.unary_stream_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.DecodeService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.DecodeService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class DecodeService:
+    """Served by decode workers only (decode_worker/), beside KVTransfer.
+    """
+
+    @staticmethod
+    def Decode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.DecodeService/Decode',
+            protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeReply.FromString,
             options,
             channel_credentials,
             insecure,

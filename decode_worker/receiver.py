@@ -14,7 +14,6 @@ usable only after every block of every layer has arrived.
 
 from __future__ import annotations
 
-import enum
 import threading
 from collections import Counter
 from collections.abc import Iterable
@@ -33,14 +32,8 @@ from pdserve.kvwire import (
     decode_layer,
     write_layer,
 )
+from pdserve.transfer.channel import TransferState
 from pdserve.transfer.errors import FailureKind, TransferFailed
-
-
-class TransferState(enum.Enum):
-    PENDING = "pending"
-    TRANSFERRING = "transferring"
-    DONE = "done"
-    FAILED = "failed"
 
 
 @dataclass(frozen=True)

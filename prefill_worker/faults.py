@@ -1,10 +1,10 @@
 """Fault injection for KV transfers: a debug hook that is part of the product, off by default.
 
-A worker built with `WorkerConfig(fault_plan=FaultPlan(...))` wraps its outgoing KV channels
-in a FaultInjectingChannel; without a plan nothing is wrapped, so the hot path has no checks.
-There is no environment variable or flag that turns it on.
+A prefill worker built with `PrefillConfig(fault_plan=FaultPlan(...))` wraps its outgoing KV
+channels in a FaultInjectingChannel; without a plan nothing is wrapped, so the hot path has no
+checks. There is no environment variable or flag that turns it on.
 
-    LayerwiseSender --frames--> FaultInjectingChannel --frames--> GrpcKVChannel / LoopbackKVChannel
+    LayerwiseSender --frames--> FaultInjectingChannel --frames--> GrpcKVChannel (or a test's channel)
                                  reads BEGIN's request id, asks the FaultInjector which rule
                                  (if any) hits this transfer, then on the chosen LAYER frame:
 
@@ -33,8 +33,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from pdserve.kvwire import LayerChunkHeader, TransferBegin, WireError, decode_header
+from pdserve.transfer.channel import Frame, KVChannel, PushResult
 from pdserve.transfer.errors import FailureKind, TransferFailed
-from pdserve.transfer.sender import Frame, KVChannel, PushResult
 
 log = logging.getLogger(__name__)
 

@@ -34,29 +34,13 @@ import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.engine.sequence import Sequence
 from pdserve.kvwire import KVLayout, TransferBegin, TransferEnd, encode_layer
+from pdserve.transfer.channel import Frame, KVChannel, PushResult, TransferState
 from pdserve.transfer.errors import FailureKind, TransferFailed
-from pdserve.transfer.receiver import TransferState
-
-Frame = tuple[bytes, bytes]
-
-
-@dataclass(frozen=True)
-class PushResult:
-    transfer_id: str
-    blocks_written: int
-    bytes_sent: int
-
-
-class KVChannel(Protocol):
-    """Carries one transfer's frames to a receiver; raises TransferFailed on failure."""
-
-    def push(self, frames: Iterator[Frame], timeout_s: float) -> PushResult: ...
 
 
 @dataclass(frozen=True)

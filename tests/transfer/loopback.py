@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from pdserve.transfer.receiver import KVReceiver
-from pdserve.transfer.sender import Frame, PushResult
+from decode_worker.receiver import KVReceiver
+from pdserve.transfer.channel import Frame, PushResult
 
 
 class LoopbackKVChannel:

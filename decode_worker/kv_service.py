@@ -1,15 +1,6 @@
-"""KV transfer over a real gRPC socket: the KVTransfer servicer and a client channel.
-
-Both ends set the message size limits explicitly, far above the codec's chunk size
-(frames are at most max_chunk_bytes of payload plus a small header). Failures map
-one to one between FailureKind and gRPC status codes in both directions, except that
-a sender which gives up itself (its frames raise TransferFailed) reports its own kind:
-gRPC would only say UNKNOWN "Exception iterating requests!".
-
-The client channel dials as an internal client of the given SecurityConfig (TLS and the
-cluster secret), with the keepalive of a ConnectionPolicy (pdserve/grpc_options.py). A decode
-worker that refuses the secret fails the push as INTERNAL (no FailureKind is
-"unauthenticated"), with the receiver's message saying why.
+"""The KVTransfer service: a decode worker's end of KV transfers over gRPC (the prefill worker's
+is prefill_worker/channels.py). Each Push is one transfer, handed to the KVReceiver; a failure
+is the gRPC status its FailureKind names (pdserve/transfer/status.py).
 
 What the servicer allows one incoming push, before and while the receiver runs:
 
@@ -36,22 +27,17 @@ from urllib.parse import unquote
 
 import grpc
 
-from pdserve.grpc_options import ConnectionPolicy, channel_options, message_options
+from decode_worker.receiver import KVReceiver
 from pdserve.kvwire import TransferEnd, WireError, decode_header
-from pdserve.security import SecurityConfig
+from pdserve.transfer.channel import Frame
 from pdserve.transfer.errors import FailureKind, TransferFailed
-from pdserve.transfer.receiver import KVReceiver
-from pdserve.transfer.sender import Frame, PushResult
+from pdserve.transfer.status import status_of
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-GRPC_OPTIONS = message_options()  # message sizes only (bench/ dials with these)
 DEFAULT_MAX_PUSHES_PER_PEER = 64
 DEFAULT_PUSH_TIME_LIMIT_S = 60.0
-
-_TO_STATUS = {kind: getattr(grpc.StatusCode, kind.value) for kind in FailureKind}
-_FROM_STATUS = {status: kind for kind, status in _TO_STATUS.items()}
 
 # NOTE: when a push runs out of time, the client's deadline fires first: it cancels the call,
 # and the cancel reaches the receiver while the receiver's copy of the deadline (sent as a
@@ -69,7 +55,7 @@ class _StreamBroken(Exception):
 
 
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
-    """The limits are WorkerConfig's max_pushes_per_peer and push_time_limit_s (the messages name them)."""
+    """The limits are DecodeConfig's max_pushes_per_peer and push_time_limit_s (the messages name them)."""
 
     def __init__(self, receiver: KVReceiver, *, max_pushes_per_peer: int = DEFAULT_MAX_PUSHES_PER_PEER,
                  time_limit_s: float = DEFAULT_PUSH_TIME_LIMIT_S) -> None:
@@ -102,7 +88,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             if clock.expired:
                 log.warning("KV push from %s cut at the time limit (push_time_limit_s = %g s): %s", peer,
                             self.time_limit_s, e.message)
-            context.abort(_TO_STATUS[e.kind], e.message)
+            context.abort(status_of(e.kind), e.message)
         finally:
             clock.stop()
             self._peers.give_back(peer)
@@ -234,40 +220,3 @@ def _why_broken(context, clock: _PushClock) -> FailureKind:
     if clock.expired or _near_deadline(context):
         return FailureKind.DEADLINE_EXCEEDED
     return FailureKind.CANCELLED
-
-
-class GrpcKVChannel:
-    """Client end: pushes one transfer's frames per call over a shared gRPC channel."""
-
-    def __init__(self, target: str, security: SecurityConfig | None = None,
-                 connections: ConnectionPolicy | None = None) -> None:
-        self.target = target
-        self._channel = (security or SecurityConfig()).open_channel(target, channel_options(connections),
-                                                                    internal=True)
-        self._stub = kv_transfer_pb2_grpc.KVTransferStub(self._channel)
-
-    def push(self, frames: Iterator[Frame], timeout_s: float) -> PushResult:
-        sent = 0
-        gave_up: TransferFailed | None = None
-
-        def chunks():
-            nonlocal sent, gave_up
-            try:
-                for header, payload in frames:
-                    sent += len(payload)
-                    yield kv_transfer_pb2.KVChunk(header=header, payload=payload)
-            except TransferFailed as e:  # recorded before gRPC cancels the call with it
-                gave_up = e
-                raise
-
-        try:
-            reply = self._stub.Push(chunks(), timeout=timeout_s)
-        except grpc.RpcError as e:
-            if gave_up is not None:
-                raise gave_up from e
-            kind = _FROM_STATUS.get(e.code(), FailureKind.INTERNAL)
-            raise TransferFailed(kind, e.details() or str(e.code())) from e
-        return PushResult(reply.transfer_id, reply.blocks_written, sent)
-
-    def close(self) -> None:
-        self._channel.close()
