@@ -210,7 +210,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 stream = self.loop.submit(prompt, sampling, rid, detokenize=request.detokenize,
                                           cache_salt=request.cache_salt)
         except (InvalidRequestError, ValueError) as e:
-            self.engine.drop_parked(rid)
+            self.engine.handoff.drop(rid)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         _on_call_end(context, lambda: self.loop.abort(rid))
         yield from self._stream_replies(rid, stream, used_transfer, started, context)

@@ -200,7 +200,7 @@ def test_a_begin_only_push_is_freed_within_the_servers_limit(start_worker):
     assert code is grpc.StatusCode.CANCELLED  # how a sync gRPC server ends a call from another thread
     assert 2.0 <= push.ended_after_s < 5.0
     assert decode.status().transfer_outcomes == {"DEADLINE_EXCEEDED": 1}  # the receiver counted it
-    assert not decode.engine.has_parked("begin-only")
+    assert not decode.engine.handoff.is_parked("begin-only")
     assert_clean(decode)
 
 
