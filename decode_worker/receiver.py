@@ -20,7 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pdserve.engine.block_pool import NoFreeBlocksError
-from pdserve.engine.llm_engine import InvalidRequestError, LLMEngine, Reservation, TransferRejected
+from pdserve.engine.handoff import Reservation, TransferRejected
+from pdserve.engine.llm_engine import InvalidRequestError, LLMEngine
 from pdserve.kvwire import (
     ChecksumError,
     KVLayout,
@@ -76,9 +77,9 @@ class KVReceiver:
         try:
             report = _LayerWriter(self.engine, self.layout, begin, reservation).consume(frames)
         except BaseException:
-            self.engine.release_reservation(reservation)
+            self.engine.handoff.release(reservation)
             raise
-        self.engine.park_transfer(reservation)
+        self.engine.handoff.park(reservation)
         return report
 
     def _read_begin(self, frames) -> TransferBegin:
@@ -94,9 +95,9 @@ class KVReceiver:
 
     def _reserve(self, begin: TransferBegin) -> Reservation:
         try:
-            return self.engine.reserve_transfer(begin.request_id, list(begin.prompt_token_ids),
-                                                begin.receiver_cached_blocks, ttl_s=self.parked_ttl_s,
-                                                cache_salt=begin.cache_salt)
+            return self.engine.handoff.reserve(begin.request_id, list(begin.prompt_token_ids),
+                                               begin.receiver_cached_blocks, ttl_s=self.parked_ttl_s,
+                                               cache_salt=begin.cache_salt)
         except TransferRejected as e:
             raise TransferFailed(FailureKind.FAILED_PRECONDITION, str(e)) from e
         except NoFreeBlocksError as e:

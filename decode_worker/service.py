@@ -44,7 +44,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                 stream = loop.submit(prompt, sampling, rid, detokenize=request.detokenize,
                                      cache_salt=request.cache_salt)
         except (InvalidRequestError, ValueError) as e:
-            self.parts.engine.drop_parked(rid)
+            self.parts.engine.handoff.drop(rid)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         on_call_end(context, lambda: loop.abort(rid))
         yield from self._stream_replies(rid, stream, used_transfer, started, context)

@@ -16,7 +16,7 @@ that completes it has been computed, and the partial last block of the prompt go
 final chunk. Blocks the receiver already holds are never sent.
 
 Why the output stays exact whatever happens to the request meanwhile:
-- The sender holds its own reference on every block it has been offered (engine.pin_blocks,
+- The sender holds its own reference on every block it has been offered (engine.handoff.pin,
   taken on the compute thread as the block is queued) until the transfer is released or
   aborted, so no block it still has to read can be handed to another request.
 - An abort wins over END at any point. abort() sets the flag *before* it lets go of the
@@ -93,7 +93,7 @@ class OutgoingTransfer:
         with self._pin_lock:
             if self._aborted is not None:
                 return
-            self.engine.pin_blocks(block_ids)  # NOTE: the compute thread holds the engine lock here
+            self.engine.handoff.pin(block_ids)  # NOTE: the compute thread holds the engine lock here
             self._pinned += block_ids
         self._next_position[layer] = complete
         self._total_blocks += len(positions)
@@ -121,7 +121,7 @@ class OutgoingTransfer:
         with self._pin_lock:
             pinned, self._pinned = self._pinned, []
         if pinned:
-            self.engine.unpin_blocks(pinned)
+            self.engine.handoff.unpin(pinned)
 
     @property
     def pinned_blocks(self) -> int:

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pdserve.engine.hashing import engine_salt, hash_blocks, request_salt
+from pdserve.engine.hashing import BlockHash, engine_salt, hash_blocks, request_salt
 from pdserve.index.breaker import CircuitBreaker
 from router.policy import Candidate, NoWorkerError, place_by_load
 from router.scoring import ScoringWeights, WorkerLoad, choose
@@ -56,7 +56,7 @@ class Placement:
     policy: str = "least_load"
 
 
-MatchFn = Callable[[Sequence[bytes]], Mapping[str, int]]
+MatchFn = Callable[[Sequence[BlockHash]], Mapping[str, int]]  # PrefixIndex.match
 
 
 class Placer:

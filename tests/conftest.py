@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.events import KVEvent
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.tiny_model import write_tiny_model
 from pdserve.engine.weights import LoadedModel, default_model_path, load_model
@@ -60,6 +61,16 @@ def make_engine(loaded: LoadedModel, *, block_size: int = 16, num_blocks: int | 
                         enable_prefix_caching=prefix_caching)
     scheduler = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs)
     return LLMEngine(loaded, EngineConfig(cache=cache, scheduler=scheduler, device="cpu"))
+
+
+class RecordingPublisher:
+    """A KVEventPublisher that keeps every event, in order, for tests that check what was published."""
+
+    def __init__(self) -> None:
+        self.events: list[KVEvent] = []
+
+    def publish(self, events: list[KVEvent]) -> None:
+        self.events.extend(events)
 
 
 def assert_no_leaks(engine: LLMEngine) -> None:

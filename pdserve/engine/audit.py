@@ -69,6 +69,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.block_pool import Discarded
+from pdserve.engine.hashing import BlockHash
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
 from pdserve.engine.scheduler import ScheduledChunk
@@ -156,7 +157,7 @@ class _Chain:
     """One recompute: the chain's blocks and hashes, root first, and which of them to check."""
 
     block_ids: list[int]
-    hashes: list[bytes]
+    hashes: list[BlockHash]
     tokens: list[int]
     check: list[int]  # positions in the chain: blocks no earlier chain checks
 
@@ -165,7 +166,7 @@ class _Chain:
 class _Recomputed:
     """The last chain's recomputed KV, kept for the next chain that shares its leading blocks."""
 
-    hashes: list[bytes]
+    hashes: list[BlockHash]
     kv: torch.Tensor
 
 
@@ -273,7 +274,8 @@ class KVAuditor:
         ModelRunner(engine.model, scratch, block_size).run([ScheduledChunk(seq, start, len(tokens) - start)])
         return scratch
 
-    def _evict(self, block_id: int, block_hash: bytes, verdict: BlockVerdict, report: AuditReport) -> None:
+    def _evict(self, block_id: int, block_hash: BlockHash, verdict: BlockVerdict,
+               report: AuditReport) -> None:
         report.mismatched += 1
         outcome = self.engine.discard_block(block_id, block_hash)
         if outcome is not Discarded.GONE:

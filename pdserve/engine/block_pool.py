@@ -9,7 +9,9 @@ Every block is in exactly one of three states:
     allocate:  FREE/CACHED(evict, LRU first) -> IN USE
     acquire:   CACHED -> IN USE, or IN USE ref+1 (a prefix hit)
     release:   ref-1; at 0 -> CACHED if hashed, else FREE
-    commit:    give an IN USE full block its chained hash (BlockStored)
+    commit:    give an IN USE full block its chained hash (BlockStored); commit_blocks
+               does it for a run of one token sequence's full blocks (the scheduler after
+               a step, the KV hand-off when a transferred prompt is parked)
     evict:     CACHED -> FREE, hash dropped (BlockRemoved)
     discard:   a block the KV audit found wrong (BlockRemoved): CACHED -> FREE at
                once; IN USE loses its hash, so nothing new matches it, and goes
@@ -35,6 +37,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
 from pdserve.engine.events import BlockRemoved, BlockStored, KVEvent
+from pdserve.engine.hashing import BlockHash
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -56,12 +59,12 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._ref_counts = [0] * num_blocks
-        self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._block_hash: list[BlockHash | None] = [None] * num_blocks
         self._block_tokens: list[tuple[int, ...]] = [()] * num_blocks  # of a hashed block only
-        self._parent_hash: list[bytes | None] = [None] * num_blocks  # None: first block of a prompt
+        self._parent_hash: list[BlockHash | None] = [None] * num_blocks  # None: first block of a prompt
         self._free: deque[int] = deque(range(num_blocks))
         self._cached_lru: OrderedDict[int, None] = OrderedDict()  # oldest first
-        self._hash_to_block: dict[bytes, int] = {}
+        self._hash_to_block: dict[BlockHash, int] = {}
         self._events: deque[KVEvent] = deque()
 
     # --- queries -------------------------------------------------------
@@ -81,10 +84,10 @@ class BlockPool:
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
-    def block_hash(self, block_id: int) -> bytes | None:
+    def block_hash(self, block_id: int) -> BlockHash | None:
         return self._block_hash[block_id]
 
-    def match_prefix(self, block_hashes: Sequence[bytes]) -> list[int]:
+    def match_prefix(self, block_hashes: Sequence[BlockHash]) -> list[int]:
         """Block ids of the longest run of block_hashes cached here, from the start.
 
         Takes no references: call acquire() on the result to use it.
@@ -126,7 +129,7 @@ class BlockPool:
         chain.reverse()
         return chain
 
-    def cached_hashes(self) -> list[bytes]:
+    def cached_hashes(self) -> list[BlockHash]:
         """Every hash this pool can serve now (a resync of an index that lost events)."""
         return list(self._hash_to_block)
 
@@ -168,7 +171,7 @@ class BlockPool:
                 else:
                     self._cached_lru[b] = None
 
-    def commit(self, block_id: int, block_hash: bytes, parent_hash: bytes | None,
+    def commit(self, block_id: int, block_hash: BlockHash, parent_hash: BlockHash | None,
                token_ids: Sequence[int]) -> bool:
         """Register a full, computed block under its chained hash.
 
@@ -189,7 +192,17 @@ class BlockPool:
         self._events.append(BlockStored(block_hash, parent_hash, tokens, block_id))
         return True
 
-    def discard(self, block_id: int, block_hash: bytes) -> Discarded:
+    def commit_blocks(self, block_ids: Sequence[int], hashes: Sequence[BlockHash], token_ids: Sequence[int],
+                      start: int = 0) -> None:
+        """Commit full blocks start..len(hashes)-1 of one token sequence: block j holds
+        token_ids[j*bs:(j+1)*bs] in block_ids[j] under hashes[j], chained to hashes[j-1] (no
+        parent for block 0). hashes come from hash_blocks over the same tokens and salt."""
+        bs = self.block_size
+        for j in range(start, len(hashes)):
+            parent = hashes[j - 1] if j else None
+            self.commit(block_ids[j], hashes[j], parent, token_ids[j * bs:(j + 1) * bs])
+
+    def discard(self, block_id: int, block_hash: BlockHash) -> Discarded:
         """Take a block whose KV is wrong out of the prefix cache (BlockRemoved).
 
         NOTE: a block in use cannot be freed under its holders; it loses its hash instead,

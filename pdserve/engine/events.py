@@ -2,8 +2,9 @@
 
 The pool appends BlockStored when a full block gets its chained hash and
 BlockRemoved when a cached block is evicted. After each engine step the
-engine drains them to a publisher: NullPublisher here and in tests, a Redis
-publisher in the cluster (the router's prefix index reads them).
+engine drains them to a publisher: NullPublisher here, a Redis publisher in
+the cluster (the router's prefix index reads them), a recording one in tests
+(tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -11,18 +12,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from pdserve.engine.hashing import BlockHash
+
 
 @dataclass(frozen=True)
 class BlockStored:
-    block_hash: bytes
-    parent_hash: bytes | None
+    block_hash: BlockHash
+    parent_hash: BlockHash | None  # None: the first block of a prompt
     token_ids: tuple[int, ...]
     block_id: int
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
-    block_hash: bytes
+    block_hash: BlockHash
     block_id: int
 
 
@@ -39,12 +42,3 @@ class NullPublisher:
     def publish(self, events: list[KVEvent]) -> None:
         return None
 
-
-class RecordingPublisher:
-    """Keeps every event, in order, for tests."""
-
-    def __init__(self) -> None:
-        self.events: list[KVEvent] = []
-
-    def publish(self, events: list[KVEvent]) -> None:
-        self.events.extend(events)

@@ -18,6 +18,10 @@ its blocks are hashed with request_salt(engine salt, cache_salt), so requests wi
 different cache_salts never share a block, on any worker or in the index, and one
 tenant cannot learn from cached_tokens what another has asked.
 
+BlockHash names this identity in types, from the pool (block_pool.py, events.py) through the
+prefix index (pdserve/index/) to the router's scorer: a block hash is never confused with a salt
+or a fingerprint, which are bytes too.
+
 Pure: imports only the standard library, so the router can hash without torch.
 """
 
@@ -26,9 +30,12 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from typing import NewType
+
+BlockHash = NewType("BlockHash", bytes)  # a full block's chained hash: HASH_BYTES bytes
 
 HASH_BYTES = 16
-ROOT_PARENT = b"\x00" * HASH_BYTES
+ROOT_PARENT = BlockHash(b"\x00" * HASH_BYTES)
 
 
 def engine_salt(model_fingerprint: str, block_size: int, kv_dtype: str) -> bytes:
@@ -52,25 +59,25 @@ def request_salt(salt: bytes, cache_salt: bytes) -> bytes:
     return hashlib.blake2b(cache_salt, digest_size=HASH_BYTES, key=salt).digest()
 
 
-def hash_block(parent: bytes, token_ids: Sequence[int], salt: bytes) -> bytes:
+def hash_block(parent: BlockHash, token_ids: Sequence[int], salt: bytes) -> BlockHash:
     """Hash one full block given its parent's hash (ROOT_PARENT for the first block)."""
     h = hashlib.blake2b(digest_size=HASH_BYTES, key=salt)
     h.update(parent)
     h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
-    return h.digest()
+    return BlockHash(h.digest())
 
 
 def hash_blocks(token_ids: Sequence[int], block_size: int, salt: bytes,
-                parent: bytes = ROOT_PARENT) -> list[bytes]:
+                parent: BlockHash = ROOT_PARENT) -> list[BlockHash]:
     """Hashes of every *full* block of token_ids, chained from parent."""
     n_full = len(token_ids) // block_size
     packed = struct.pack(f"<{n_full * block_size}I", *token_ids[:n_full * block_size])
     step = 4 * block_size
-    hashes: list[bytes] = []
+    hashes: list[BlockHash] = []
     for start in range(0, len(packed), step):  # same bytes as hash_block, packed once
         h = hashlib.blake2b(digest_size=HASH_BYTES, key=salt)
         h.update(parent)
         h.update(packed[start:start + step])
-        parent = h.digest()
+        parent = BlockHash(h.digest())
         hashes.append(parent)
     return hashes

@@ -6,24 +6,30 @@
              their blocks -> KV events drained to the publisher
     abort(request_id): blocks released at once, wherever the request is.
 
-KV handoff (prefill/decode disaggregation), see pdserve/transfer/:
+KV handoff (prefill/decode disaggregation): the state lives in self.handoff (engine/handoff.py,
+its lifecycle in that module's docstring); the engine steps it and joins resumed requests.
     prefill side: step(observer) tells a KV sender as each layer is written
         (observer.layer_done) and when a sequence loses its blocks to preemption
         (observer.preempted, called before the scheduler looks at the pool again; a True
-        answer drops the request, which finishes as "abort" in that step's outputs).
-        The sender reads blocks on its own thread, so it holds its own reference on each
-        one it was offered (pin_blocks) until it lets go (unpin_blocks).
-    decode side: reserve_transfer -> (blocks written by the receiver) ->
-        park_transfer (KV complete, prompt blocks committed to the prefix cache)
-        -> resume_transferred(prompt, first_token) checks the request against what was
-        parked and joins the continuous batch; release_reservation frees everything on any
-        failure, and a resume that is refused or raises frees the parked KV too.
+        answer drops the request, which finishes as "abort" in that step's outputs). The
+        sender pins the blocks it reads (handoff.pin / unpin).
+    decode side: handoff.reserve -> (blocks written by the receiver) -> handoff.park ->
+        resume_transferred(prompt, first_token): handoff.claim checks the request against what
+        was parked, and the request joins the continuous batch (scheduler.add_running). A resume
+        that is refused or raises frees the parked KV; step() frees parked KV past its expiry.
 
-Methods that read or change requests, blocks or reservations take self.lock (an RLock), so a
-gRPC thread may call in while the engine loop steps. has_unfinished() and load() do not, so
-liveness and status never wait behind a step.
+Locking: self.lock (an RLock) guards requests, blocks and the hand-off state, so gRPC threads
+may call in while the engine loop steps.
+    take it:     add_request, abort, step (its StepObserver runs under it), resume_transferred,
+                 discard_block, and every method of self.handoff but num_parked. Code that reads
+                 the pool or kv_cache directly (the KV audit, the index resync) takes it too.
+    do not:      has_unfinished and load: liveness and status must never wait behind a step,
+                 which can hold the lock for seconds on a CPU; they read len()s, atomic under
+                 the GIL. leaked_blocks: a check for an idle engine (tests, drain, benchmarks);
+                 mid-step it may see a step's own references. generate: each add_request and
+                 step it calls takes the lock; nothing is held between them.
 
-Validation happens before anything is queued, so a bad request raises
+Validation (engine/validation.py) happens before anything is queued, so a bad request raises
 InvalidRequestError and the engine keeps serving the others.
 """
 
@@ -40,25 +46,19 @@ from typing import Protocol
 
 import torch
 
-from pdserve.engine.block_pool import BlockPool, Discarded, NoFreeBlocksError
+from pdserve.engine.block_pool import BlockPool, Discarded
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.events import KVEventPublisher, NullPublisher
-from pdserve.engine.hashing import MAX_CACHE_SALT_BYTES, ROOT_PARENT, engine_salt, hash_blocks, request_salt
+from pdserve.engine.handoff import KVHandoff, Reservation
+from pdserve.engine.hashing import BlockHash, engine_salt
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
 from pdserve.engine.sampler import sample
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.engine.sequence import SamplingParams, Sequence, SequenceStatus, Usage
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.validation import EngineLimits, InvalidRequestError, check_cache_salt
 from pdserve.engine.weights import LoadedModel, load_model
-
-
-class InvalidRequestError(ValueError):
-    """The request is malformed or cannot fit; the message names the field and the limit."""
-
-
-class TransferRejected(RuntimeError):
-    """The receiver cannot accept a KV transfer as described (e.g. its cached prefix is gone)."""
 
 
 class StepObserver(Protocol):
@@ -72,24 +72,6 @@ class StepObserver(Protocol):
     def preempted(self, seq: Sequence) -> bool:
         """seq just lost its blocks to preemption; True drops the request (it finishes "abort")."""
         ...
-
-
-@dataclass
-class Reservation:
-    """Blocks held on a decode engine for one incoming prompt's KV.
-
-    block_ids covers the whole prompt: the first num_cached_blocks are the
-    receiver's own cached prefix (acquired), the rest are fresh and filled by
-    the transfer. expires_at bounds how long a parked transfer may wait for
-    its Decode call.
-    """
-
-    request_id: str
-    prompt_token_ids: list[int]
-    block_ids: list[int]
-    num_cached_blocks: int
-    expires_at: float = float("inf")
-    cache_salt: bytes = b""  # the request's own prefix-cache salt, as the sender hashed under
 
 
 @dataclass(frozen=True)
@@ -152,11 +134,13 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.pool, self.salt, cache.enable_prefix_caching)
         self.publisher = publisher or NullPublisher()
         self.max_model_len = min(loaded.config.max_position_embeddings, num_blocks * cache.block_size)
+        self.limits = EngineLimits(loaded.config.vocab_size, self.max_model_len)
         self._sequences: dict[str, Sequence] = {}
         self._detokenize: dict[str, bool] = {}
         self._arrivals = itertools.count()
-        self._parked: dict[str, Reservation] = {}
         self.lock = threading.RLock()
+        self.handoff = KVHandoff(self.pool, self.salt, self.limits, self.lock, self._sequences,
+                                 self._publish_events)
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True,
@@ -171,7 +155,7 @@ class LLMEngine:
         request_id = request_id or uuid.uuid4().hex
         with self.lock:
             self._validate(request_id, prompt_token_ids, sampling)
-            _check_cache_salt(cache_salt)
+            check_cache_salt(cache_salt)
             seq = self._new_sequence(request_id, prompt_token_ids, sampling, detokenize, cache_salt)
             self.scheduler.add(seq)
         return request_id
@@ -191,57 +175,23 @@ class LLMEngine:
         with self.lock:
             seq = self._sequences.pop(request_id, None)
             if seq is None:
-                return self.drop_parked(request_id)
+                return self.handoff.drop(request_id)
             self._detokenize.pop(request_id, None)
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
             self._publish_events()
             return True
 
-    def pin_blocks(self, block_ids: list[int]) -> None:
-        """One more reference on each block, for a reader outside the engine (a KV sender): the
-        blocks cannot be handed to another request until unpin_blocks."""
-        with self.lock:
-            self.pool.acquire(block_ids)
-
-    def unpin_blocks(self, block_ids: list[int]) -> None:
-        with self.lock:
-            self.pool.release(block_ids)
-
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
-
     def _validate(self, request_id: str, ids: list[int], sampling: SamplingParams) -> None:
         if request_id in self._sequences:
             raise InvalidRequestError(f"request_id {request_id!r} is already in flight")
-        self._validate_prompt(ids)
-        self._validate_sampling(sampling)
-
-    def _validate_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise InvalidRequestError("prompt is empty: give at least 1 token")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(ids):,} tokens; this engine's context is {self.max_model_len:,} "
-                f"(the prompt must leave room for at least 1 generated token)")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-
-    def _validate_sampling(self, sampling: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        if not isinstance(sampling, SamplingParams):
-            raise InvalidRequestError("sampling must be a SamplingParams")
-        bad = next((t for t in sampling.stop_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"sampling.stop_token_ids has {bad}, outside the vocabulary [0, {vocab})")
+        self.limits.check_prompt(ids)
+        self.limits.check_sampling(sampling)
 
     # --- the step -------------------------------------------------------------------
     def step(self, observer: StepObserver | None = None) -> list[RequestOutput]:
         """One scheduling step; the observer sees each layer written and each preemption."""
         with self.lock:
-            self._expire_parked(time.monotonic())
+            self.handoff.expire(time.monotonic())
             dropped: list[Sequence] = []
             out = self.scheduler.schedule(_on_preempt(observer, dropped))
             outputs = [self._drop_preempted(seq) for seq in dropped]
@@ -328,79 +278,7 @@ class LLMEngine:
                 r.finish_reason, r.usage = o.finish_reason, o.usage
         return [results[rid] for rid in ids]
 
-    # --- KV handoff: the decode side -----------------------------------------------
-    def reserve_transfer(self, request_id: str, prompt_token_ids: list[int], claimed_cached_blocks: int,
-                         ttl_s: float = 30.0, cache_salt: bytes = b"") -> Reservation:
-        """Hold blocks for an incoming prompt's KV: the claimed cached prefix plus fresh blocks.
-
-        Raises TransferRejected when this engine no longer holds the prefix it claimed
-        (the sender would skip blocks we lack) and NoFreeBlocksError when the pool is full.
-        """
-        with self.lock:
-            self._validate(request_id, prompt_token_ids, SamplingParams())
-            _check_cache_salt(cache_salt)
-            if request_id in self._parked:
-                raise InvalidRequestError(f"request_id {request_id!r} already has a KV reservation")
-            salt = request_salt(self.salt, cache_salt)
-            cached = self._acquire_claimed_prefix(prompt_token_ids, claimed_cached_blocks, salt)
-            total = -(-len(prompt_token_ids) // self.block_size)
-            try:
-                fresh = self.pool.allocate(total - len(cached))
-            except NoFreeBlocksError:
-                self.pool.release(cached)
-                raise
-            return Reservation(request_id, list(prompt_token_ids), cached + fresh, len(cached),
-                               time.monotonic() + ttl_s, cache_salt)
-
-    def _acquire_claimed_prefix(self, prompt_token_ids: list[int], claimed: int, salt: bytes) -> list[int]:
-        max_blocks = (len(prompt_token_ids) - 1) // self.block_size
-        if not 0 <= claimed <= max_blocks:
-            raise TransferRejected(f"claimed cached blocks must be in [0, {max_blocks}], got {claimed}")
-        hashes = hash_blocks(prompt_token_ids[:claimed * self.block_size], self.block_size, salt)
-        matched = self.pool.match_prefix(hashes)
-        if len(matched) < claimed:
-            raise TransferRejected(
-                f"receiver holds {len(matched)} of the {claimed} prefix blocks the sender skips; "
-                f"retry with receiver_cached_blocks={len(matched)}")
-        self.pool.acquire(matched)
-        return matched
-
-    def release_reservation(self, reservation: Reservation) -> None:
-        with self.lock:
-            self._parked.pop(reservation.request_id, None)
-            self.pool.release(reservation.block_ids)
-            self._publish_events()
-
-    def park_transfer(self, reservation: Reservation) -> None:
-        """All KV arrived and verified: commit the prompt's full blocks and wait for Decode."""
-        with self.lock:
-            prompt = reservation.prompt_token_ids
-            hashes = hash_blocks(prompt, self.block_size, request_salt(self.salt, reservation.cache_salt))
-            for j in range(reservation.num_cached_blocks, len(hashes)):
-                parent = hashes[j - 1] if j else ROOT_PARENT
-                tokens = prompt[j * self.block_size:(j + 1) * self.block_size]
-                self.pool.commit(reservation.block_ids[j], hashes[j], parent if j else None, tokens)
-            self._parked[reservation.request_id] = reservation
-            self._publish_events()
-
-    def num_parked(self) -> int:
-        return len(self._parked)
-
-    def load(self) -> EngineLoad:
-        """Counts read WITHOUT the lock. NOTE: a prefill step can hold the lock for seconds on a
-        CPU; a heartbeat or Status call waiting on it would let the worker's lease expire. Each
-        count is a len() of a container the loop mutates, read atomically under the GIL; counts
-        may disagree with each other by one step, never by a torn value."""
-        pool = self.pool
-        return EngineLoad(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-                          num_blocks=pool.num_blocks, free_blocks=pool.num_free_blocks,
-                          cached_blocks=pool.num_cached_blocks, used_blocks=pool.num_used_blocks,
-                          parked_transfers=len(self._parked))
-
-    def has_parked(self, request_id: str) -> bool:
-        with self.lock:
-            return request_id in self._parked
-
+    # --- KV handoff: a transferred request joins the batch -----------------------------------
     def resume_transferred(self, request_id: str, prompt_token_ids: list[int], first_token: int,
                            sampling: SamplingParams, rng_state: torch.Tensor | None = None,
                            detokenize: bool = True, cache_salt: bytes = b"") -> RequestOutput | None:
@@ -413,16 +291,10 @@ class LLMEngine:
         resume leaves nothing held.
         """
         with self.lock:
-            reservation = self._parked.get(request_id)
+            reservation = self.handoff.claim(request_id, prompt_token_ids, first_token, sampling, rng_state,
+                                             cache_salt)
             if reservation is None:
                 return None
-            try:
-                self._check_resume(reservation, prompt_token_ids, first_token, sampling, rng_state,
-                                   cache_salt)
-            except InvalidRequestError:
-                self.drop_parked(request_id)
-                raise
-            del self._parked[request_id]
             seq = None
             try:
                 seq = self._resumed_sequence(reservation, sampling, rng_state, detokenize)
@@ -430,27 +302,6 @@ class LLMEngine:
             except BaseException:
                 self._undo_resume(reservation, seq)
                 raise
-
-    def _check_resume(self, reservation: Reservation, prompt: list[int], first_token: int,
-                      sampling: SamplingParams, rng_state: torch.Tensor | None, cache_salt: bytes) -> None:
-        rid = reservation.request_id
-        if rid in self._sequences:
-            raise InvalidRequestError(f"request_id {rid!r} is already in flight")
-        if list(prompt) != reservation.prompt_token_ids:
-            raise InvalidRequestError(_prompt_mismatch(rid, prompt, reservation.prompt_token_ids))
-        if cache_salt != reservation.cache_salt:
-            raise InvalidRequestError(f"cache_salt differs from the one request {rid!r}'s KV was transferred "
-                                      "under; send Decode the cache_salt that was sent to Prefill")
-        vocab = self.model_config.vocab_size
-        if not 0 <= first_token < vocab:
-            raise InvalidRequestError(f"first_token {first_token} is outside the vocabulary [0, {vocab})")
-        self._validate_sampling(sampling)
-        if rng_state is not None:
-            try:
-                torch.Generator().set_state(rng_state)
-            except (RuntimeError, TypeError, ValueError) as e:
-                raise InvalidRequestError(f"rng_state ({rng_state.numel()} bytes) is not a state of this "
-                                          f"engine's generator: {e}") from None
 
     def _resumed_sequence(self, reservation: Reservation, sampling: SamplingParams,
                           rng_state: torch.Tensor | None, detokenize: bool) -> Sequence:
@@ -474,26 +325,29 @@ class LLMEngine:
         self._sequences.pop(reservation.request_id, None)
         self._detokenize.pop(reservation.request_id, None)
         if seq is None or not seq.status.finished:  # (a finished one already let go of them)
-            self.release_reservation(reservation)
+            self.handoff.release(reservation)
 
-    def drop_parked(self, request_id: str) -> bool:
-        """Free the KV parked for request_id, if any; True when there was some."""
-        reservation = self._parked.get(request_id)
-        if reservation is None:
-            return False
-        self.release_reservation(reservation)
-        return True
+    # --- status: read without the lock -------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
 
-    def _expire_parked(self, now: float) -> None:
-        for reservation in [r for r in self._parked.values() if r.expires_at <= now]:
-            self.release_reservation(reservation)
+    def load(self) -> EngineLoad:
+        """Counts read WITHOUT the lock. NOTE: a prefill step can hold the lock for seconds on a
+        CPU; a heartbeat or Status call waiting on it would let the worker's lease expire. Each
+        count is a len() of a container the loop mutates, read atomically under the GIL; counts
+        may disagree with each other by one step, never by a torn value."""
+        pool = self.pool
+        return EngineLoad(running=self.scheduler.num_running, waiting=self.scheduler.num_waiting,
+                          num_blocks=pool.num_blocks, free_blocks=pool.num_free_blocks,
+                          cached_blocks=pool.num_cached_blocks, used_blocks=pool.num_used_blocks,
+                          parked_transfers=self.handoff.num_parked())
 
     def leaked_blocks(self) -> list[int]:
         """Blocks still referenced by anyone; empty when the engine is idle and clean."""
         return self.pool.leaked_blocks()
 
     # --- KV audit (engine/audit.py) ------------------------------------------------------------
-    def discard_block(self, block_id: int, block_hash: bytes) -> Discarded:
+    def discard_block(self, block_id: int, block_hash: BlockHash) -> Discarded:
         """Take a block the KV audit found wrong out of the prefix cache and unpublish it
         (BlockRemoved through the publisher). A block in use loses its hash now, frees on release."""
         with self.lock:
@@ -511,15 +365,3 @@ def _on_preempt(observer: StepObserver | None, dropped: list[Sequence]) -> Calla
         if observer.preempted(seq):
             dropped.append(seq)
     return on_preempt
-
-
-def _prompt_mismatch(request_id: str, given: list[int], parked: list[int]) -> str:
-    at = next((i for i, (a, b) in enumerate(zip(given, parked)) if a != b), min(len(given), len(parked)))
-    return (f"prompt_token_ids ({len(given)} tokens) differ from the prompt whose KV was transferred for "
-            f"request {request_id!r} ({len(parked)} tokens), first at token {at}; send Decode the prompt "
-            "that was sent to Prefill")
-
-
-def _check_cache_salt(value: bytes) -> None:
-    if len(value) > MAX_CACHE_SALT_BYTES:
-        raise InvalidRequestError(f"cache_salt has {len(value)} bytes; at most {MAX_CACHE_SALT_BYTES}")

@@ -18,6 +18,11 @@ the hashes of blocks that became full, so later requests can share them.
 on_preempt(seq), when given to schedule(), runs right after a victim's blocks are released
 and before the pool is looked at again: a KV sender still holding references on the
 victim's blocks lets go of them there, so the preemption really frees memory.
+
+The scheduler owns its queues: only its own methods change `waiting` and `running` (add,
+add_running for a sequence whose KV is already in place, finish, schedule). Others may read
+them; LLMEngine.load reads num_running / num_waiting without the engine's lock (one len()
+each, atomic under the GIL).
 Pure logic: the block pool and sequences only, no torch and no I/O.
 """
 
@@ -29,7 +34,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.hashing import ROOT_PARENT, request_salt
+from pdserve.engine.hashing import request_salt
 from pdserve.engine.sequence import Sequence, SequenceStatus
 
 
@@ -83,6 +88,14 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Take seq out of the queues and release its blocks at once."""
@@ -199,8 +212,5 @@ class Scheduler:
         if full <= seq.num_committed_blocks:
             return
         hashes = seq.full_block_hashes(self.block_size, request_salt(self.salt, seq.cache_salt))
-        for j in range(seq.num_committed_blocks, full):
-            parent = hashes[j - 1] if j else ROOT_PARENT
-            tokens = seq.token_ids[j * self.block_size:(j + 1) * self.block_size]
-            self.pool.commit(seq.block_ids[j], hashes[j], parent if j else None, tokens)
+        self.pool.commit_blocks(seq.block_ids, hashes[:full], seq.token_ids, start=seq.num_committed_blocks)
         seq.num_committed_blocks = full

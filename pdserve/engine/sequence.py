@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.hashing import ROOT_PARENT, hash_block
+from pdserve.engine.hashing import ROOT_PARENT, BlockHash, hash_block
 
 
 class SequenceStatus(enum.Enum):
@@ -103,7 +103,7 @@ class Sequence:
     generator: Any = None  # the engine's per-request RNG (torch.Generator)
     cache_salt: bytes = b""  # the request's own prefix-cache salt (a tenant's); b"": none
     text: str = ""
-    _block_hashes: list[bytes] = field(default_factory=list)
+    _block_hashes: list[BlockHash] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -125,7 +125,7 @@ class Sequence:
     def is_prefilling(self) -> bool:
         return self.num_computed_tokens < self.num_prompt_tokens
 
-    def full_block_hashes(self, block_size: int, salt: bytes) -> list[bytes]:
+    def full_block_hashes(self, block_size: int, salt: bytes) -> list[BlockHash]:
         """Chained hashes of every full block of token_ids (extended incrementally)."""
         hashes = self._block_hashes
         while (len(hashes) + 1) * block_size <= self.num_tokens:

@@ -23,6 +23,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from pdserve.engine.hashing import BlockHash
+
 
 @dataclass(frozen=True)
 class WorkerKey:
@@ -57,22 +59,22 @@ def check_ttl(ttl_s: float) -> None:
 
 
 class PrefixIndex(Protocol):
-    def apply(self, worker: WorkerKey, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
+    def apply(self, worker: WorkerKey, stored: Sequence[BlockHash], removed: Sequence[BlockHash]) -> None:
         """Record one worker's events: `stored` hashes added, then `removed` hashes dropped.
 
         Writes from an epoch older than the newest lease seen for the worker are dropped.
         """
         ...
 
-    def replace(self, worker: WorkerKey, hashes: Iterable[bytes]) -> None:
+    def replace(self, worker: WorkerKey, hashes: Iterable[BlockHash]) -> None:
         """Make this worker-epoch's entries exactly `hashes` (a resync after lost events)."""
         ...
 
-    def match(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
+    def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         """Per live worker at its current epoch: how many blocks from the start it holds (0s omitted)."""
         ...
 
-    def worker_hashes(self, worker_id: str) -> set[bytes]:
+    def worker_hashes(self, worker_id: str) -> set[BlockHash]:
         """Every hash still stored for worker_id under any epoch (live or not yet swept)."""
         ...
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from pdserve.engine.hashing import BlockHash
 from pdserve.index.base import Lease, WorkerKey, check_ttl
 
 
@@ -21,12 +22,12 @@ class _Lease:
 class InMemoryPrefixIndex:
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
-        self._holders: dict[bytes, set[WorkerKey]] = {}
-        self._hashes: dict[WorkerKey, set[bytes]] = {}
+        self._holders: dict[BlockHash, set[WorkerKey]] = {}
+        self._hashes: dict[WorkerKey, set[BlockHash]] = {}
         self._leases: dict[str, _Lease] = {}
         self._highest_epoch: dict[str, int] = {}
 
-    def apply(self, worker: WorkerKey, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
+    def apply(self, worker: WorkerKey, stored: Sequence[BlockHash], removed: Sequence[BlockHash]) -> None:
         if worker.epoch < self._highest_epoch.get(worker.worker_id, 0):
             return
         mine = self._hashes.setdefault(worker, set())
@@ -37,12 +38,12 @@ class InMemoryPrefixIndex:
             self._drop(worker, h)
             mine.discard(h)
 
-    def replace(self, worker: WorkerKey, hashes: Iterable[bytes]) -> None:
+    def replace(self, worker: WorkerKey, hashes: Iterable[BlockHash]) -> None:
         wanted = set(hashes)
         held = self._hashes.get(worker, set())
         self.apply(worker, sorted(wanted - held), sorted(held - wanted))
 
-    def match(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
+    def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         if not block_hashes:
             return {}
         current = {w for w in self._holders.get(block_hashes[0], ()) if self._is_current(w)}
@@ -57,8 +58,8 @@ class InMemoryPrefixIndex:
         depth.update({w.worker_id: len(block_hashes) for w in current})
         return depth
 
-    def worker_hashes(self, worker_id: str) -> set[bytes]:
-        held: set[bytes] = set()
+    def worker_hashes(self, worker_id: str) -> set[BlockHash]:
+        held: set[BlockHash] = set()
         for w, hashes in self._hashes.items():
             if w.worker_id == worker_id:
                 held |= hashes
@@ -97,7 +98,7 @@ class InMemoryPrefixIndex:
         lease = self._leases.get(worker.worker_id)
         return lease is not None and lease.epoch == worker.epoch and lease.expires_at > self._clock()
 
-    def _drop(self, worker: WorkerKey, h: bytes) -> None:
+    def _drop(self, worker: WorkerKey, h: BlockHash) -> None:
         holders = self._holders.get(h)
         if holders is not None:
             holders.discard(worker)

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from pdserve.engine.events import BlockRemoved, BlockStored, KVEvent
+from pdserve.engine.hashing import BlockHash
 from pdserve.index.base import PrefixIndex, StoreUnavailable, WorkerKey
 from pdserve.index.breaker import CircuitBreaker, CircuitOpen
 
@@ -46,14 +47,14 @@ TOUCH_S = 5.0
 _IDLE_POLL_S = 1.0
 
 
-def fold_events(events: Iterable[KVEvent]) -> tuple[list[bytes], list[bytes]]:
+def fold_events(events: Iterable[KVEvent]) -> tuple[list[BlockHash], list[BlockHash]]:
     """(stored, removed): the hashes whose last event was a store, and those whose last was a removal."""
-    last: dict[bytes, bool] = {}
+    last: dict[BlockHash, bool] = {}
     _fold_into(last, events)
     return _split(last)
 
 
-def _fold_into(last: dict[bytes, bool], events: Iterable[KVEvent]) -> None:
+def _fold_into(last: dict[BlockHash, bool], events: Iterable[KVEvent]) -> None:
     for event in events:
         if isinstance(event, BlockStored):
             last[event.block_hash] = True
@@ -63,7 +64,7 @@ def _fold_into(last: dict[bytes, bool], events: Iterable[KVEvent]) -> None:
             raise TypeError(f"unknown KV event {event!r}; expected BlockStored or BlockRemoved")
 
 
-def _split(last: dict[bytes, bool]) -> tuple[list[bytes], list[bytes]]:
+def _split(last: dict[BlockHash, bool]) -> tuple[list[BlockHash], list[BlockHash]]:
     stored = [h for h, present in last.items() if present]
     removed = [h for h, present in last.items() if not present]
     return stored, removed
@@ -84,14 +85,14 @@ class IndexPublisher:
         self.touch_s = touch_s
         self._clock = clock
         self._cond = threading.Condition()
-        self._pending: dict[bytes, bool] = {}
+        self._pending: dict[BlockHash, bool] = {}
         self._resync_wanted = False
         self._drop_older_wanted = True
         self._working = False
         self._stopping = False
         self._next_touch = 0.0
         self._outage: str | None = None  # what failed, while the index is unavailable
-        self._cached_hashes: Callable[[], Iterable[bytes]] = list
+        self._cached_hashes: Callable[[], Iterable[BlockHash]] = list
         self._thread = threading.Thread(target=self._run, name=f"index-publisher-{worker.worker_id}",
                                         daemon=True)
         self.overflows = 0
@@ -107,7 +108,7 @@ class IndexPublisher:
             self._cond.notify()
 
     # --- the worker's side ------------------------------------------------------------------------
-    def start(self, cached_hashes: Callable[[], Iterable[bytes]]) -> None:
+    def start(self, cached_hashes: Callable[[], Iterable[BlockHash]]) -> None:
         """Start the thread; cached_hashes() reads the pool's cached hashes (for a resync)."""
         self._cached_hashes = cached_hashes
         self._thread.start()
@@ -244,7 +245,7 @@ class IndexPublisher:
         self.breaker.run(lambda: self.index.touch(self.worker, self.touch_s))
         self._next_touch = self._clock() + self.touch_s
 
-    def _put_back(self, batch: dict[bytes, bool]) -> None:
+    def _put_back(self, batch: dict[BlockHash, bool]) -> None:
         """Return an unapplied batch; events published meanwhile are newer, so they win."""
         with self._cond:
             batch.update(self._pending)

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 
 import redis
 
+from pdserve.engine.hashing import BlockHash
 from pdserve.index.base import Lease, WorkerKey
 from pdserve.index.redis_layout import (
     RETAIN_S,
@@ -157,7 +158,7 @@ class RedisPrefixIndex:
         self._touch_cursor: dict[WorkerKey, bytes] = {}
         self._malformed = MalformedKeys()
 
-    def apply(self, worker: WorkerKey, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
+    def apply(self, worker: WorkerKey, stored: Sequence[BlockHash], removed: Sequence[BlockHash]) -> None:
         if not stored and not removed:
             return
         k, member = self._keys, entry_member(worker)
@@ -166,14 +167,14 @@ class RedisPrefixIndex:
         with store_errors(f"apply() for {member}"):
             self._apply(keys=keys, args=args)
 
-    def replace(self, worker: WorkerKey, hashes: Iterable[bytes]) -> None:
+    def replace(self, worker: WorkerKey, hashes: Iterable[BlockHash]) -> None:
         wanted = set(hashes)
         member = entry_member(worker)
         with store_errors(f"replace() for {member}"):
             held = set(self._client.smembers(self._keys.entry_hashes(member)))
         self.apply(worker, sorted(wanted - held), sorted(held - wanted))
 
-    def match(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
+    def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         if not block_hashes:
             return {}
         k = self._keys
@@ -182,7 +183,7 @@ class RedisPrefixIndex:
             flat = self._match(keys=[k.block(block_hashes[0])], args=args)
         return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
-    def worker_hashes(self, worker_id: str) -> set[bytes]:
+    def worker_hashes(self, worker_id: str) -> set[BlockHash]:
         members = [m for m in self._entries() if m.worker_id == worker_id]
         if not members:
             return set()

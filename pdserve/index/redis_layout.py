@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import redis
 
+from pdserve.engine.hashing import BlockHash
 from pdserve.index.base import Lease, StoreUnavailable, WorkerKey, check_ttl
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class RedisKeys:
     def block_prefix(self) -> bytes:
         return f"{self.namespace}:blk:".encode()
 
-    def block(self, block_hash: bytes) -> bytes:
+    def block(self, block_hash: BlockHash) -> bytes:
         return self.block_prefix + block_hash
 
     def entry_hashes(self, member: str) -> str:

@@ -11,11 +11,11 @@ import torch
 
 from pdserve.engine.audit import TOLERANCE, BlockVerdict, ComparisonRule, KVAuditor
 from pdserve.engine.block_pool import Discarded
-from pdserve.engine.events import BlockRemoved, RecordingPublisher
+from pdserve.engine.events import BlockRemoved
 from pdserve.engine.hashing import hash_blocks
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import SamplingParams
-from tests.conftest import assert_no_leaks, make_engine
+from tests.conftest import RecordingPublisher, assert_no_leaks, make_engine
 
 BS = 16
 

@@ -8,14 +8,14 @@ import grpc
 import pytest
 
 from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.events import BlockRemoved, RecordingPublisher
+from pdserve.engine.events import BlockRemoved
 from pdserve.engine.hashing import hash_blocks
 from pdserve.engine.sequence import SamplingParams
 from pdserve.metrics import scrape
 from pdserve.worker.convert import sampling_to_proto
 from pdserve.worker.server import WorkerConfig, WorkerServer
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from tests.conftest import make_engine
+from tests.conftest import RecordingPublisher, make_engine
 from tests.engine.test_audit import corrupt
 from tests.kv_audit import audit_failures
 from tests.worker.test_worker_service import assert_clean

@@ -214,7 +214,7 @@ def test_a_begin_only_push_is_freed_within_the_servers_limit(start_worker):
     assert 2.0 <= push.ended_after_s < 5.0
     # the receiver counts it once its next read breaks, just after the call is cancelled
     assert wait_for(lambda: decode.status().transfer_outcomes == {"DEADLINE_EXCEEDED": 1})
-    assert not decode.engine.has_parked("begin-only")
+    assert not decode.engine.handoff.is_parked("begin-only")
     assert_clean(decode)
 
 
