@@ -11,7 +11,7 @@ import socket
 import grpc
 import pytest
 
-from pdserve.cli import main
+from deploy.cli import main
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.hashing import hash_blocks
 from pdserve.index.registry import WorkerInfo

@@ -8,11 +8,11 @@ import textwrap
 import pytest
 
 from decode_worker.actor import DecodeWorker
+from deploy.cli import build_parser, main
 from deploy.config import ClusterSpec, load_config
 from deploy.launcher import LocalCluster
 from deploy.redis_server import RedisServer
 from deploy.up import spec_from_args
-from pdserve.cli import build_parser, main
 from pdserve.worker.scrubber import AuditScrubber
 
 

@@ -10,7 +10,7 @@ import pytest
 
 
 def pdserve(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdserve.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cli import build_parser, main
+from deploy.cli import build_parser, main
 from pdserve.client_security import client_kwargs, security_from_args
 from pdserve.security import SecurityConfig, TLSConfig
 from pdserve.security.certs import DevCerts, make_dev_ca

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from deploy.cli import build_parser
 from deploy.config import ROUTING_POLICIES, ClusterSpec, load_config
 from deploy.up import FLAG_FIELDS, spec_from_args
-from pdserve.cli import build_parser
 from pdserve.engine.config import CacheConfig, SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -291,7 +291,7 @@ def test_up_help_lists_the_security_and_limit_flags(capsys):
 
 
 def test_a_bad_file_is_a_usage_error(tmp_path, capsys):
-    from pdserve.cli import main
+    from deploy.cli import main
 
     path = write(tmp_path, "prefil: 1\n")
     assert main(["up", "--config", str(path)]) == 2
@@ -299,7 +299,7 @@ def test_a_bad_file_is_a_usage_error(tmp_path, capsys):
 
 
 def test_a_bad_flag_over_a_good_file_is_a_usage_error(capsys):
-    from pdserve.cli import main
+    from deploy.cli import main
 
     assert main(["up", "--config", str(EXAMPLES / "local.yaml"), "--decode", "0"]) == 2
     assert capsys.readouterr().err == "error: decode.count (--decode) must be >= 1, got 0\n"
@@ -363,8 +363,8 @@ def test_kuberay_cluster_has_the_same_shape():
 
 
 def test_cache_isolation_and_the_prefill_deadline_reach_the_spec_from_file_and_flags(tmp_path):
+    from deploy.cli import build_parser
     from deploy.up import spec_from_args
-    from pdserve.cli import build_parser
 
     tokens = tmp_path / "tokens.txt"
     tokens.write_text("a-token\n")

@@ -168,7 +168,7 @@ def cluster_1p1d_index(cluster):
 
 
 def test_pdserve_audit_checks_every_worker_of_the_cluster(cluster_1p1d, capsys):
-    from pdserve.cli import main
+    from deploy.cli import main
 
     code = main(["audit", "--router", cluster_1p1d.router.address])
     out = capsys.readouterr().out

@@ -38,7 +38,7 @@ def port_is_free(port: int) -> bool:
 def check_loadtest(port: int, out) -> None:
     """`pdserve loadtest` writes the report and plots, and its counts agree with the router's
     own Prometheus counters (scraped by the load test before and after, found via Admin)."""
-    command = [sys.executable, "-m", "pdserve.cli", "loadtest", "--router", f"127.0.0.1:{port}",
+    command = [sys.executable, "-m", "deploy.cli", "loadtest", "--router", f"127.0.0.1:{port}",
                "--workload", "shared-prefix", "-p", "system_prompt_tokens=100", "-p", "question_tokens=8",
                "-p", "output_tokens=6", "--requests", "8", "--concurrency", "2", "--out", str(out),
                "--no-progress"]
@@ -61,7 +61,7 @@ def check_loadtest(port: int, out) -> None:
 
 
 def check_status(port: int) -> None:
-    command = [sys.executable, "-m", "pdserve.cli", "status", "--router", f"127.0.0.1:{port}"]
+    command = [sys.executable, "-m", "deploy.cli", "status", "--router", f"127.0.0.1:{port}"]
     status = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stderr
     rows = {line.split()[0]: line.split() for line in status.stdout.splitlines()[2:]}
@@ -73,7 +73,7 @@ def check_status(port: int) -> None:
 def test_up_answers_serves_and_ctrl_c_leaves_nothing(tmp_path):
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     try:
@@ -81,7 +81,7 @@ def test_up_answers_serves_and_ctrl_c_leaves_nothing(tmp_path):
         assert "Paris" in output
         descendants = psutil.Process(proc.pid).children(recursive=True)
         assert any("redis-server" in " ".join(p.cmdline()) for p in descendants)
-        command = [sys.executable, "-m", "pdserve.cli", "generate", "--router", f"127.0.0.1:{port}",
+        command = [sys.executable, "-m", "deploy.cli", "generate", "--router", f"127.0.0.1:{port}",
                    "--temperature", "0", "--max-tokens", "8", "Say hello."]
         served = subprocess.run(command, capture_output=True, text=True, timeout=120)
         assert served.returncode == 0 and served.stdout.strip(), served.stderr

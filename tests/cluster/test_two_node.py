@@ -113,7 +113,7 @@ def test_prefill_and_decode_on_their_own_nodes_serve_an_exact_request(smollm_loa
         up = None
         try:
             nodes = json.loads(read_until(cluster, READY, timeout_s=120).rsplit(READY, 1)[1])
-            up = popen(["-m", "pdserve.cli", "up", "--config", str(TWO_NODE), "--address", nodes["address"],
+            up = popen(["-m", "deploy.cli", "up", "--config", str(TWO_NODE), "--address", nodes["address"],
                         "--port", "0", "--metrics-port", "0", "--no-sample"],
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             output = read_until(up, "serving on", timeout_s=240)

@@ -6,9 +6,9 @@ import json
 import subprocess
 import sys
 
+from deploy.cli import build_parser
+from deploy.cli import main as pdserve_main
 from loadtest import cli
-from pdserve.cli import build_parser
-from pdserve.cli import main as pdserve_main
 from tests.loadtest.fake_router import FakeRouter, serving
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -91,7 +91,7 @@ def test_cluster_status_lists_every_worker_and_marks_the_dead(cluster):
 
 
 def test_pdserve_status_prints_one_row_per_worker(cluster, capsys):
-    from pdserve.cli import main
+    from deploy.cli import main
 
     router, workers = cluster
     generate(router, list(range(600, 650)))

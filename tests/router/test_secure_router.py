@@ -297,7 +297,7 @@ def token_file(tmp_path) -> str:
 
 
 def test_pdserve_status_and_generate_with_tls_ca_and_a_token_file(secured, token_file, capsys):
-    from pdserve.cli import main
+    from deploy.cli import main
 
     address, ca = secured.router.address, secured.certs.ca
     assert main(["status", "--router", address, "--tls-ca", ca, "--api-token-file", token_file]) == 0
@@ -311,7 +311,7 @@ def test_pdserve_status_and_generate_with_tls_ca_and_a_token_file(secured, token
 
 
 def test_pdserve_clients_without_the_token_are_told_what_is_missing(secured, monkeypatch, capsys):
-    from pdserve.cli import main
+    from deploy.cli import main
 
     address, ca = secured.router.address, secured.certs.ca
     assert main(["status", "--router", address, "--tls-ca", ca]) == 1
@@ -327,7 +327,7 @@ def test_pdserve_clients_without_the_token_are_told_what_is_missing(secured, mon
 
 
 def test_pdserve_generate_and_loadtest_under_mutual_tls(mutual, token_file, capsys):
-    from pdserve.cli import main
+    from deploy.cli import main
 
     c = mutual.certs
     flags = ["--router", mutual.router.address, "--tls-ca", c.ca, "--tls-client-cert", c.client_cert,

