@@ -54,6 +54,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    _add_what_to_send(p)
+    _add_goodput_and_sampling(p)
+    _add_output_and_compare(p)
+    add_client_security_arguments(p)  # compare mode: the same for --router and --against
+
+
+def _add_what_to_send(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router", metavar="HOST:PORT",
                    help="address of the router to load (e.g. 127.0.0.1:50051, `pdserve up`'s); "
                         "this is A in compare mode")
@@ -80,6 +87,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the workload and the arrival times; same seed, same requests "
                         "(default: %(default)s)")
+
+
+
+def _add_goodput_and_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="DIR",
                    help="write report.json, requests.jsonl, latency_cdf.png and throughput.png here "
                         "(compare mode: a/, b/ and compare.json); default: print only")
@@ -102,6 +113,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="give up if the router does not accept a connection in this time "
                         "(default: %(default)s)")
+
+
+
+def _add_output_and_compare(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-url", metavar="URL",
                    help="the router's Prometheus endpoint (e.g. http://127.0.0.1:9100/metrics); "
                         "scraped before and after, its counter deltas go in the report's server_metrics "
@@ -118,7 +133,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
                    help="print the report (or comparison) as JSON instead of a table")
     p.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
-    add_client_security_arguments(p)  # compare mode: the same for --router and --against
 
 
 def run(args: argparse.Namespace) -> int:
