@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import random
 import sys
@@ -51,6 +50,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bench.common import emit_json, environment, format_table, median, progress, ratio, warn_if_busy
+from loadtest.stats import percentile
 from pdserve.engine.hashing import engine_salt, hash_blocks
 from pdserve.index.base import WorkerKey
 from pdserve.index.redis_index import RedisPrefixIndex
@@ -81,12 +81,6 @@ class Sizes:
 
 FULL = Sizes()
 QUICK = Sizes(decisions=300, conversations=4, turns=3, reply_tokens=8, num_blocks=512, reps=1)
-
-
-def percentile(samples: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..1)."""
-    ordered = sorted(samples)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 # === part 1: the decision ======================================================================
@@ -194,10 +188,10 @@ def _time_decisions(placer: Placer, directory: WorkerDirectory, index: RedisPref
                            "routing: those decisions are not what this benchmark names")
     ms = {k: [t * 1e3 for t in v] for k, v in times.items()}
     return {
-        "decision_p50_ms": median(ms["place"]), "decision_p99_ms": percentile(ms["place"], 0.99),
+        "decision_p50_ms": median(ms["place"]), "decision_p99_ms": percentile(ms["place"], 99),
         "decision_mean_ms": sum(ms["place"]) / len(ms["place"]),
         "hash_p50_ms": median(ms["hash"]), "match_p50_ms": median(ms["match"]),
-        "match_p99_ms": percentile(ms["match"], 0.99), "score_p50_ms": median(ms["score"]),
+        "match_p99_ms": percentile(ms["match"], 99), "score_p50_ms": median(ms["score"]),
         "decisions": len(prompts), "decision_workers": 16,
         "matched_workers_mean": sum(len(d) for d in depths) / len(depths),
         "matched_depth_blocks_mean": ratio(sum(sum(d.values()) for d in depths), sum(len(d) for d in depths)),

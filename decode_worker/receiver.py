@@ -35,6 +35,7 @@ from pdserve.kvwire import (
 )
 from pdserve.transfer.channel import TransferState
 from pdserve.transfer.errors import FailureKind, TransferFailed
+from pdserve.units import ceil_div
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def _check_begin(begin: TransferBegin, block_size: int) -> None:
     if begin.num_tokens != len(begin.prompt_token_ids):
         raise TransferFailed(FailureKind.INVALID_ARGUMENT,
                              f"num_tokens {begin.num_tokens} != {len(begin.prompt_token_ids)} prompt tokens")
-    total = -(-begin.num_tokens // block_size)
+    total = ceil_div(begin.num_tokens, block_size)
     expected = tuple(range(begin.receiver_cached_blocks, total))
     if begin.positions != expected:
         raise TransferFailed(FailureKind.INVALID_ARGUMENT,

@@ -19,9 +19,9 @@ from typing import Any
 
 from pdserve.engine.config import KV_DTYPES
 from pdserve.engine.hashing import CACHE_ISOLATION
+from pdserve.roles import ROLES
 from pdserve.worker.scrubber import DEFAULT_MAX_FRACTION, check_scrubber_settings
 
-ROLES = ("prefill", "decode")
 # NOTE: mirrors router.placement.POLICIES (a test pins it); importing the router would pull gRPC
 # into `pdserve --help` and into this pure module.
 ROUTING_POLICIES = ("prefix", "least_load", "round_robin")

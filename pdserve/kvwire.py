@@ -37,11 +37,12 @@ import msgpack
 import torch
 import xxhash
 
+from pdserve.engine.model_runner import TORCH_DTYPES
+from pdserve.units import ceil_div
+
 WIRE_VERSION = 2  # 2: BEGIN carries the request's cache_salt
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16,
-                                  "bfloat16": torch.bfloat16}
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 _U64 = 1 << 64
 
 
@@ -82,15 +83,15 @@ class KVLayout:
     wire_version: int = WIRE_VERSION
 
     def __post_init__(self) -> None:
-        if self.kv_dtype not in DTYPES:
-            raise ValueError(f"kv_dtype {self.kv_dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.kv_dtype not in TORCH_DTYPES:
+            raise ValueError(f"kv_dtype {self.kv_dtype!r} is not one of {', '.join(TORCH_DTYPES)}")
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"KVLayout.{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.kv_dtype]
+        return TORCH_DTYPES[self.kv_dtype]
 
     @property
     def block_shape(self) -> tuple[int, int, int, int]:
@@ -131,7 +132,7 @@ class KVLayout:
                              f"got shape {tuple(kv_cache.shape)}")
         if kv_cache.dtype not in _DTYPE_NAMES:
             raise ValueError(f"KV pool dtype {kv_cache.dtype} has no wire name; "
-                             f"use one of {', '.join(DTYPES)}")
+                             f"use one of {', '.join(TORCH_DTYPES)}")
         layers, _, _, block_size, kv_heads, head_dim = kv_cache.shape
         return cls(model_fingerprint, block_size, _DTYPE_NAMES[kv_cache.dtype], layers, kv_heads, head_dim)
 
@@ -155,7 +156,7 @@ class TransferBegin:
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
         object.__setattr__(self, "positions", tuple(self.positions))
-        n_blocks = -(-self.num_tokens // self.layout.block_size)
+        n_blocks = ceil_div(self.num_tokens, self.layout.block_size)
         if self.num_tokens < 0 or self.receiver_cached_blocks < 0:
             raise WireError(f"begin: negative count (num_tokens {self.num_tokens}, "
                             f"receiver_cached_blocks {self.receiver_cached_blocks})")
@@ -197,8 +198,9 @@ class LayerChunkHeader:
         for name in ("positions", "shape", "checksums"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         n = len(self.positions)
-        if self.dtype not in DTYPES:
-            raise WireError(f"layer {self.layer}: dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.dtype not in TORCH_DTYPES:
+            raise WireError(f"layer {self.layer}: dtype {self.dtype!r} is not one of "
+                            f"{', '.join(TORCH_DTYPES)}")
         if len(self.shape) != 5 or self.shape[0] != n or self.shape[1] != 2 or min(self.shape) < 1:
             raise WireError(f"layer {self.layer}: payload shape {list(self.shape)} is not "
                             f"[{n} blocks, 2, block_size, kv_heads, head_dim]")
@@ -210,7 +212,7 @@ class LayerChunkHeader:
 
     @property
     def payload_nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+        return math.prod(self.shape) * TORCH_DTYPES[self.dtype].itemsize
 
     def encode(self) -> bytes:
         return _pack(FrameKind.LAYER, transfer_id=self.transfer_id, layer=self.layer,

@@ -28,6 +28,8 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
+from pdserve.units import ceil_div
+
 log = logging.getLogger(__name__)
 
 
@@ -94,7 +96,7 @@ def choose(prompt_tokens: int, block_size: int, decode: Sequence[WorkerLoad], pr
 
 def _options(tokens: int, bs: int, d: WorkerLoad, prefill: Sequence[WorkerLoad], held: Mapping[str, int],
              w: ScoringWeights) -> list[Choice]:
-    n_blocks = -(-tokens // bs)
+    n_blocks = ceil_div(tokens, bs)
     d_held = usable_blocks(held.get(d.worker_id, 0), tokens, bs)
     d_load = w.decode_load * d.active + w.blocks_used * d.used_block_fraction
     lacking = tokens - bs * d_held

@@ -29,6 +29,7 @@ import grpc
 
 from pdserve.engine.hashing import CACHE_ISOLATION
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.roles import CHAT_ROLES
 from pdserve.security.auth import bearer_token, tenant_cache_salt
 from pdserve.worker.convert import sampling_from_proto
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
@@ -144,10 +145,10 @@ def prompt_token_ids(request: generation_pb2.GenerateRequest, tokenizer: Tokeniz
 def _chat_messages(chat: generation_pb2.ChatMessages) -> list[dict[str, str]]:
     if not chat.messages:
         raise InvalidPrompt("chat.messages is empty: give at least one message")
-    roles = ("system", "user", "assistant")
     for i, m in enumerate(chat.messages):
-        if m.role not in roles:
-            raise InvalidPrompt(f"chat.messages[{i}].role must be one of {', '.join(roles)}, got {m.role!r}")
+        if m.role not in CHAT_ROLES:
+            raise InvalidPrompt(f"chat.messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
+                                f"got {m.role!r}")
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 

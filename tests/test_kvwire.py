@@ -6,7 +6,7 @@ import msgpack
 import pytest
 import torch
 
-from pdserve import kvwire
+from pdserve.engine.model_runner import TORCH_DTYPES
 from pdserve.kvwire import (
     WIRE_VERSION,
     ChecksumError,
@@ -27,7 +27,7 @@ DTYPES = ["float32", "float16", "bfloat16"]
 def make_pool(kv_dtype: str, num_blocks: int = 24, layers: int = 3, block_size: int = 4,
               kv_heads: int = 2, head_dim: int = 8, seed: int = 0, random: bool = True) -> torch.Tensor:
     """A pool kv[layer, K|V, block, offset, kv_head, head_dim] of random bit patterns (NaNs included)."""
-    dtype = kvwire.DTYPES[kv_dtype]
+    dtype = TORCH_DTYPES[kv_dtype]
     shape = (layers, 2, num_blocks, block_size, kv_heads, head_dim)
     nbytes = torch.Size(shape).numel() * dtype.itemsize
     if not random:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-KV_DTYPES = ("float32", "float16", "bfloat16")
+# The KV cache's element types, named as torch names them, and their bytes: the one dtype table
+# (pdserve/engine/model_runner.py TORCH_DTYPES maps the same names to torch's dtypes).
 KV_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+KV_DTYPES = tuple(KV_DTYPE_BYTES)
 
 
 @dataclass(frozen=True)

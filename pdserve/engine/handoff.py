@@ -44,6 +44,7 @@ from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError
 from pdserve.engine.hashing import hash_blocks, request_salt
 from pdserve.engine.sequence import SamplingParams
 from pdserve.engine.validation import EngineLimits, InvalidRequestError, check_cache_salt, check_rng_state
+from pdserve.units import ceil_div
 
 if TYPE_CHECKING:
     import torch
@@ -98,7 +99,7 @@ class KVHandoff:
             self._check_new(request_id, prompt_token_ids, cache_salt)
             salt = request_salt(self._salt, cache_salt)
             cached = self._acquire_claimed_prefix(prompt_token_ids, claimed_cached_blocks, salt)
-            total = -(-len(prompt_token_ids) // self._pool.block_size)
+            total = ceil_div(len(prompt_token_ids), self._pool.block_size)
             try:
                 fresh = self._pool.allocate(total - len(cached))
             except NoFreeBlocksError:

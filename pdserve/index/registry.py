@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Literal
 
 import redis
 
@@ -34,11 +33,10 @@ from pdserve.index.redis_layout import (
     require_bytes_client,
     store_errors,
 )
+from pdserve.roles import ROLES, Role
 
 log = logging.getLogger(__name__)
 
-Role = Literal["prefill", "decode"]
-ROLES: tuple[Role, ...] = ("prefill", "decode")
 _INT_FIELDS = ("block_size", "num_blocks", "epoch")
 
 # KEYS: the workers set. ARGV: the lease key prefix. Removes every worker id whose lease is gone;

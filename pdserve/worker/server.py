@@ -48,6 +48,7 @@ from pdserve.engine.weights import LoadedModel, load_model
 from pdserve.grpc_options import ConnectionPolicy, server_options
 from pdserve.kvwire import KVLayout
 from pdserve.metrics import MetricsEndpoint
+from pdserve.roles import ROLES
 from pdserve.security import SecurityConfig
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.metrics import WorkerMetrics
@@ -57,7 +58,6 @@ from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode")
 SPARE_THREADS = 16  # beyond the limited calls: Status, Abort, Health.Check, and refusing extra calls
 
 
