@@ -167,7 +167,7 @@ class Pair:
 
     def disaggregated(self, rid: str, prompt: list[int]) -> Disaggregated:
         request = worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=self.sampling,
-                                            decode_target=self.decode_address, target_cached_blocks=0)
+                                            decode_target=self.decode_address, decode_cached_blocks=0)
         start = time.perf_counter()
         reply = self.p.Prefill(request, timeout=RPC_TIMEOUT_S)
         ttft = time.perf_counter() - start

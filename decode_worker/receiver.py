@@ -97,7 +97,7 @@ class KVReceiver:
     def _reserve(self, begin: TransferBegin) -> Reservation:
         try:
             return self.engine.handoff.reserve(begin.request_id, list(begin.prompt_token_ids),
-                                               begin.receiver_cached_blocks, ttl_s=self.parked_ttl_s,
+                                               begin.decode_cached_blocks, ttl_s=self.parked_ttl_s,
                                                cache_salt=begin.cache_salt)
         except TransferRejected as e:
             raise TransferFailed(FailureKind.FAILED_PRECONDITION, str(e)) from e
@@ -113,10 +113,10 @@ def _check_begin(begin: TransferBegin, block_size: int) -> None:
         raise TransferFailed(FailureKind.INVALID_ARGUMENT,
                              f"num_tokens {begin.num_tokens} != {len(begin.prompt_token_ids)} prompt tokens")
     total = ceil_div(begin.num_tokens, block_size)
-    expected = tuple(range(begin.receiver_cached_blocks, total))
+    expected = tuple(range(begin.decode_cached_blocks, total))
     if begin.positions != expected:
         raise TransferFailed(FailureKind.INVALID_ARGUMENT,
-                             f"positions must be blocks {begin.receiver_cached_blocks}..{total - 1} "
+                             f"positions must be blocks {begin.decode_cached_blocks}..{total - 1} "
                              f"(everything past the receiver's cached prefix)")
 
 

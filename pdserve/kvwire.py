@@ -141,14 +141,14 @@ class KVLayout:
 class TransferBegin:
     """First frame. `positions` are the sequence block indices the LAYER frames will carry
     (every one of them, for every layer); the receiver already holds the first
-    `receiver_cached_blocks` blocks. `num_tokens` tokens have KV (the prompt length)."""
+    `decode_cached_blocks` blocks. `num_tokens` tokens have KV (the prompt length)."""
 
     transfer_id: str
     request_id: str
     layout: KVLayout
     prompt_token_ids: tuple[int, ...]
     num_tokens: int
-    receiver_cached_blocks: int
+    decode_cached_blocks: int
     positions: tuple[int, ...]
     first_token: int | None = None
     cache_salt: bytes = b""  # the request's own prefix-cache salt: the receiver hashes the prompt with it
@@ -157,9 +157,9 @@ class TransferBegin:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
         object.__setattr__(self, "positions", tuple(self.positions))
         n_blocks = ceil_div(self.num_tokens, self.layout.block_size)
-        if self.num_tokens < 0 or self.receiver_cached_blocks < 0:
+        if self.num_tokens < 0 or self.decode_cached_blocks < 0:
             raise WireError(f"begin: negative count (num_tokens {self.num_tokens}, "
-                            f"receiver_cached_blocks {self.receiver_cached_blocks})")
+                            f"decode_cached_blocks {self.decode_cached_blocks})")
         if len(set(self.positions)) != len(self.positions):
             raise WireError(f"begin: positions repeat: {list(self.positions)}")
         bad = [p for p in self.positions if not 0 <= p < n_blocks]
@@ -170,7 +170,7 @@ class TransferBegin:
     def encode(self) -> bytes:
         return _pack(FrameKind.BEGIN, transfer_id=self.transfer_id, request_id=self.request_id,
                      layout=self.layout.to_msgpack_dict(), prompt_token_ids=list(self.prompt_token_ids),
-                     num_tokens=self.num_tokens, receiver_cached_blocks=self.receiver_cached_blocks,
+                     num_tokens=self.num_tokens, decode_cached_blocks=self.decode_cached_blocks,
                      positions=list(self.positions), first_token=self.first_token, cache_salt=self.cache_salt)
 
     @classmethod
@@ -178,7 +178,7 @@ class TransferBegin:
         return _build(cls, r.kind, transfer_id=r.as_str("transfer_id"), request_id=r.as_str("request_id"),
                       layout=KVLayout.from_dict(r.get("layout")),
                       prompt_token_ids=r.as_ints("prompt_token_ids"), num_tokens=r.as_int("num_tokens"),
-                      receiver_cached_blocks=r.as_int("receiver_cached_blocks"),
+                      decode_cached_blocks=r.as_int("decode_cached_blocks"),
                       positions=r.as_ints("positions"), first_token=r.optional_int("first_token"),
                       cache_salt=r.as_bytes("cache_salt"))
 
