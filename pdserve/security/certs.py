@@ -76,10 +76,7 @@ def _write(path: Path, data: bytes, mode: int) -> None:
 def make_dev_ca(out_dir: str | os.PathLike[str], hosts: Sequence[str] = DEFAULT_HOSTS, days: int = 30, *,
                 overwrite: bool = False) -> DevCerts:
     """Write a development CA and a server and a client certificate into out_dir; returns their paths."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from cryptography.x509.oid import ExtendedKeyUsageOID
 
     hosts = tuple(hosts)
     if not hosts:
@@ -93,67 +90,101 @@ def make_dev_ca(out_dir: str | os.PathLike[str], hosts: Sequence[str] = DEFAULT_
         raise FileExistsError(f"{out} already holds {', '.join(existing)}; pass --force to replace them "
                               "(clients trusting the old CA will then be refused)")
 
-    now = datetime.datetime.now(datetime.UTC)
-    not_before = now - datetime.timedelta(minutes=5)  # tolerate small clock skew between machines
-    not_after = now + datetime.timedelta(days=days)
-
-    def key() -> ec.EllipticCurvePrivateKey:
-        return ec.generate_private_key(ec.SECP256R1())
-
-    def name(common_name: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "pdserve development"),
-                          x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-
-    ca_key = key()
-    ca_name = name("pdserve development CA")
-    ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
-    ca_cert = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
-               .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(not_before).not_valid_after(not_after)
-               .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-               .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                            content_commitment=False, key_encipherment=False,
-                                            data_encipherment=False, key_agreement=False,
-                                            encipher_only=False, decipher_only=False), critical=True)
-               .add_extension(ca_ski, critical=False)
-               .sign(ca_key, hashes.SHA256()))
-
-    def leaf(common_name: str, usage: x509.ObjectIdentifier, sans: list) -> tuple:
-        leaf_key = key()
-        builder = (x509.CertificateBuilder().subject_name(name(common_name)).issuer_name(ca_name)
-                   .public_key(leaf_key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(not_before).not_valid_after(not_after)
-                   .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                   .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=False, crl_sign=False,
-                                                content_commitment=False, key_encipherment=False,
-                                                data_encipherment=False, key_agreement=False,
-                                                encipher_only=False, decipher_only=False), critical=True)
-                   .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-                   .add_extension(x509.SubjectKeyIdentifier.from_public_key(leaf_key.public_key()),
-                                  critical=False)
-                   .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski),
-                                  critical=False))
-        if sans:
-            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        return leaf_key, builder.sign(ca_key, hashes.SHA256())
-
-    server_key, server_cert = leaf(hosts[0], ExtendedKeyUsageOID.SERVER_AUTH, _san_entries(hosts))
-    client_key, client_cert = leaf("pdserve-client", ExtendedKeyUsageOID.CLIENT_AUTH, [])
-
-    def pem_key(k: ec.EllipticCurvePrivateKey) -> bytes:
-        return k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                               serialization.NoEncryption())
-
-    def pem_cert(c: x509.Certificate) -> bytes:
-        return c.public_bytes(serialization.Encoding.PEM)
-
-    contents = {"ca.pem": pem_cert(ca_cert), "ca-key.pem": pem_key(ca_key),
-                "server.pem": pem_cert(server_cert), "server-key.pem": pem_key(server_key),
-                "client.pem": pem_cert(client_cert), "client-key.pem": pem_key(client_key)}
+    validity = _Validity.days_from_now(days)
+    ca_key, ca_cert = _ca_certificate(validity)
+    server_key, server_cert = _leaf_certificate(ca_key, ca_cert, hosts[0], ExtendedKeyUsageOID.SERVER_AUTH,
+                                                _san_entries(hosts), validity)
+    client_key, client_cert = _leaf_certificate(ca_key, ca_cert, "pdserve-client",
+                                                ExtendedKeyUsageOID.CLIENT_AUTH, [], validity)
+    contents = {"ca.pem": _pem_cert(ca_cert), "ca-key.pem": _pem_key(ca_key),
+                "server.pem": _pem_cert(server_cert), "server-key.pem": _pem_key(server_key),
+                "client.pem": _pem_cert(client_cert), "client-key.pem": _pem_key(client_key)}
     for file_name, data in contents.items():
         _write(out / file_name, data, 0o600 if file_name.endswith("-key.pem") else 0o644)
     paths = [str(out / file_name) for file_name in FILE_NAMES]
     return DevCerts(str(out), *paths)
+
+
+@dataclass(frozen=True)
+class _Validity:
+    not_before: datetime.datetime
+    not_after: datetime.datetime
+
+    @classmethod
+    def days_from_now(cls, days: int) -> _Validity:
+        now = datetime.datetime.now(datetime.UTC)
+        # NOTE: from a few minutes ago, to tolerate small clock skew between machines.
+        return cls(now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days))
+
+
+def _name(common_name: str):
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "pdserve development"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _key_usage(ca: bool):
+    """Signatures only; a CA also signs certificates and revocation lists."""
+    from cryptography import x509
+
+    return x509.KeyUsage(digital_signature=True, key_cert_sign=ca, crl_sign=ca, content_commitment=False,
+                         key_encipherment=False, data_encipherment=False, key_agreement=False,
+                         encipher_only=False, decipher_only=False)
+
+
+def _ca_certificate(validity: _Validity) -> tuple:
+    """(key, self-signed certificate) of a CA that signs leaf certificates only (path length 0)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = _name("pdserve development CA")
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(validity.not_before).not_valid_after(validity.not_after)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(_key_usage(ca=True), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .sign(key, hashes.SHA256()))
+    return key, cert
+
+
+def _leaf_certificate(ca_key, ca_cert, common_name: str, usage, sans: list, validity: _Validity) -> tuple:
+    """(key, certificate) for one use (serverAuth or clientAuth), signed by the CA."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
+    builder = (x509.CertificateBuilder().subject_name(_name(common_name)).issuer_name(ca_cert.subject)
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(validity.not_before).not_valid_after(validity.not_after)
+               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+               .add_extension(_key_usage(ca=False), critical=True)
+               .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+               .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski),
+                              critical=False))
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    return key, builder.sign(ca_key, hashes.SHA256())
+
+
+def _pem_key(key) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _pem_cert(cert) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return cert.public_bytes(serialization.Encoding.PEM)
 
 
 def build_parser() -> argparse.ArgumentParser:
