@@ -27,10 +27,16 @@ class LimitExceeded(ValueError):
     """The request asks for more than this server allows; the message names the limit."""
 
 
-class StreamLimitReached(RuntimeError):
+class RetryLater(RuntimeError):
+    """Refused for now: RESOURCE_EXHAUSTED, with a hint of when to try again (retry-after-ms)."""
+
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class StreamLimitReached(RetryLater):
+    """The router already serves max_concurrent_streams Generate calls."""
 
 
 @dataclass(frozen=True)

@@ -31,14 +31,13 @@ from pdserve.engine.hashing import BlockHash, hash_blocks, request_salt
 from pdserve.index.breaker import CircuitBreaker
 from router.config import ROUTING_POLICIES, PlacementConfig
 from router.least_load import NoWorkerError, place_by_load
+from router.limits import RetryLater
 from router.scoring import Candidate, Choice, ScoringWeights, choose
 from router.workers import BlockHashing, WorkerDirectory
 
 
-class AdmissionRefused(RuntimeError):
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
+class AdmissionRefused(RetryLater):
+    """Every decode worker is at its in-flight bound, or none can hold the prompt's KV."""
 
 
 @dataclass(frozen=True)
