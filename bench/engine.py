@@ -46,6 +46,7 @@ from bench.common import (
     timed,
     warn_if_busy,
 )
+from pdserve.units import ceil_div
 
 DECODE_MESSAGES = [{"role": "user", "content":
                     "Write a long, detailed story about a lighthouse keeper who finds a message "
@@ -328,8 +329,8 @@ def kv_blocks_needed(sizes: Sizes) -> int:
     bs = sizes.block_size
     longest = max(*sizes.prefill_lengths, sizes.warm_prompt_tokens) + 1
     per_request = sizes.concurrent_prompt_range[1] + sizes.concurrent_output_range[1]
-    concurrent = sizes.concurrent_requests * -(-per_request // bs)
-    return max(concurrent, 2 * -(-longest // bs)) + 16
+    concurrent = sizes.concurrent_requests * ceil_div(per_request, bs)
+    return max(concurrent, 2 * ceil_div(longest, bs)) + 16
 
 
 def gguf_path() -> Path:

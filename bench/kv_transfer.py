@@ -60,6 +60,7 @@ from bench.kv_transfer_wire import MIB, Case, keep_freed_memory, measure
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.sequence import SamplingParams
 from pdserve.grpc_options import message_options
+from pdserve.units import ceil_div
 from pdserve.worker.convert import sampling_to_proto
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -166,7 +167,7 @@ class Pair:
 
     def disaggregated(self, rid: str, prompt: list[int]) -> Disaggregated:
         request = worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=self.sampling,
-                                            decode_target=self.decode_address, target_cached_blocks=0)
+                                            decode_target=self.decode_address, decode_cached_blocks=0)
         start = time.perf_counter()
         reply = self.p.Prefill(request, timeout=RPC_TIMEOUT_S)
         ttft = time.perf_counter() - start
@@ -232,7 +233,7 @@ def bench_wire(sizes: Sizes) -> dict[str, Any]:
 
 
 def bench_ttft(sizes: Sizes, threads: int, kv_dtype: str) -> dict[str, Any]:
-    blocks_per_prompt = -(-sizes.prompt_tokens // BLOCK_SIZE)
+    blocks_per_prompt = ceil_div(sizes.prompt_tokens, BLOCK_SIZE)
     num_blocks = 4 * blocks_per_prompt + 16  # room for a reservation, a local prefill and spare
     progress(f"ttft: starting a prefill and a decode worker ({threads} torch thread(s) each, "
              f"{num_blocks} KV blocks of {kv_dtype})")

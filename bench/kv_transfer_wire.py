@@ -45,8 +45,8 @@ import grpc
 import torch
 
 from bench.common import emit_json, environment, format_table, median, progress, ratio, timed
+from pdserve.engine.model_runner import TORCH_DTYPES
 from pdserve.kvwire import (
-    DTYPES,
     ChecksumError,
     KVLayout,
     LayerChunkHeader,
@@ -92,7 +92,7 @@ def make_pool(mib: int, kv_dtype: str, layers: int = 32, block_size: int = 16, k
               head_dim: int = 128, fill: bool = True) -> torch.Tensor:
     """A pool kv[layers, 2, blocks, block_size, kv_heads, head_dim] of `mib` MiB (random bytes, or
     zeros), blocks = mib MiB / (layers x block bytes); a Llama-3-8B-like head geometry."""
-    dtype = DTYPES[kv_dtype]
+    dtype = TORCH_DTYPES[kv_dtype]
     per_block = 2 * block_size * kv_heads * head_dim * dtype.itemsize * layers
     if (mib * MIB) % per_block:
         raise ValueError(f"{mib} MiB is not a whole number of {per_block}-byte blocks")
@@ -455,7 +455,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print the result as JSON on the last line")
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[64, 512],
                    help="MiB of KV per transfer, comma-separated (default 64,512)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="float16")
+    p.add_argument("--dtype", choices=list(TORCH_DTYPES), default="float16")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--chunk-mib", type=float, default=2.0, help="max_chunk_bytes of encode_layer, in MiB")
     p.add_argument("--codec", choices=["raw", "proto"], default="raw")

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import random
 import sys
@@ -51,16 +50,20 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bench.common import emit_json, environment, format_table, median, progress, ratio, warn_if_busy
+from loadtest.stats import percentile
 from pdserve.engine.hashing import engine_salt, hash_blocks
 from pdserve.index.base import WorkerKey
 from pdserve.index.redis_index import RedisPrefixIndex
-from router.placement import PlacementConfig, Placer
-from router.scoring import ScoringWeights, WorkerLoad, choose
+from pdserve.index.registry import WorkerInfo
+from router.config import PlacementConfig
+from router.placement import Placer
+from router.scoring import ScoringWeights, choose
 from router.workers import WorkerDirectory
 
 TARGETS = {"decision_p50_ms": 1.0, "decision_p99_ms": 5.0, "ttft_ratio_vs_round_robin": 0.5,
            "hit_rate_vs_ideal": 0.9}
 BLOCK_SIZE = 16
+KV_DTYPE = "float32"
 VOCAB = 49152
 POLICIES = ("prefix", "round_robin")
 
@@ -83,26 +86,7 @@ FULL = Sizes()
 QUICK = Sizes(decisions=300, conversations=4, turns=3, reply_tokens=8, num_blocks=512, reps=1)
 
 
-def percentile(samples: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..1)."""
-    ordered = sorted(samples)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
-
-
 # === part 1: the decision ======================================================================
-
-
-@dataclass(frozen=True)
-class Record:
-    """What the registry's WorkerInfo gives the WorkerDirectory, as static values."""
-
-    worker_id: str
-    role: str
-    address: str
-    epoch: int
-    block_size: int
-    num_blocks: int
-    model_fingerprint: str
 
 
 def populate_index(index: RedisPrefixIndex, workers: Sequence[WorkerKey], salt: bytes, sizes: Sizes,
@@ -141,10 +125,11 @@ def bench_decision(sizes: Sizes) -> dict[str, Any]:
 
     rng = random.Random(0)
     fingerprint, namespace = "bench-router-model", "bench-router"
-    placement = PlacementConfig(policy="prefix")
-    salt = engine_salt(fingerprint, BLOCK_SIZE, placement.kv_dtype)
+    placement = PlacementConfig(routing="prefix")
+    salt = engine_salt(fingerprint, BLOCK_SIZE, KV_DTYPE)
     roles = ["prefill"] * 8 + ["decode"] * 8
-    records = [Record(f"{role}-{i % 8}", role, f"127.0.0.1:{50100 + i}", 1, BLOCK_SIZE, 1456, fingerprint)
+    records = [WorkerInfo(f"{role}-{i % 8}", role, f"127.0.0.1:{50100 + i}", "bench", fingerprint, BLOCK_SIZE,
+                          KV_DTYPE, salt.hex(), 1456, 1)
                for i, role in enumerate(roles)]
     server = RedisServer()
     url = server.start()
@@ -168,8 +153,6 @@ def _time_decisions(placer: Placer, directory: WorkerDirectory, index: RedisPref
                     prompts: list[list[int]], salt: bytes) -> dict[str, Any]:
     weights, rng = ScoringWeights(), random.Random(0)
     decode, prefill = directory.candidates("decode"), directory.candidates("prefill")
-    loads = [WorkerLoad(c.worker_id, c.address, c.active_requests, 0.0) for c in decode]
-    p_loads = [WorkerLoad(c.worker_id, c.address, c.active_requests) for c in prefill]
     for prompt in prompts[:50]:  # warm-up: script load, connections, caches
         placer.place(prompt)
     progress(f"decision: timing {len(prompts):,} decisions on {len(prompts[0]):,}-token prompts")
@@ -186,7 +169,7 @@ def _time_decisions(placer: Placer, directory: WorkerDirectory, index: RedisPref
         held = index.match(hashes)
         times["match"].append(time.perf_counter() - start)
         start = time.perf_counter()
-        choose(len(prompt), BLOCK_SIZE, loads, p_loads, held, weights, rng)
+        choose(len(prompt), BLOCK_SIZE, decode, prefill, held, weights, rng)
         times["score"].append(time.perf_counter() - start)
         depths.append(held)
     if placer.breaker.failures:
@@ -194,10 +177,10 @@ def _time_decisions(placer: Placer, directory: WorkerDirectory, index: RedisPref
                            "routing: those decisions are not what this benchmark names")
     ms = {k: [t * 1e3 for t in v] for k, v in times.items()}
     return {
-        "decision_p50_ms": median(ms["place"]), "decision_p99_ms": percentile(ms["place"], 0.99),
+        "decision_p50_ms": median(ms["place"]), "decision_p99_ms": percentile(ms["place"], 99),
         "decision_mean_ms": sum(ms["place"]) / len(ms["place"]),
         "hash_p50_ms": median(ms["hash"]), "match_p50_ms": median(ms["match"]),
-        "match_p99_ms": percentile(ms["match"], 0.99), "score_p50_ms": median(ms["score"]),
+        "match_p99_ms": percentile(ms["match"], 99), "score_p50_ms": median(ms["score"]),
         "decisions": len(prompts), "decision_workers": 16,
         "matched_workers_mean": sum(len(d) for d in depths) / len(depths),
         "matched_depth_blocks_mean": ratio(sum(sum(d.values()) for d in depths), sum(len(d) for d in depths)),
@@ -391,8 +374,10 @@ def warm_up(cluster: Any, address: str) -> None:
 
 def run_policy(policy: str, sizes: Sizes, tokenizer: Any) -> PolicyRun:
     from deploy.launcher import ClusterSpec, LocalCluster
+    from pdserve.engine.config import CacheConfig
 
-    spec = ClusterSpec(num_prefill=2, num_decode=2, port=0, routing=policy, num_blocks=sizes.num_blocks,
+    spec = ClusterSpec(num_prefill=2, num_decode=2, port=0, placement=PlacementConfig(routing=policy),
+                       cache=CacheConfig(num_blocks=sizes.num_blocks),
                        namespace=f"bench-router-{policy}")
     cluster = LocalCluster(spec, say=lambda line: progress(f"chat [{policy}] {line}"))
     address = cluster.start()

@@ -35,6 +35,7 @@ from pdserve.kvwire import (
 )
 from pdserve.transfer.channel import TransferState
 from pdserve.transfer.errors import FailureKind, TransferFailed
+from pdserve.units import ceil_div
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class KVReceiver:
     def _reserve(self, begin: TransferBegin) -> Reservation:
         try:
             return self.engine.handoff.reserve(begin.request_id, list(begin.prompt_token_ids),
-                                               begin.receiver_cached_blocks, ttl_s=self.parked_ttl_s,
+                                               begin.decode_cached_blocks, ttl_s=self.parked_ttl_s,
                                                cache_salt=begin.cache_salt)
         except TransferRejected as e:
             raise TransferFailed(FailureKind.FAILED_PRECONDITION, str(e)) from e
@@ -111,11 +112,11 @@ def _check_begin(begin: TransferBegin, block_size: int) -> None:
     if begin.num_tokens != len(begin.prompt_token_ids):
         raise TransferFailed(FailureKind.INVALID_ARGUMENT,
                              f"num_tokens {begin.num_tokens} != {len(begin.prompt_token_ids)} prompt tokens")
-    total = -(-begin.num_tokens // block_size)
-    expected = tuple(range(begin.receiver_cached_blocks, total))
+    total = ceil_div(begin.num_tokens, block_size)
+    expected = tuple(range(begin.decode_cached_blocks, total))
     if begin.positions != expected:
         raise TransferFailed(FailureKind.INVALID_ARGUMENT,
-                             f"positions must be blocks {begin.receiver_cached_blocks}..{total - 1} "
+                             f"positions must be blocks {begin.decode_cached_blocks}..{total - 1} "
                              f"(everything past the receiver's cached prefix)")
 
 

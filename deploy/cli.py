@@ -225,7 +225,7 @@ def _run_chat(args: argparse.Namespace) -> int:
 # --- up -----------------------------------------------------------------------------------------
 
 def _add_up(commands: argparse._SubParsersAction) -> None:
-    from deploy.config import PLACEMENTS, ROUTING_POLICIES, ClusterSpec
+    from deploy.config import ClusterSpec
 
     # NOTE: every topology flag defaults to None, meaning "not given": the --config file (or
     # ClusterSpec's default) then decides, and a flag that is given wins over the file.
@@ -237,7 +237,7 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
                     "serve until Ctrl-C or SIGTERM, then tear everything down. A --config file "
                     "gives the topology (see deploy/examples/); flags given here override it.")
     p.add_argument("--config", metavar="FILE.yaml",
-                   help="topology file: model, workers and their Ray resources, placement, cache, "
+                   help="topology file: model, workers and their Ray resources, actor placement, cache, "
                         "router, Redis, Ray address (default: none; the defaults below)")
     p.add_argument("--model", metavar="PATH",
                    help="Hugging Face Llama-family folder or .gguf file "
@@ -249,55 +249,92 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="port of the router's Prometheus /metrics; 0 = any free port "
                         f"(default: {d.metrics_port})")
-    p.add_argument("--prefill", type=int, metavar="N",
-                   help="number of prefill workers; 0 = every prompt is prefilled on a decode worker "
-                        f"(default: {d.num_prefill})")
-    p.add_argument("--decode", type=int, metavar="M",
-                   help=f"number of decode workers (default: {d.num_decode})")
-    p.add_argument("--placement", choices=tuple(PLACEMENTS),
-                   help="spread = workers on different Ray nodes where their resources allow; "
-                        f"pack = Ray's default, filling a node first (default: {d.placement})")
-    p.add_argument("--gpus-per-worker", type=float, metavar="N",
-                   help="GPUs each worker actor asks Ray for; 0 = run on CPU (default: 1 when the Ray "
-                        "cluster has a GPU for every worker at start, else 0)")
-    p.add_argument("--redis-url", metavar="URL",
-                   help="Redis for the registry and prefix index, e.g. redis://:PASSWORD@host:6379/0 "
-                        "(default: start an embedded redis-server on a free loopback port, with a "
-                        "generated password)")
-    p.add_argument("--address", metavar="RAY_ADDRESS",
-                   help="Ray cluster to join, e.g. host:6379, or auto for the one running on this "
-                        "node (default: start a local Ray)")
-    p.add_argument("--namespace", help=f"Ray namespace and Redis key prefix (default: {d.namespace})")
-    p.add_argument("--block-size", type=int, help=f"tokens per KV block (default: {d.block_size})")
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, help=f"KV cache element type (default: {d.kv_dtype})")
-    p.add_argument("--num-blocks", type=int, metavar="N",
-                   help="KV blocks per worker (default: derived from --kv-cache-gib)")
-    p.add_argument("--kv-cache-gib", type=float,
-                   help="KV cache memory per worker in GiB, when --num-blocks is not given "
-                        f"(default: {d.kv_cache_gib:g})")
-    p.add_argument("--max-batched-tokens", type=int,
-                   help="token budget of one engine step (chunked prefill) "
-                        f"(default: {d.max_batched_tokens})")
-    p.add_argument("--routing", choices=ROUTING_POLICIES,
-                   help="routing policy: prefix = KV-aware (send requests where their prefix is "
-                        "cached, prefill on the decode worker when it pays); least_load = fewest "
-                        f"requests in flight; round_robin = in turn (default: {d.routing})")
-    p.add_argument("--min-remote-prefill-tokens", type=int, metavar="N",
-                   help="least_load/round_robin: prompts shorter than N tokens are prefilled on the "
-                        f"decode worker, with no KV transfer (default: {d.min_remote_prefill_tokens})")
-    p.add_argument("--prefill-deadline-fraction", type=float, metavar="F",
-                   help="share of a request's remaining time its remote prefill may take before the "
-                        "router prefills on the decode worker instead, so a stalled prefill worker or KV "
-                        f"transfer still leaves time to answer (default: {d.prefill_deadline_fraction:g})")
-    p.add_argument("--prefill-timeout-s", type=float, metavar="SECONDS",
-                   help="the remote prefill's deadline at most, whatever the request's "
-                        f"(default: {d.prefill_timeout_s:g})")
+    _add_up_workers(p, d)
+    _add_up_cache(p, d)
+    _add_up_routing(p, d)
     _add_up_limits(p, d)
     _add_up_audit(p, d)
     _add_up_security(p)
     p.add_argument("--no-sample", action="store_true",
                    help="do not answer the sample chat after start-up")
     p.set_defaults(handler=_run_up)
+
+
+class _RenamedFlag(argparse.Action):
+    """A flag that was renamed: using it is a usage error naming the new one, not a second name."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, renamed_to: str = "", **_: object) -> None:
+        super().__init__(option_strings, argparse.SUPPRESS, nargs="?", default=argparse.SUPPRESS,
+                         help=argparse.SUPPRESS)
+        self.renamed_to = renamed_to
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"{option_string} is now {self.renamed_to}")
+
+
+def _add_up_workers(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
+    from deploy.config import ACTOR_PLACEMENTS
+
+    workers = p.add_argument_group("workers", "the prefill and decode worker actors, the Ray cluster they "
+                                              "run on, and the Redis they register in")
+    workers.add_argument("--prefill", type=int, metavar="N",
+                         help="number of prefill workers; 0 = every prompt is prefilled on a decode worker "
+                              f"(default: {d.num_prefill})")
+    workers.add_argument("--decode", type=int, metavar="M",
+                         help=f"number of decode workers (default: {d.num_decode})")
+    workers.add_argument("--actor-placement", choices=tuple(ACTOR_PLACEMENTS),
+                         help="how Ray places the worker actors: spread = on different Ray nodes where their "
+                              "resources allow; pack = Ray's default, filling a node first "
+                              f"(default: {d.actor_placement})")
+    workers.add_argument("--placement", action=_RenamedFlag, renamed_to="--actor-placement")
+    workers.add_argument("--gpus-per-worker", type=float, metavar="N",
+                         help="GPUs each worker actor asks Ray for; 0 = run on CPU (default: 1 when the Ray "
+                              "cluster has a GPU for every worker at start, else 0)")
+    workers.add_argument("--redis-url", metavar="URL",
+                         help="Redis for the registry and prefix index, e.g. redis://:PASSWORD@host:6379/0 "
+                              "(default: start an embedded redis-server on a free loopback port, with a "
+                              "generated password)")
+    workers.add_argument("--address", metavar="RAY_ADDRESS",
+                         help="Ray cluster to join, e.g. host:6379, or auto for the one running on this "
+                              "node (default: start a local Ray)")
+    workers.add_argument("--namespace", help=f"Ray namespace and Redis key prefix (default: {d.namespace})")
+
+
+def _add_up_cache(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
+    cache = p.add_argument_group("KV cache and batching", "every worker's engine")
+    cache.add_argument("--block-size", type=int, help=f"tokens per KV block (default: {d.cache.block_size})")
+    cache.add_argument("--kv-dtype", choices=KV_DTYPES,
+                       help=f"KV cache element type (default: {d.cache.kv_dtype})")
+    cache.add_argument("--num-blocks", type=int, metavar="N",
+                       help="KV blocks per worker (default: derived from --kv-cache-gib)")
+    cache.add_argument("--kv-cache-gib", type=float,
+                       help="KV cache memory per worker in GiB, when --num-blocks is not given "
+                            f"(default: {d.cache.kv_cache_gib:g})")
+    cache.add_argument("--max-batched-tokens", type=int,
+                       help="token budget of one engine step (chunked prefill) "
+                            f"(default: {d.scheduler.max_num_batched_tokens})")
+
+
+def _add_up_routing(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
+    from router.config import ROUTING_POLICIES
+
+    routing = p.add_argument_group("routing", "how the router places each request, and its deadlines")
+    routing.add_argument("--routing", choices=ROUTING_POLICIES,
+                         help="routing policy: prefix = KV-aware (send requests where their prefix is "
+                              "cached, prefill on the decode worker when it pays); least_load = fewest "
+                              f"requests in flight; round_robin = in turn (default: {d.placement.routing})")
+    routing.add_argument("--min-remote-prefill-tokens", type=int, metavar="N",
+                         help="least_load/round_robin: prompts shorter than N tokens are prefilled on the "
+                              "decode worker, with no KV transfer "
+                              f"(default: {d.placement.min_remote_prefill_tokens})")
+    routing.add_argument("--prefill-deadline-fraction", type=float, metavar="F",
+                         help="share of a request's remaining time its remote prefill may take before the "
+                              "router prefills on the decode worker instead, so a stalled prefill worker or "
+                              "KV transfer still leaves time to answer "
+                              f"(default: {d.deadlines.prefill_deadline_fraction:g})")
+    routing.add_argument("--prefill-timeout-s", type=float, metavar="SECONDS",
+                         help="the remote prefill's deadline at most, whatever the request's "
+                              f"(default: {d.deadlines.prefill_timeout_s:g})")
 
 
 def _add_up_limits(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
@@ -307,13 +344,15 @@ def _add_up_limits(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
                         help="longest prompt in tokens, INVALID_ARGUMENT beyond "
                              "(default: the model's context - 1)")
     limits.add_argument("--max-tokens-limit", type=int, metavar="N",
-                        help=f"largest max_tokens a request may ask for (default: {d.max_tokens_limit})")
+                        help="largest max_tokens a request may ask for "
+                             f"(default: {d.limits.max_tokens_limit})")
     limits.add_argument("--max-message-bytes", type=int, metavar="BYTES",
                         help="largest request message the router accepts; RESOURCE_EXHAUSTED beyond "
-                             f"(default: {d.max_message_bytes})")
+                             f"(default: {d.limits.max_message_bytes})")
     limits.add_argument("--max-concurrent-streams", type=int, metavar="N",
                         help="Generate calls in flight at the router; more are refused with "
-                             f"RESOURCE_EXHAUSTED and a retry hint (default: {d.max_concurrent_streams})")
+                             "RESOURCE_EXHAUSTED and a retry hint "
+                             f"(default: {d.limits.max_concurrent_streams})")
 
 
 def _add_up_audit(p: argparse.ArgumentParser, d: ClusterSpec) -> None:

@@ -1,12 +1,21 @@
 """A cluster's topology: the frozen ClusterSpec, and the YAML file that gives it (`pdserve up --config`).
 
-    FILE --yaml.safe_load--> nested mapping --check every key and type--> ClusterSpec fields
-         --flags given on the command line replace their fields--> ClusterSpec (__post_init__ checks values)
+    FILE --yaml.safe_load--> nested mapping --check every key and type--> field paths and values
+         --flags given on the command line replace theirs--> ClusterSpec (each part checks its values)
 
-Pure: yaml and dataclasses only, no Ray, Redis or gRPC, so a bad file fails in milliseconds,
-before anything starts. Errors name the file and the key: `local.yaml: unknown key 'prefil'
-(did you mean 'prefill'?)`. The schema, one line per key, is `FILE_KEYS` below;
-deploy/examples/*.yaml show it with comments, docs/deploy.md explains it.
+One configuration tree: ClusterSpec composes the engine's CacheConfig and SchedulerConfig
+(pdserve/engine/config.py) and the router's PlacementConfig, RequestDeadlines
+(router/config.py) and RequestLimits (router/limits.py), so each setting and its default is
+declared once, where it is used. A file key or a flag names a field path ("cache.block_size",
+"limits.max_concurrent_streams"); a part that refuses a value raises a FieldError, which is
+re-worded here with the key and the flag the user wrote: `cache.kv_dtype (--kv-dtype) must be
+one of float32, float16, bfloat16, got 'int8'`.
+
+Pure: yaml, dataclasses and those pure config modules only, no Ray, Redis or gRPC, so a bad file
+fails in milliseconds, before anything starts. Errors name the file and the key: `local.yaml:
+unknown key 'prefil' (did you mean 'prefill'?)`. The schema, one line per key, is `FILE_KEYS`
+below; the flags are `FLAG_FIELDS`; deploy/examples/*.yaml show the file with comments,
+docs/deploy.md explains it.
 """
 
 from __future__ import annotations
@@ -14,20 +23,20 @@ from __future__ import annotations
 import difflib
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from pdserve.engine.config import KV_DTYPES
+from pdserve.engine.config import CacheConfig, SchedulerConfig
 from pdserve.engine.hashing import CACHE_ISOLATION
+from pdserve.field_error import FieldError
+from pdserve.roles import ROLES
 from pdserve.worker.scrubber import DEFAULT_MAX_FRACTION, check_scrubber_settings
+from router.config import PlacementConfig, RequestDeadlines
+from router.limits import RequestLimits
 
-ROLES = ("prefill", "decode")
-# NOTE: mirrors router.placement.POLICIES (a test pins it); importing the router would pull gRPC
-# into `pdserve --help` and into this pure module.
-ROUTING_POLICIES = ("prefix", "least_load", "round_robin")
-# placement -> Ray scheduling_strategy: spread puts actors on different nodes where their
-# resources allow; pack lets Ray fill one node first (its default).
-PLACEMENTS = {"pack": "DEFAULT", "spread": "SPREAD"}
+# actor_placement -> Ray scheduling_strategy: spread puts worker actors on different nodes where
+# their resources allow; pack lets Ray fill one node first (its default).
+ACTOR_PLACEMENTS = {"pack": "DEFAULT", "spread": "SPREAD"}
 _RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 # Set in every worker process unless worker_env says otherwise. MALLOC_ARENA_MAX: glibc gives each
 # thread that allocates its own malloc arena and rarely returns their free memory; a worker's
@@ -46,15 +55,12 @@ class ClusterSpec:
     metrics_port: int | None = 0  # router's Prometheus port; 0 = any free port, None = none
     redis_url: str | None = field(default=None, repr=False)  # may hold a password: not in repr()
     ray_address: str | None = None  # None = start a local Ray; "auto" = the running cluster
-    block_size: int = 16
-    kv_dtype: str = "float32"
-    num_blocks: int | None = None
-    kv_cache_gib: float = 1.0
-    max_batched_tokens: int = 2048
-    min_remote_prefill_tokens: int = 32
-    routing: str = "prefix"
-    max_in_flight_per_decode: int = 64
-    placement: str = "pack"
+    cache: CacheConfig = field(default_factory=CacheConfig)  # every worker's KV cache
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # every worker's batching
+    placement: PlacementConfig = field(default_factory=PlacementConfig)  # the router's request placement
+    limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask of the router
+    deadlines: RequestDeadlines = field(default_factory=RequestDeadlines)  # the router's request deadlines
+    actor_placement: str = "pack"  # how Ray places the worker actors: ACTOR_PLACEMENTS
     # NOTE: None decides at start: 1 when the cluster has a GPU for every worker, else 0 (CPU). An
     # autoscaling cluster has no GPU node yet at start, so its config says 1 explicitly.
     gpus_per_worker: float | None = None
@@ -73,19 +79,10 @@ class ClusterSpec:
     tls_client_key: str | None = None
     api_token_file: str | None = None  # the router's accepted bearer tokens, one per line
     cluster_secret_file: str | None = None  # the secret of the internal services, one line
-    # The router's request limits. NOTE: the defaults mirror router.limits.RequestLimits (a test
-    # pins them); importing the router here would pull gRPC into this pure module.
-    max_prompt_tokens: int | None = None  # None: the model's context - 1
-    max_tokens_limit: int = 4096
-    max_message_bytes: int = 4 << 20
-    max_concurrent_streams: int = 256
     # none: any request may reuse any other's cached prefix; token: only requests of the same API token
-    # (router/service.py CACHE_ISOLATION; docs/security.md weighs the two). token needs api_token_file.
+    # (router/server.py RouterConfig.cache_isolation; docs/security.md weighs the two). token needs
+    # api_token_file.
     cache_isolation: str = "none"
-    # The remote prefill phase's own deadline: this share of the request's remaining time (so a stalled
-    # prefill worker or transfer still leaves the fallback time to answer), at most prefill_timeout_s.
-    prefill_deadline_fraction: float = 0.5
-    prefill_timeout_s: float = 60.0
     # The background KV audit on every worker (pdserve/worker/scrubber.py): None = off.
     audit_interval_s: float | None = None
     audit_max_fraction: float = DEFAULT_MAX_FRACTION  # of wall time the scrubber may spend auditing
@@ -99,17 +96,12 @@ class ClusterSpec:
                            ("router.metrics_port (--metrics-port)", self.metrics_port)):
             if port is not None and not 0 <= port < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {port}")
-        _check_choice("router.routing (--routing)", self.routing, ROUTING_POLICIES)
-        _check_choice("placement (--placement)", self.placement, tuple(PLACEMENTS))
-        _check_choice("cache.kv_dtype (--kv-dtype)", self.kv_dtype, KV_DTYPES)
+        self._check_parts()
+        _check_choice("actor_placement (--actor-placement)", self.actor_placement, tuple(ACTOR_PLACEMENTS))
         _check_choice("router.cache_isolation (--cache-isolation)", self.cache_isolation, CACHE_ISOLATION)
         if self.cache_isolation == "token" and self.api_token_file is None:
             raise ValueError("router.cache_isolation (--cache-isolation) token keeps each API token's cache "
                              "apart, so it needs auth.api_token_file (--api-token-file)")
-        if not 0 < self.prefill_deadline_fraction < 1 or self.prefill_timeout_s <= 0:
-            raise ValueError("router.prefill_deadline_fraction (--prefill-deadline-fraction) must be in "
-                             f"(0, 1) and router.prefill_timeout_s (--prefill-timeout-s) > 0, got "
-                             f"{self.prefill_deadline_fraction} and {self.prefill_timeout_s}")
         if self.gpus_per_worker is not None and self.gpus_per_worker < 0:
             raise ValueError(f"gpus_per_worker (--gpus-per-worker) must be >= 0, got {self.gpus_per_worker}")
         for role, resources in self.actor_resources.items():
@@ -120,13 +112,6 @@ class ClusterSpec:
                                      "not a custom resource; use gpus_per_worker for GPUs")
                 if amount < 0:
                     raise ValueError(f"{role}.resources.{name} must be >= 0, got {amount}")
-        for name, value in (("router.max_prompt_tokens (--max-prompt-tokens)", self.max_prompt_tokens),
-                            ("router.max_tokens_limit (--max-tokens-limit)", self.max_tokens_limit),
-                            ("router.max_message_bytes (--max-message-bytes)", self.max_message_bytes),
-                            ("router.max_concurrent_streams (--max-concurrent-streams)",
-                             self.max_concurrent_streams)):
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
         if self.max_restarts < -1:
             raise ValueError(f"max_restarts must be -1 (always restart) or >= 0, got {self.max_restarts}")
         for name, value in self.worker_env.items():
@@ -138,6 +123,15 @@ class ClusterSpec:
             check_scrubber_settings(self.audit_interval_s, self.audit_max_fraction)
         except ValueError as exc:
             raise ValueError(f"audit: {exc} (--audit-interval-s, --audit-max-fraction)") from None
+
+    def _check_parts(self) -> None:
+        """Each part is its own config dataclass (it checks its values); refuse anything else, such as
+        a value meant for a field of the part."""
+        for f in fields(self):
+            part = _PARTS.get(f.name)
+            if part is not None and not isinstance(getattr(self, f.name), part):
+                raise TypeError(f"ClusterSpec.{f.name} must be a {part.__name__}, got "
+                                f"{getattr(self, f.name)!r}")
 
     @property
     def worker_environment(self) -> dict[str, str]:
@@ -167,7 +161,11 @@ class ClusterSpec:
 
     @property
     def scheduling_strategy(self) -> str:
-        return PLACEMENTS[self.placement]
+        return ACTOR_PLACEMENTS[self.actor_placement]
+
+
+_PARTS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "placement": PlacementConfig,
+          "limits": RequestLimits, "deadlines": RequestDeadlines}
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -175,12 +173,13 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
 
 
-# --- the file ----------------------------------------------------------------------------------
+# --- the file and the flags ----------------------------------------------------------------------
 
 _NONE = type(None)
 _NUMBER = (int, float)
 _PATH = (str, _NONE)
-# dotted key in the file -> (ClusterSpec field, accepted types); a section is the part before the dot.
+# dotted key in the file -> (ClusterSpec field path, accepted types); a section is the part before the
+# dot. A path with a dot is a field of one of ClusterSpec's parts ("cache.block_size": CacheConfig's).
 FILE_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "model": ("model_path", (str, _NONE)),
     "host": ("host", (str,)),
@@ -188,25 +187,25 @@ FILE_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "prefill.resources": ("actor_resources", (dict,)),
     "decode.count": ("num_decode", (int,)),
     "decode.resources": ("actor_resources", (dict,)),
-    "placement": ("placement", (str,)),
+    "actor_placement": ("actor_placement", (str,)),
     "gpus_per_worker": ("gpus_per_worker", (int, float, _NONE)),
-    "cache.block_size": ("block_size", (int,)),
-    "cache.kv_dtype": ("kv_dtype", (str,)),
-    "cache.kv_cache_gib": ("kv_cache_gib", _NUMBER),
-    "cache.num_blocks": ("num_blocks", (int, _NONE)),
-    "scheduler.max_batched_tokens": ("max_batched_tokens", (int,)),
+    "cache.block_size": ("cache.block_size", (int,)),
+    "cache.kv_dtype": ("cache.kv_dtype", (str,)),
+    "cache.kv_cache_gib": ("cache.kv_cache_gib", _NUMBER),
+    "cache.num_blocks": ("cache.num_blocks", (int, _NONE)),
+    "scheduler.max_batched_tokens": ("scheduler.max_num_batched_tokens", (int,)),
     "router.port": ("port", (int,)),
     "router.metrics_port": ("metrics_port", (int, _NONE)),
-    "router.routing": ("routing", (str,)),
-    "router.min_remote_prefill_tokens": ("min_remote_prefill_tokens", (int,)),
-    "router.max_in_flight_per_decode": ("max_in_flight_per_decode", (int,)),
-    "router.max_prompt_tokens": ("max_prompt_tokens", (int, _NONE)),
-    "router.max_tokens_limit": ("max_tokens_limit", (int,)),
-    "router.max_message_bytes": ("max_message_bytes", (int,)),
-    "router.max_concurrent_streams": ("max_concurrent_streams", (int,)),
+    "router.routing": ("placement.routing", (str,)),
+    "router.min_remote_prefill_tokens": ("placement.min_remote_prefill_tokens", (int,)),
+    "router.max_in_flight_per_decode": ("placement.max_in_flight_per_decode", (int,)),
+    "router.max_prompt_tokens": ("limits.max_prompt_tokens", (int, _NONE)),
+    "router.max_tokens_limit": ("limits.max_tokens_limit", (int,)),
+    "router.max_message_bytes": ("limits.max_message_bytes", (int,)),
+    "router.max_concurrent_streams": ("limits.max_concurrent_streams", (int,)),
     "router.cache_isolation": ("cache_isolation", (str,)),
-    "router.prefill_deadline_fraction": ("prefill_deadline_fraction", _NUMBER),
-    "router.prefill_timeout_s": ("prefill_timeout_s", _NUMBER),
+    "router.prefill_deadline_fraction": ("deadlines.prefill_deadline_fraction", _NUMBER),
+    "router.prefill_timeout_s": ("deadlines.prefill_timeout_s", _NUMBER),
     "redis_url": ("redis_url", (str, _NONE)),
     "ray_address": ("ray_address", (str, _NONE)),
     "namespace": ("namespace", (str,)),
@@ -223,6 +222,28 @@ FILE_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "audit.interval_s": ("audit_interval_s", (int, float, _NONE)),
     "audit.max_fraction": ("audit_max_fraction", _NUMBER),
 }
+# Keys a file may no longer use: the error names the new key (a silent alias would be a second name).
+RENAMED_KEYS = {"placement": ("actor_placement", "pack or spread: how Ray places the worker actors")}
+# `pdserve up` flags (argparse dests) -> the ClusterSpec field paths they set; most are the file's
+# key without its section, spelled --with-dashes.
+FLAG_FIELDS: dict[str, str] = {
+    "model": "model_path", "prefill": "num_prefill", "decode": "num_decode",
+    "actor_placement": "actor_placement", "gpus_per_worker": "gpus_per_worker",
+    "host": "host", "port": "port", "metrics_port": "metrics_port", "redis_url": "redis_url",
+    "address": "ray_address", "namespace": "namespace",
+    "block_size": "cache.block_size", "kv_dtype": "cache.kv_dtype", "num_blocks": "cache.num_blocks",
+    "kv_cache_gib": "cache.kv_cache_gib", "max_batched_tokens": "scheduler.max_num_batched_tokens",
+    "routing": "placement.routing", "min_remote_prefill_tokens": "placement.min_remote_prefill_tokens",
+    "max_prompt_tokens": "limits.max_prompt_tokens", "max_tokens_limit": "limits.max_tokens_limit",
+    "max_message_bytes": "limits.max_message_bytes",
+    "max_concurrent_streams": "limits.max_concurrent_streams",
+    "prefill_deadline_fraction": "deadlines.prefill_deadline_fraction",
+    "prefill_timeout_s": "deadlines.prefill_timeout_s", "cache_isolation": "cache_isolation",
+    "tls_cert": "tls_cert", "tls_key": "tls_key", "tls_ca": "tls_ca",
+    "tls_require_client_cert": "tls_require_client_cert", "tls_client_cert": "tls_client_cert",
+    "tls_client_key": "tls_client_key", "api_token_file": "api_token_file",
+    "cluster_secret_file": "cluster_secret_file", "audit_interval_s": "audit_interval_s",
+    "audit_max_fraction": "audit_max_fraction"}
 # Fields that name a file: a relative path in the file is relative to the file.
 PATH_FIELDS = ("model_path", "tls_cert", "tls_key", "tls_ca", "tls_client_cert", "tls_client_key",
                "api_token_file", "cluster_secret_file")
@@ -265,14 +286,40 @@ def spec_from_mapping(document: Any, path: str = "<config>") -> ClusterSpec:
             # model and certificates.
             fields_[name] = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), value))
     try:
-        return ClusterSpec(**fields_)
+        return _compose(ClusterSpec(), fields_)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
 
 
 def with_overrides(spec: ClusterSpec, overrides: Mapping[str, Any]) -> ClusterSpec:
-    """spec with the fields given on the command line (None = not given) replaced."""
-    return replace(spec, **{name: value for name, value in overrides.items() if value is not None})
+    """spec with the field paths given on the command line (None = not given) replaced."""
+    return _compose(spec, {path: value for path, value in overrides.items() if value is not None})
+
+
+def _compose(base: ClusterSpec, values: Mapping[str, Any]) -> ClusterSpec:
+    """base with values (field path -> value) replaced; a part that refuses a value is named by the
+    key and flag that set it."""
+    top: dict[str, Any] = {}
+    parts: dict[str, dict[str, Any]] = {}
+    for path, value in values.items():
+        part, _, name = path.partition(".")
+        if name:
+            parts.setdefault(part, {})[name] = value
+        else:
+            top[path] = value
+    for part, changes in parts.items():
+        try:
+            top[part] = replace(getattr(base, part), **changes)
+        except FieldError as exc:
+            raise ValueError(exc.named(field_label(f"{part}.{exc.field}"))) from None
+    return replace(base, **top)
+
+
+def field_label(path: str) -> str:
+    """How a user names a field: its file key and flag, 'cache.kv_dtype (--kv-dtype)'."""
+    key = next((k for k, (p, _) in FILE_KEYS.items() if p == path), path)
+    flag = next((f"--{dest.replace('_', '-')}" for dest, p in FLAG_FIELDS.items() if p == path), None)
+    return f"{key} ({flag})" if flag else key
 
 
 def _flatten(document: Any, path: str) -> dict[str, Any]:
@@ -294,6 +341,9 @@ def _flatten(document: Any, path: str) -> dict[str, Any]:
                 out[dotted] = sub_value
         elif key in FILE_KEYS:
             out[key] = value
+        elif key in RENAMED_KEYS:
+            new, meaning = RENAMED_KEYS[key]
+            raise ValueError(f"{path}: '{key}' is now '{new}' ({meaning}); rename it in the file")
         else:
             _unknown(path, key, _top_keys())
     return out

@@ -24,22 +24,21 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 
 import redis
 
 from deploy.config import ClusterSpec
 from deploy.redis_server import RedisServer, ensure_redis
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.weights import load_model
 from pdserve.index.registry import WorkerRegistry
 from pdserve.security import SecurityConfig, TLSConfig, read_secret, read_secrets_file
 from pdserve.security.redis_auth import check_redis_credentials, redact_redis_url, redis_exposure_warning
 from pdserve.worker.actor import WorkerSpec
-from router.limits import RequestLimits
-from router.placement import PlacementConfig
 from router.redis_backend import redis_router
 from router.server import RouterConfig, RouterServer
-from router.service import RouterPolicyConfig
 
 log = logging.getLogger(__name__)
 
@@ -112,16 +111,10 @@ class LocalCluster:
 
     def _router(self, client: redis.Redis, tokenizer: Tokenizer, max_context_tokens: int) -> RouterServer:
         s = self.spec
-        placement = PlacementConfig(policy=s.routing, min_remote_prefill_tokens=s.min_remote_prefill_tokens,
-                                    kv_dtype=s.kv_dtype, max_in_flight_per_decode=s.max_in_flight_per_decode)
-        limits = RequestLimits(max_prompt_tokens=s.max_prompt_tokens, max_tokens_limit=s.max_tokens_limit,
-                               max_message_bytes=s.max_message_bytes,
-                               max_concurrent_streams=s.max_concurrent_streams)
-        policy = RouterPolicyConfig(max_context_tokens=max_context_tokens, cache_isolation=s.cache_isolation,
-                                    prefill_deadline_fraction=s.prefill_deadline_fraction,
-                                    prefill_timeout_s=s.prefill_timeout_s)
-        config = RouterConfig(host=s.host, port=s.port, metrics_port=s.metrics_port, placement=placement,
-                              policy=policy, limits=limits, security=self.security)
+        config = RouterConfig(host=s.host, port=s.port, metrics_port=s.metrics_port, placement=s.placement,
+                              limits=replace(s.limits, max_context_tokens=max_context_tokens),
+                              deadlines=s.deadlines, cache_isolation=s.cache_isolation,
+                              security=self.security)
         return redis_router(config, tokenizer, self.redis_url, s.namespace)
 
     def _init_ray(self) -> None:
@@ -162,7 +155,8 @@ class LocalCluster:
             ).remote(self._worker_spec(role, worker_id, threads))
         self.say(f"workers  {self.spec.num_prefill} prefill + {self.spec.num_decode} decode "
                  f"({f'{gpus:g} GPU each' if gpus else f'CPU, {threads} torch threads each'}; "
-                 f"placement {self.spec.placement}{self._resources_note()}); loading the model...")
+                 f"actor placement {self.spec.actor_placement}{self._resources_note()}); "
+                 "loading the model...")
         deadline = self.spec.startup_timeout_s
         for worker_id, actor in self.actors.items():
             self.say(f"  {worker_id:<10} {ray.get(actor.address.remote(), timeout=deadline)}")
@@ -197,10 +191,10 @@ class LocalCluster:
 
     def _worker_spec(self, role: str, worker_id: str, threads: int | None) -> WorkerSpec:
         s = self.spec
-        return WorkerSpec(role=role, worker_id=worker_id, redis_url=self.redis_url, model_path=s.model_path,
-                          host=s.host, block_size=s.block_size, kv_dtype=s.kv_dtype, num_blocks=s.num_blocks,
-                          kv_cache_gib=s.kv_cache_gib, max_num_batched_tokens=s.max_batched_tokens,
-                          torch_threads=threads, namespace=s.namespace,
+        engine = EngineConfig(model_path=s.model_path, cache=s.cache, scheduler=s.scheduler,
+                              num_threads=threads)
+        return WorkerSpec(role=role, worker_id=worker_id, redis_url=self.redis_url, engine=engine,
+                          host=s.host, namespace=s.namespace,
                           tls_cert=s.tls_cert, tls_key=s.tls_key, tls_ca=s.tls_ca,
                           tls_require_client_cert=s.tls_require_client_cert,
                           tls_client_cert=s.tls_client_cert, tls_client_key=s.tls_client_key,

@@ -7,27 +7,18 @@ import signal
 import sys
 import threading
 
-from deploy.config import ClusterSpec, load_config, with_overrides
+from deploy.config import FLAG_FIELDS, ClusterSpec, load_config, with_overrides
 from deploy.launcher import LocalCluster
 from pdserve.security import SecurityConfig
 from pdserve.security.redis_auth import RedisAuthFailed
 
 SAMPLE_QUESTION = "What is the capital of France?"
-# `pdserve up` flags (argparse dests) -> the ClusterSpec fields they set; most keep their name
-_RENAMED = {"model": "model_path", "prefill": "num_prefill", "decode": "num_decode", "address": "ray_address"}
-FLAG_FIELDS = {dest: _RENAMED.get(dest, dest) for dest in (
-    "model", "prefill", "decode", "placement", "gpus_per_worker", "host", "port", "metrics_port", "redis_url",
-    "address", "namespace", "block_size", "kv_dtype", "num_blocks", "kv_cache_gib", "max_batched_tokens",
-    "routing", "min_remote_prefill_tokens", "max_prompt_tokens", "max_tokens_limit", "max_message_bytes",
-    "max_concurrent_streams", "tls_cert", "tls_key", "tls_ca", "tls_require_client_cert", "tls_client_cert",
-    "tls_client_key", "api_token_file", "cluster_secret_file", "audit_interval_s", "audit_max_fraction",
-    "cache_isolation", "prefill_deadline_fraction", "prefill_timeout_s")}
 
 
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     """The --config file's topology (or the defaults), with every flag given on the command line on top."""
     base = load_config(args.config) if args.config else ClusterSpec()
-    return with_overrides(base, {name: getattr(args, flag) for flag, name in FLAG_FIELDS.items()})
+    return with_overrides(base, {path: getattr(args, flag) for flag, path in FLAG_FIELDS.items()})
 
 
 def answer_sample(address: str, security: SecurityConfig) -> None:

@@ -1,8 +1,8 @@
 """`pdserve loadtest` and `python -m loadtest`: the same flags, the same handler.
 
-This module imports only argparse and the (pure) workloads at load time, because
-`pdserve --help` builds every subcommand's parser; the runner (grpc) and the plots
-(matplotlib) are imported when a run starts.
+This module imports only argparse, the (pure) workloads and the routing policies
+(router/config.py) at load time, because `pdserve --help` builds every subcommand's parser; the
+runner (grpc) and the plots (matplotlib) are imported when a run starts.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from loadtest.workloads import WORKLOADS, describe_workloads, make_workload, parse_params
 from pdserve.client_security import add_client_security_arguments, security_from_args
+from router.config import ROUTING_POLICIES
 
 DESCRIPTION = (
     "Load-test a running pdserve router: send a workload's requests over gRPC, open loop (Poisson "
@@ -24,7 +25,6 @@ DESCRIPTION = (
     "hit rate and errors by gRPC status. --out DIR writes report.json, requests.jsonl and PNG plots. "
     "Compare mode: --against / --against-routing run the same workload twice, or --compare reads "
     "two report.json files; both print the ratios B/A.")
-ROUTING_POLICIES = ("prefix", "least_load", "round_robin")
 EXIT_INTERRUPTED = 130
 
 
@@ -54,13 +54,30 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    _add_what_to_send(p)
-    _add_goodput_and_sampling(p)
-    _add_output_and_compare(p)
+    _add_workload_arguments(p)
+    _add_objective_arguments(p)
+    _add_request_arguments(p)
+    p.add_argument("--metrics-url", metavar="URL",
+                   help="the router's Prometheus endpoint (e.g. http://127.0.0.1:9100/metrics); "
+                        "scraped before and after, its counter deltas go in the report's server_metrics "
+                        "(default: the address the router gives in its Admin ClusterStatus)")
+    p.add_argument("--label", help="name of this run in the report and plots (default: the router address)")
+    p.add_argument("--against", metavar="HOST:PORT",
+                   help="compare mode: run the same workload against this second router (B) "
+                        "after --router (A)")
+    p.add_argument("--against-routing", choices=ROUTING_POLICIES,
+                   help="compare mode: B is the same run with this routing override (against --router, "
+                        "or --against when given)")
+    p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),
+                   help="compare two existing report.json files instead of running anything")
+    p.add_argument("--json", action="store_true",
+                   help="print the report (or comparison) as JSON instead of a table")
+    p.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
     add_client_security_arguments(p)  # compare mode: the same for --router and --against
 
 
-def _add_what_to_send(p: argparse.ArgumentParser) -> None:
+def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the requests go, what they are, how many and how fast."""
     p.add_argument("--router", metavar="HOST:PORT",
                    help="address of the router to load (e.g. 127.0.0.1:50051, `pdserve up`'s); "
                         "this is A in compare mode")
@@ -89,8 +106,8 @@ def _add_what_to_send(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
 
 
-
-def _add_goodput_and_sampling(p: argparse.ArgumentParser) -> None:
+def _add_objective_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the report goes, and the latency objectives that define goodput."""
     p.add_argument("--out", metavar="DIR",
                    help="write report.json, requests.jsonl, latency_cdf.png and throughput.png here "
                         "(compare mode: a/, b/ and compare.json); default: print only")
@@ -101,6 +118,10 @@ def _add_goodput_and_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-itl-stat", choices=("p99", "max", "mean"), default="p99",
                    help="goodput: which statistic of a request's own ITLs must meet --slo-itl-ms "
                         "(default: %(default)s)")
+
+
+def _add_request_arguments(p: argparse.ArgumentParser) -> None:
+    """What every request asks of the router."""
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature of every request; 0 = greedy (default: %(default)s)")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
@@ -113,26 +134,6 @@ def _add_goodput_and_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="give up if the router does not accept a connection in this time "
                         "(default: %(default)s)")
-
-
-
-def _add_output_and_compare(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--metrics-url", metavar="URL",
-                   help="the router's Prometheus endpoint (e.g. http://127.0.0.1:9100/metrics); "
-                        "scraped before and after, its counter deltas go in the report's server_metrics "
-                        "(default: the address the router gives in its Admin ClusterStatus)")
-    p.add_argument("--label", help="name of this run in the report and plots (default: the router address)")
-    p.add_argument("--against", metavar="HOST:PORT",
-                   help="compare mode: run the same workload against this second router (B) "
-                        "after --router (A)")
-    p.add_argument("--against-routing", choices=ROUTING_POLICIES,
-                   help="compare mode: B is the same run with this routing override (against --router, "
-                        "or --against when given)")
-    p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),
-                   help="compare two existing report.json files instead of running anything")
-    p.add_argument("--json", action="store_true",
-                   help="print the report (or comparison) as JSON instead of a table")
-    p.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -111,7 +111,9 @@ class RequestRecord:
 # --- statistics ---------------------------------------------------------------------------------
 
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100), linear between closest ranks; None for no values."""
+    """The q-th percentile (0..100), linear between closest ranks (numpy's default); None for no values.
+
+    The one percentile of the project: the benchmarks and the tests report theirs with it too."""
     if not values:
         return None
     xs = sorted(values)

@@ -26,13 +26,13 @@ from typing import Any
 
 import grpc
 
+from pdserve.roles import CHAT_ROLES
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_TIMEOUT_S = 120.0
 MAX_MESSAGE_BYTES = 64 * 2**20
-ROLES = ("system", "user", "assistant")
 USAGE_FIELDS = ("prompt_tokens", "cached_tokens", "computed_tokens", "completion_tokens")
 TIMING_FIELDS = ("queue_ms", "prefill_ms", "transfer_ms", "ttft_ms")
 # Substrings of gRPC's own status details when no connection could be made at all.
@@ -149,8 +149,8 @@ def _chat_messages(messages: Sequence[Mapping[str, str]]) -> list[pb.ChatMessage
     out = []
     for i, m in enumerate(messages):
         role, content = (m.get("role"), m.get("content")) if isinstance(m, Mapping) else (None, None)
-        if role not in ROLES or not isinstance(content, str):
-            raise ValueError(f"messages[{i}] must be {{'role': one of {', '.join(ROLES)}, "
+        if role not in CHAT_ROLES or not isinstance(content, str):
+            raise ValueError(f"messages[{i}] must be {{'role': one of {', '.join(CHAT_ROLES)}, "
                              f"'content': str}}, got {m!r}")
         out.append(pb.ChatMessage(role=role, content=content))
     return out

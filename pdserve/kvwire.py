@@ -37,11 +37,12 @@ import msgpack
 import torch
 import xxhash
 
+from pdserve.engine.model_runner import TORCH_DTYPES
+from pdserve.units import ceil_div
+
 WIRE_VERSION = 2  # 2: BEGIN carries the request's cache_salt
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16,
-                                  "bfloat16": torch.bfloat16}
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 _U64 = 1 << 64
 
 
@@ -82,15 +83,15 @@ class KVLayout:
     wire_version: int = WIRE_VERSION
 
     def __post_init__(self) -> None:
-        if self.kv_dtype not in DTYPES:
-            raise ValueError(f"kv_dtype {self.kv_dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.kv_dtype not in TORCH_DTYPES:
+            raise ValueError(f"kv_dtype {self.kv_dtype!r} is not one of {', '.join(TORCH_DTYPES)}")
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"KVLayout.{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.kv_dtype]
+        return TORCH_DTYPES[self.kv_dtype]
 
     @property
     def block_shape(self) -> tuple[int, int, int, int]:
@@ -131,7 +132,7 @@ class KVLayout:
                              f"got shape {tuple(kv_cache.shape)}")
         if kv_cache.dtype not in _DTYPE_NAMES:
             raise ValueError(f"KV pool dtype {kv_cache.dtype} has no wire name; "
-                             f"use one of {', '.join(DTYPES)}")
+                             f"use one of {', '.join(TORCH_DTYPES)}")
         layers, _, _, block_size, kv_heads, head_dim = kv_cache.shape
         return cls(model_fingerprint, block_size, _DTYPE_NAMES[kv_cache.dtype], layers, kv_heads, head_dim)
 
@@ -140,14 +141,14 @@ class KVLayout:
 class TransferBegin:
     """First frame. `positions` are the sequence block indices the LAYER frames will carry
     (every one of them, for every layer); the receiver already holds the first
-    `receiver_cached_blocks` blocks. `num_tokens` tokens have KV (the prompt length)."""
+    `decode_cached_blocks` blocks. `num_tokens` tokens have KV (the prompt length)."""
 
     transfer_id: str
     request_id: str
     layout: KVLayout
     prompt_token_ids: tuple[int, ...]
     num_tokens: int
-    receiver_cached_blocks: int
+    decode_cached_blocks: int
     positions: tuple[int, ...]
     first_token: int | None = None
     cache_salt: bytes = b""  # the request's own prefix-cache salt: the receiver hashes the prompt with it
@@ -155,10 +156,10 @@ class TransferBegin:
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
         object.__setattr__(self, "positions", tuple(self.positions))
-        n_blocks = -(-self.num_tokens // self.layout.block_size)
-        if self.num_tokens < 0 or self.receiver_cached_blocks < 0:
+        n_blocks = ceil_div(self.num_tokens, self.layout.block_size)
+        if self.num_tokens < 0 or self.decode_cached_blocks < 0:
             raise WireError(f"begin: negative count (num_tokens {self.num_tokens}, "
-                            f"receiver_cached_blocks {self.receiver_cached_blocks})")
+                            f"decode_cached_blocks {self.decode_cached_blocks})")
         if len(set(self.positions)) != len(self.positions):
             raise WireError(f"begin: positions repeat: {list(self.positions)}")
         bad = [p for p in self.positions if not 0 <= p < n_blocks]
@@ -169,7 +170,7 @@ class TransferBegin:
     def encode(self) -> bytes:
         return _pack(FrameKind.BEGIN, transfer_id=self.transfer_id, request_id=self.request_id,
                      layout=self.layout.to_msgpack_dict(), prompt_token_ids=list(self.prompt_token_ids),
-                     num_tokens=self.num_tokens, receiver_cached_blocks=self.receiver_cached_blocks,
+                     num_tokens=self.num_tokens, decode_cached_blocks=self.decode_cached_blocks,
                      positions=list(self.positions), first_token=self.first_token, cache_salt=self.cache_salt)
 
     @classmethod
@@ -177,7 +178,7 @@ class TransferBegin:
         return _build(cls, r.kind, transfer_id=r.as_str("transfer_id"), request_id=r.as_str("request_id"),
                       layout=KVLayout.from_dict(r.get("layout")),
                       prompt_token_ids=r.as_ints("prompt_token_ids"), num_tokens=r.as_int("num_tokens"),
-                      receiver_cached_blocks=r.as_int("receiver_cached_blocks"),
+                      decode_cached_blocks=r.as_int("decode_cached_blocks"),
                       positions=r.as_ints("positions"), first_token=r.optional_int("first_token"),
                       cache_salt=r.as_bytes("cache_salt"))
 
@@ -197,8 +198,9 @@ class LayerChunkHeader:
         for name in ("positions", "shape", "checksums"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         n = len(self.positions)
-        if self.dtype not in DTYPES:
-            raise WireError(f"layer {self.layer}: dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.dtype not in TORCH_DTYPES:
+            raise WireError(f"layer {self.layer}: dtype {self.dtype!r} is not one of "
+                            f"{', '.join(TORCH_DTYPES)}")
         if len(self.shape) != 5 or self.shape[0] != n or self.shape[1] != 2 or min(self.shape) < 1:
             raise WireError(f"layer {self.layer}: payload shape {list(self.shape)} is not "
                             f"[{n} blocks, 2, block_size, kv_heads, head_dim]")
@@ -210,7 +212,7 @@ class LayerChunkHeader:
 
     @property
     def payload_nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+        return math.prod(self.shape) * TORCH_DTYPES[self.dtype].itemsize
 
     def encode(self) -> bytes:
         return _pack(FrameKind.LAYER, transfer_id=self.transfer_id, layer=self.layer,

@@ -1,4 +1,4 @@
-"""Byte units, and a byte count as a person reads it."""
+"""Units: byte units, a byte count as a person reads it, and whole blocks of a token count (ceil_div)."""
 
 from __future__ import annotations
 
@@ -11,3 +11,8 @@ def human_bytes(n: int, decimals: int = 1) -> str:
         if n >= size:
             return f"{n / size:,.{decimals}f} {unit}"
     return f"{n} B"
+
+
+def ceil_div(n: int, d: int) -> int:
+    """n / d rounded up, for non-negative n and positive d: the blocks of d tokens that n tokens fill."""
+    return -(-n // d)

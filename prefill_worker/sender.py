@@ -41,6 +41,7 @@ from pdserve.engine.sequence import Sequence
 from pdserve.kvwire import KVLayout, TransferBegin, TransferEnd, encode_layer
 from pdserve.transfer.channel import Frame, KVChannel, PushResult, TransferState
 from pdserve.transfer.errors import FailureKind, TransferFailed
+from pdserve.units import ceil_div
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class OutgoingTransfer:
         self.state = TransferState.PENDING
         self.bytes_sent = 0
         self._channel = channel
-        self._next_position = [begin.receiver_cached_blocks] * layout.num_layers
+        self._next_position = [begin.decode_cached_blocks] * layout.num_layers
         self._total_blocks = 0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._result: PushResult | None = None
@@ -84,7 +85,7 @@ class OutgoingTransfer:
         """Called on the compute thread once `layer` of `chunk` is written to the pool."""
         bs = self.layout.block_size
         n = self.begin.num_tokens
-        complete = -(-n // bs) if chunk.end >= n else chunk.end // bs
+        complete = ceil_div(n, bs) if chunk.end >= n else chunk.end // bs
         first = self._next_position[layer]
         if complete <= first:
             return
@@ -182,12 +183,12 @@ class LayerwiseSender:
         self._transfers: dict[str, OutgoingTransfer] = {}
         self._lock = threading.Lock()
 
-    def start(self, request_id: str, prompt_token_ids: list[int], receiver_cached_blocks: int,
+    def start(self, request_id: str, prompt_token_ids: list[int], decode_cached_blocks: int,
               channel: KVChannel, timeout_s: float, cache_salt: bytes = b"") -> OutgoingTransfer:
-        total = -(-len(prompt_token_ids) // self.layout.block_size)
+        total = ceil_div(len(prompt_token_ids), self.layout.block_size)
         begin = TransferBegin(uuid.uuid4().hex, request_id, self.layout, tuple(prompt_token_ids),
-                              len(prompt_token_ids), receiver_cached_blocks,
-                              tuple(range(receiver_cached_blocks, total)), cache_salt=cache_salt)
+                              len(prompt_token_ids), decode_cached_blocks,
+                              tuple(range(decode_cached_blocks, total)), cache_salt=cache_salt)
         transfer = OutgoingTransfer(self.engine, self.layout, begin, channel, timeout_s, self.max_chunk_bytes)
         with self._lock:
             self._transfers[request_id] = transfer

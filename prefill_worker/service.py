@@ -60,7 +60,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
                           f"decode_target {request.decode_target!r} is not a live decode worker in the "
                           "registry; this worker pushes KV only to registered decode workers")
         started = time.perf_counter()
-        transfer = self.sender.start(rid, prompt, request.target_cached_blocks,
+        transfer = self.sender.start(rid, prompt, request.decode_cached_blocks,
                                      self.channels(request.decode_target), self._push_timeout(context),
                                      cache_salt=request.cache_salt)
         try:

@@ -8,7 +8,7 @@ it may. Two limits are enforced by gRPC itself, from the same config: max_messag
 (the public server's receive size; a bigger request is RESOURCE_EXHAUSTED before it is
 parsed) and, as a backstop, the server's concurrent-RPC cap (router/server.py).
 
-Lengths, for a prompt of P tokens, a model context of C tokens and max_tokens M:
+Lengths, for a prompt of P tokens, a model context of C tokens (max_context_tokens) and max_tokens M:
     P <= max_prompt_tokens, and P <= C - 1 (one generated token must fit)
     M given:  M <= max_tokens_limit and P + M <= C (as vLLM: its 400 for prompt + max_tokens
               over max_model_len)
@@ -20,20 +20,30 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from pdserve.engine.sequence import SamplingParams
+from pdserve.field_error import FieldError
 
 
 class LimitExceeded(ValueError):
     """The request asks for more than this server allows; the message names the limit."""
 
 
-class StreamLimitReached(RuntimeError):
+class RetryLater(RuntimeError):
+    """Refused for now: RESOURCE_EXHAUSTED, with a hint of when to try again (retry-after-ms)."""
+
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
 
 
+class StreamLimitReached(RetryLater):
+    """The router already serves max_concurrent_streams Generate calls."""
+
+
 @dataclass(frozen=True)
 class RequestLimits:
+    # The model's context (the launcher reads it from the model); None: unknown here, the workers
+    # still refuse what does not fit theirs.
+    max_context_tokens: int | None = None
     max_prompt_tokens: int | None = None  # None: the model's context - 1
     max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
     default_max_tokens: int = 128  # when a request leaves max_tokens unset (capped as above)
@@ -50,7 +60,7 @@ class RequestLimits:
         for f in fields(self):
             value = getattr(self, f.name)
             if value is not None and not value > 0:
-                raise ValueError(f"request limits: {f.name} must be > 0, got {value}")
+                raise FieldError(f.name, "must be > 0", value)
 
 
 def check_request_id(request_id: str, limits: RequestLimits) -> None:

@@ -1,8 +1,8 @@
 """The router's decision pipeline: tokens -> block hashes -> index match -> score -> pick.
 
-Three policies (--routing):
+Three routing policies (--routing; router/config.py ROUTING_POLICIES):
     prefix       KV-aware: the scorer in router/scoring.py over the prefix index's depths
-    least_load   fewest requests in flight (router/policy.py); no index lookups
+    least_load   fewest requests in flight (router/least_load.py); no index lookups
     round_robin  decode and prefill workers in turn
 Admission: when every decode worker already has max_in_flight requests, or the prompt
 needs more KV blocks than any decode worker has, the request is refused at once
@@ -10,6 +10,13 @@ needs more KV blocks than any decode worker has, the request is refused at once
 limit. The index is read through a circuit breaker: with Redis down or slow, routing
 falls back to load alone after at most one short timeout, and regains cache affinity
 when Redis answers again.
+
+Prefix routing hashes the prompt as the workers it scores hash their blocks: with the block size
+and engine salt each one publishes in its registry entry (pdserve/index/registry.py WorkerInfo).
+Workers whose salts differ (a rolling upgrade to new weights, another KV dtype) are scored in
+groups, one per (block size, salt), each matched with its own hashes; a prefill worker is paired
+only with decode workers of its group, since their KV layouts are the same; the cheapest choice
+of any group wins.
 """
 
 from __future__ import annotations
@@ -18,34 +25,19 @@ import itertools
 import random
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from pdserve.engine.hashing import BlockHash, engine_salt, hash_blocks, request_salt
+from pdserve.engine.hashing import BlockHash, hash_blocks, request_salt
 from pdserve.index.breaker import CircuitBreaker
-from router.policy import Candidate, NoWorkerError, place_by_load
-from router.scoring import ScoringWeights, WorkerLoad, choose
-from router.workers import WorkerDirectory
-
-POLICIES = ("prefix", "least_load", "round_robin")
-
-
-class AdmissionRefused(RuntimeError):
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
+from router.config import ROUTING_POLICIES, PlacementConfig
+from router.least_load import NoWorkerError, place_by_load
+from router.limits import RetryLater
+from router.scoring import Candidate, Choice, ScoringWeights, choose
+from router.workers import BlockHashing, WorkerDirectory
 
 
-@dataclass(frozen=True)
-class PlacementConfig:
-    policy: str = "prefix"
-    weights: ScoringWeights = field(default_factory=ScoringWeights)
-    min_remote_prefill_tokens: int = 32  # least_load / round_robin: shorter prompts stay on D
-    kv_dtype: str = "float32"  # part of the block-hash salt, as on the workers
-    max_in_flight_per_decode: int = 64
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+class AdmissionRefused(RetryLater):
+    """Every decode worker is at its in-flight bound, or none can hold the prompt's KV."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +45,7 @@ class Placement:
     decode: Candidate
     prefill: Candidate | None  # None: prefill on the decode worker
     decode_cached_blocks: int = 0  # blocks D holds: the prefill worker does not send them
-    policy: str = "least_load"
+    routing: str = "least_load"
 
 
 MatchFn = Callable[[Sequence[BlockHash]], Mapping[str, int]]  # PrefixIndex.match
@@ -68,17 +60,18 @@ class Placer:
         self._decode_turns, self._prefill_turns = itertools.count(), itertools.count()
         self._lock = threading.Lock()
 
-    def place(self, prompt: list[int], policy: str = "", overrides: Mapping[str, float] | None = None,
+    def place(self, prompt: list[int], routing: str = "", overrides: Mapping[str, float] | None = None,
               exclude: Collection[str] = (), cache_salt: bytes = b"") -> Placement:
         """NoWorkerError, AdmissionRefused, or ValueError (a bad override) when it cannot place.
 
+        routing: the request's own routing policy ("": the configured one).
         exclude: decode worker ids not to use (they failed this request before its first token).
         cache_salt: the request's own prefix-cache salt (a tenant's): it matches only blocks
         hashed with it.
         """
-        policy = policy or self.config.policy
-        if policy not in POLICIES:
-            raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {policy!r}")
+        routing = routing or self.config.routing
+        if routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {routing!r}")
         weights = self.config.weights.overridden(overrides or {})
         decode = [c for c in self.directory.candidates("decode") if c.worker_id not in exclude]
         prefill = self.directory.candidates("prefill")
@@ -87,9 +80,9 @@ class Placer:
             raise NoWorkerError(f"every decode worker that could take this request ({tried}) was "
                                 "unavailable; retry shortly")
         self._admit(len(prompt), decode)
-        if policy == "prefix":
+        if routing == "prefix":
             return self._by_prefix(prompt, decode, prefill, weights, cache_salt)
-        if policy == "round_robin":
+        if routing == "round_robin":
             return self._round_robin(len(prompt), decode, prefill)
         d, p = place_by_load(prefill, decode, len(prompt), self.config.min_remote_prefill_tokens, self.rng)
         return Placement(d, p, 0, "least_load")
@@ -106,28 +99,38 @@ class Placer:
             raise AdmissionRefused(f"prompt has {prompt_tokens:,} tokens; the largest decode worker's KV "
                                    f"pool holds {capacity:,}", retry_after_s=0.0)
 
-    def _by_prefix(self, prompt: list[int], decode, prefill, weights: ScoringWeights,
-                   cache_salt: bytes) -> Placement:
-        block_size, salt = self._hash_params()
-        held: Mapping[str, int] = {}
-        if self.match is not None and salt is not None:
-            hashes = hash_blocks(prompt, block_size, request_salt(salt, cache_salt))
-            held = self.breaker.call(lambda: self.match(hashes), {}) if hashes else {}
-        loads = [WorkerLoad(c.worker_id, c.address, c.active_requests,
-                            self.directory.used_block_fraction(c.worker_id)) for c in decode]
-        p_loads = [WorkerLoad(c.worker_id, c.address, c.active_requests) for c in prefill]
-        choice = choose(len(prompt), block_size, loads, p_loads, held, weights, self.rng)
-        by_id = {c.worker_id: c for c in [*decode, *prefill]}
-        chosen_prefill = by_id[choice.prefill.worker_id] if choice.prefill else None
-        return Placement(by_id[choice.decode.worker_id], chosen_prefill, choice.decode_cached_blocks,
-                         "prefix")
+    def _by_prefix(self, prompt: list[int], decode: list[Candidate], prefill: list[Candidate],
+                   weights: ScoringWeights, cache_salt: bytes) -> Placement:
+        groups = self._salt_groups(decode, prefill)
+        if not groups:  # every candidate left the directory since it was listed
+            raise NoWorkerError("no live decode worker; is the cluster up (`pdserve status`)?")
+        choices = [self._choose_in(hashing, d, p, prompt, weights, cache_salt)
+                   for hashing, (d, p) in groups.items()]
+        best = min(c.cost for c in choices)
+        ties = [c for c in choices if c.cost == best]
+        choice = ties[0] if len(ties) == 1 else self.rng.choice(ties)
+        return Placement(choice.decode, choice.prefill, choice.decode_cached_blocks, "prefix")
 
-    def _hash_params(self) -> tuple[int, bytes | None]:
-        workers = self.directory.workers()
-        if not workers:
-            return 16, None
-        first = workers[0]
-        return first.block_size, engine_salt(first.model_fingerprint, first.block_size, self.config.kv_dtype)
+    def _salt_groups(self, decode: list[Candidate], prefill: list[Candidate]
+                     ) -> dict[BlockHashing, tuple[list[Candidate], list[Candidate]]]:
+        """The candidates by how they hash their blocks; only groups with a decode worker."""
+        hashing = self.directory.block_hashing()
+        groups: dict[BlockHashing, tuple[list[Candidate], list[Candidate]]] = {}
+        for c in decode:
+            if c.worker_id in hashing:
+                groups.setdefault(hashing[c.worker_id], ([], []))[0].append(c)
+        for c in prefill:
+            if hashing.get(c.worker_id) in groups:
+                groups[hashing[c.worker_id]][1].append(c)
+        return groups
+
+    def _choose_in(self, hashing: BlockHashing, decode: list[Candidate], prefill: list[Candidate],
+                   prompt: list[int], weights: ScoringWeights, cache_salt: bytes) -> Choice:
+        held: Mapping[str, int] = {}
+        if self.match is not None:
+            hashes = hash_blocks(prompt, hashing.block_size, request_salt(hashing.salt, cache_salt))
+            held = self.breaker.call(lambda: self.match(hashes), {}) if hashes else {}
+        return choose(len(prompt), hashing.block_size, decode, prefill, held, weights, self.rng)
 
     def _round_robin(self, prompt_tokens: int, decode, prefill) -> Placement:
         remote = bool(prefill) and prompt_tokens >= self.config.min_remote_prefill_tokens

@@ -28,6 +28,8 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
+from pdserve.units import ceil_div
+
 log = logging.getLogger(__name__)
 
 
@@ -56,17 +58,20 @@ class ScoringWeights:
 
 
 @dataclass(frozen=True)
-class WorkerLoad:
+class Candidate:
+    """A live worker a request may be placed on, with its load as the router sees it. The one type
+    of both placements: by load (router/least_load.py) and by cost here."""
+
     worker_id: str
     address: str
-    active: int  # requests in flight on it
-    used_block_fraction: float = 0.0
+    active_requests: int  # this router's requests in flight on it
+    used_block_fraction: float = 0.0  # of its KV blocks, as its heartbeat reported
 
 
 @dataclass(frozen=True)
 class Choice:
-    decode: WorkerLoad
-    prefill: WorkerLoad | None  # None: prefill on the decode worker
+    decode: Candidate
+    prefill: Candidate | None  # None: prefill on the decode worker
     cost: float
     decode_cached_blocks: int  # blocks D holds: not sent, not recomputed by D
     prefill_cached_blocks: int
@@ -77,7 +82,7 @@ def usable_blocks(held: int, prompt_tokens: int, block_size: int) -> int:
     return max(0, min(held, (prompt_tokens - 1) // block_size))
 
 
-def choose(prompt_tokens: int, block_size: int, decode: Sequence[WorkerLoad], prefill: Sequence[WorkerLoad],
+def choose(prompt_tokens: int, block_size: int, decode: Sequence[Candidate], prefill: Sequence[Candidate],
            held_blocks: Mapping[str, int], weights: ScoringWeights, rng: random.Random) -> Choice:
     """The cheapest option over every decode worker (and prefill worker). decode must be non-empty."""
     if not decode:
@@ -92,11 +97,11 @@ def choose(prompt_tokens: int, block_size: int, decode: Sequence[WorkerLoad], pr
     return winner
 
 
-def _options(tokens: int, bs: int, d: WorkerLoad, prefill: Sequence[WorkerLoad], held: Mapping[str, int],
+def _options(tokens: int, bs: int, d: Candidate, prefill: Sequence[Candidate], held: Mapping[str, int],
              w: ScoringWeights) -> list[Choice]:
-    n_blocks = -(-tokens // bs)
+    n_blocks = ceil_div(tokens, bs)
     d_held = usable_blocks(held.get(d.worker_id, 0), tokens, bs)
-    d_load = w.decode_load * d.active + w.blocks_used * d.used_block_fraction
+    d_load = w.decode_load * d.active_requests + w.blocks_used * d.used_block_fraction
     lacking = tokens - bs * d_held
     local = Choice(d, None, w.local_prefill * lacking + d_load, d_held, d_held)
     if lacking < w.local_prefill_max_tokens or not prefill:
@@ -105,7 +110,7 @@ def _options(tokens: int, bs: int, d: WorkerLoad, prefill: Sequence[WorkerLoad],
     for p in prefill:
         p_held = usable_blocks(held.get(p.worker_id, 0), tokens, bs)
         cost = (w.prefill * (tokens - bs * p_held) + w.transfer * (n_blocks - d_held)
-                + w.prefill_load * p.active + d_load)
+                + w.prefill_load * p.active_requests + d_load)
         remote.append(Choice(d, p, cost, d_held, p_held))
     return [local, *remote]
 

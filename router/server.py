@@ -29,16 +29,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.call_limits import CallLimiter, health_watch_limit, reflection_limit
+from pdserve.engine.hashing import CACHE_ISOLATION
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.grpc_options import ConnectionPolicy, server_options
 from pdserve.metrics import MetricsEndpoint
 from pdserve.security import SecurityConfig
 from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from router.admin import AdminServicer, RouterIdentity
+from router.config import PlacementConfig, RequestDeadlines
 from router.limits import RequestLimits
 from router.metrics import RouterMetrics
-from router.placement import MatchFn, PlacementConfig, Placer
-from router.service import GenerationServicer, RouterPolicyConfig
+from router.placement import MatchFn, Placer
+from router.service import GenerationServicer
 from router.workers import WorkerDirectory, WorkerRecord
 
 log = logging.getLogger(__name__)
@@ -50,9 +52,12 @@ SPARE_THREADS = 16  # beyond the limited calls: Admin, Health.Check, and refusin
 class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 50051
-    policy: RouterPolicyConfig = field(default_factory=RouterPolicyConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     limits: RequestLimits = field(default_factory=RequestLimits)
+    deadlines: RequestDeadlines = field(default_factory=RequestDeadlines)
+    # none: any request may reuse any other's cached prefix; token: only requests of the same API token
+    # (their blocks are hashed with a salt of the token's: pdserve/engine/hashing.py request_salt).
+    cache_isolation: str = "none"
     refresh_s: float = 0.5
     grpc_threads: int = 64  # at least; raised to fit limits.max_concurrent_streams
     metrics_port: int | None = 0  # Prometheus /metrics on host:port; 0 = any free port, None = off
@@ -63,6 +68,9 @@ class RouterConfig:
     max_health_watches: int = 16
 
     def __post_init__(self) -> None:
+        if self.cache_isolation not in CACHE_ISOLATION:
+            raise ValueError(f"cache_isolation must be one of {', '.join(CACHE_ISOLATION)}, "
+                             f"got {self.cache_isolation!r}")
         for name in ("max_reflection_streams", "max_health_watches", "grpc_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"router config: {name} must be >= 1, got {getattr(self, name)}")
@@ -75,7 +83,7 @@ class RouterServer:
                  sweep: Callable[[], object] | None = None, rng: random.Random | None = None) -> None:
         self.config = config
         self.security = config.security or SecurityConfig()
-        if config.policy.cache_isolation == "token" and not self.security.api_tokens:
+        if config.cache_isolation == "token" and not self.security.api_tokens:
             raise ValueError("cache isolation 'token' needs API tokens (--api-token-file): without them "
                              "requests carry no tenant to keep apart")
         self.directory = WorkerDirectory(live_workers, config.refresh_s, load_of, self.security,
@@ -84,8 +92,8 @@ class RouterServer:
         self.metrics = RouterMetrics()
         self.metrics_endpoint = (MetricsEndpoint(self.metrics.registry, config.host, config.metrics_port)
                                  if config.metrics_port is not None else None)
-        self.servicer = GenerationServicer(tokenizer, self.directory, self.placer, config.policy,
-                                           self.metrics, config.limits)
+        self.servicer = GenerationServicer(tokenizer, self.directory, self.placer, config.deadlines,
+                                           self.metrics, config.limits, config.cache_isolation)
         self.admin = AdminServicer(self.directory, self.placer, lambda: self.servicer.requests_in_flight,
                                    self.identity)
         self.health = health.HealthServicer()
@@ -100,7 +108,7 @@ class RouterServer:
         return self.metrics_endpoint.address if self.metrics_endpoint is not None else ""
 
     def identity(self) -> RouterIdentity:
-        return RouterIdentity(self.address, self.metrics_address, self.config.placement.policy)
+        return RouterIdentity(self.address, self.metrics_address, self.config.placement.routing)
 
     def start(self) -> str:
         threads = self.threads()

@@ -1,15 +1,16 @@
 """The public Generation service: tokenize -> place -> (remote prefill) -> decode -> stream.
 
-Lifecycle of a request at the router (RequestPhase):
-    RECEIVED -> PREFILLING (on a prefill worker, KV streaming to the decode worker)
-             -> DECODING (tokens streaming back) -> FINISHED | ABORTED
+Lifecycle of a request at the router:
+    received -> prefilling (on a prefill worker, KV streaming to the decode worker)
+             -> decoding (tokens streaming back) -> finished | aborted
 A failed remote prefill (worker down, transfer failed, or either stalled past the prefill
-phase's own deadline: RouterPolicyConfig) falls back to prefill on the decode worker, so the
-output stays exact; bad input is INVALID_ARGUMENT before any worker is
+phase's own deadline: router/config.py RequestDeadlines) falls back to prefill on the decode
+worker, so the output stays exact; bad input is INVALID_ARGUMENT before any worker is
 touched; a cancelled or expired client call cancels the downstream calls, which free the
-request's blocks on both workers. Before RECEIVED, a call over max_concurrent_streams is
+request's blocks on both workers. Before it is received, a call over max_concurrent_streams is
 refused at once (RESOURCE_EXHAUSTED, retry-after-ms trailer); it is never queued. The
-request limits and their checks are in router/limits.py.
+request limits and their checks are in router/limits.py. Under cache isolation "token"
+(--cache-isolation) each API token's requests are hashed with their own cache salt.
 
 Workers see the request under its own id (the client's request_id plus a random suffix), so
 two clients that pick the same request_id never collide on a worker; replies carry the
@@ -18,7 +19,6 @@ client's id.
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
@@ -27,16 +27,17 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.engine.hashing import CACHE_ISOLATION
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.roles import CHAT_ROLES
 from pdserve.security.auth import bearer_token, tenant_cache_salt
 from pdserve.worker.convert import sampling_from_proto
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 from router import limits as lim
+from router.config import RequestDeadlines
+from router.least_load import NoWorkerError
 from router.limits import RequestLimits, StreamLimitReached
 from router.metrics import RouterMetrics
 from router.placement import AdmissionRefused, Placement, Placer
-from router.policy import NoWorkerError
 from router.workers import WorkerDirectory
 
 log = logging.getLogger(__name__)
@@ -48,39 +49,6 @@ NOT_FALLBACK = {grpc.StatusCode.INVALID_ARGUMENT}
 # A decode worker that answers these before the first token did nothing for the request: it is dead or
 # draining (UNAVAILABLE), or full (RESOURCE_EXHAUSTED: its own call limit); another may start afresh.
 RETRY_ON_ANOTHER_DECODE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
-
-
-class RequestPhase(enum.Enum):
-    RECEIVED = "received"
-    PREFILLING = "prefilling"
-    DECODING = "decoding"
-    FINISHED = "finished"
-    ABORTED = "aborted"
-
-
-@dataclass(frozen=True)
-class RouterPolicyConfig:
-    """default_timeout_s: a request's deadline when its client sets none. The remote prefill phase
-    gets its own deadline: prefill_deadline_fraction of the request's remaining time, at most
-    prefill_timeout_s, so that when a prefill worker or its transfer stalls, the fallback (prefill
-    on the decode worker) still has the rest of the time to answer in."""
-
-    default_timeout_s: float = 300.0
-    max_context_tokens: int | None = None  # the model's context; longer prompts are INVALID_ARGUMENT
-    prefill_deadline_fraction: float = 0.5
-    prefill_timeout_s: float = 60.0
-    cache_isolation: str = "none"  # or "token": each API token's requests share prefix blocks only
-
-    def __post_init__(self) -> None:
-        if self.cache_isolation not in CACHE_ISOLATION:
-            raise ValueError(f"cache_isolation must be one of {', '.join(CACHE_ISOLATION)}, "
-                             f"got {self.cache_isolation!r}")
-        if not 0 < self.prefill_deadline_fraction < 1:
-            raise ValueError(f"prefill_deadline_fraction must be in (0, 1) so the fallback keeps some of "
-                             f"the request's time, got {self.prefill_deadline_fraction}")
-        if self.prefill_timeout_s <= 0 or self.default_timeout_s <= 0:
-            raise ValueError(f"prefill_timeout_s and default_timeout_s must be > 0 seconds, got "
-                             f"{self.prefill_timeout_s} and {self.default_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -106,7 +74,6 @@ class _Trace:
     transfer_ms: float = 0.0
     prefill_usage: generation_pb2.Usage | None = None
     usage: generation_pb2.Usage | None = None  # the final one, as sent to the client
-    phase: RequestPhase = RequestPhase.RECEIVED
     code: str | None = None  # gRPC status name once decided; None while running
 
 
@@ -144,20 +111,21 @@ def prompt_token_ids(request: generation_pb2.GenerateRequest, tokenizer: Tokeniz
 def _chat_messages(chat: generation_pb2.ChatMessages) -> list[dict[str, str]]:
     if not chat.messages:
         raise InvalidPrompt("chat.messages is empty: give at least one message")
-    roles = ("system", "user", "assistant")
     for i, m in enumerate(chat.messages):
-        if m.role not in roles:
-            raise InvalidPrompt(f"chat.messages[{i}].role must be one of {', '.join(roles)}, got {m.role!r}")
+        if m.role not in CHAT_ROLES:
+            raise InvalidPrompt(f"chat.messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
+                                f"got {m.role!r}")
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: Tokenizer, directory: WorkerDirectory, placer: Placer,
-                 config: RouterPolicyConfig, metrics: RouterMetrics | None = None,
-                 limits: RequestLimits | None = None) -> None:
-        self.tokenizer, self.directory, self.placer, self.config = tokenizer, directory, placer, config
+                 deadlines: RequestDeadlines, metrics: RouterMetrics | None = None,
+                 limits: RequestLimits | None = None, cache_isolation: str = "none") -> None:
+        self.tokenizer, self.directory, self.placer, self.deadlines = tokenizer, directory, placer, deadlines
         self.metrics = metrics or RouterMetrics()
         self.limits = limits or RequestLimits()
+        self.cache_isolation = cache_isolation
         self.requests_in_flight = 0
         self._lock = threading.Lock()
 
@@ -209,7 +177,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     @staticmethod
     def _abort(trace: _Trace, context, code: grpc.StatusCode, message: str):
-        trace.code, trace.phase = code.name, RequestPhase.ABORTED
+        trace.code = code.name
         context.abort(code, message)
 
     def _refuse(self, trace: _Trace, context, message: str, retry_after_s: float):
@@ -227,7 +195,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def _validated(self, request, trace: _Trace, context):
         """(prompt ids, the sampling proto to send: max_tokens always set), or INVALID_ARGUMENT."""
-        limits, context_tokens = self.limits, self.config.max_context_tokens
+        limits, context_tokens = self.limits, self.limits.max_context_tokens
         try:
             lim.check_request_id(request.request_id, limits)
             lim.check_sampling(sampling_from_proto(request.sampling), self.tokenizer.vocab_size, limits)
@@ -244,7 +212,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def _cache_salt(self, context) -> bytes:
         """Under --cache-isolation token, the caller's tenant salt: its blocks match only its own."""
-        if self.config.cache_isolation == "none":
+        if self.cache_isolation == "none":
             return b""
         token = bearer_token(context.invocation_metadata())
         if token is None:  # the router's token gate lets no such call through; refuse to mix caches
@@ -267,19 +235,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def _timeout(self, context) -> float:
         remaining = context.time_remaining()
-        return self.config.default_timeout_s if remaining is None else max(0.0, remaining)
+        return self.deadlines.default_timeout_s if remaining is None else max(0.0, remaining)
 
     def _prefill_timeout(self, context) -> float:
-        c = self.config
-        return min(c.prefill_timeout_s, c.prefill_deadline_fraction * self._timeout(context))
+        d = self.deadlines
+        return min(d.prefill_timeout_s, d.prefill_deadline_fraction * self._timeout(context))
 
     def _remote_prefill(self, job: _Job, placement: Placement, trace: _Trace, context):
         if placement.prefill is None:
             return None
-        trace.phase, trace.prefill_started = RequestPhase.PREFILLING, time.perf_counter()
+        trace.prefill_started = time.perf_counter()
         request = worker_pb2.PrefillRequest(request_id=job.worker_rid, prompt_token_ids=job.prompt,
                                             sampling=job.sampling, decode_target=placement.decode.address,
-                                            target_cached_blocks=placement.decode_cached_blocks,
+                                            decode_cached_blocks=placement.decode_cached_blocks,
                                             cache_salt=job.cache_salt)
         future = self.directory.prefill_stub(placement.prefill.address).Prefill.future(
             request, timeout=self._prefill_timeout(context))
@@ -313,7 +281,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                            detokenize=True, cache_salt=job.cache_salt)
         if prefill is not None:
             request.first_token, request.rng_state = prefill.first_token, prefill.rng_state
-        trace.phase = RequestPhase.DECODING
         call = self.directory.decode_stub(placement.decode.address).Decode(request,
                                                                            timeout=self._timeout(context))
         if not context.add_callback(call.cancel):  # the client is already gone
@@ -329,7 +296,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                             "retrying on another", job.rid, placement.decode.worker_id, e.code().name,
                             e.details())
                 return True
-            trace.phase = RequestPhase.ABORTED
             if context.is_active():
                 self._abort(trace, context, e.code(), e.details() or e.code().name)
         return False
@@ -349,7 +315,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         out = generation_pb2.GenerateResponse(request_id=rid, text=reply.text, token_ids=reply.token_ids,
                                               finished=reply.finished, finish_reason=reply.finish_reason)
         if reply.finished:
-            trace.phase, trace.code = RequestPhase.FINISHED, "OK"
+            trace.code = "OK"
             trace.usage = _usage(reply.usage, trace.prefill_usage)
             out.usage.CopyFrom(trace.usage)
             out.timings.CopyFrom(_timings(trace))

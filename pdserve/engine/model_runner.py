@@ -12,10 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.config import KV_DTYPES
 from pdserve.engine.model import AttentionMetadata, LayerDoneCallback, LlamaModel, PrefillSegment
 from pdserve.engine.scheduler import ScheduledChunk
+from pdserve.units import ceil_div
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in KV_DTYPES}
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ class ModelRunner:
         return StepInputs(self._tensor(ids), pos, meta, self._tensor(logit_rows), sampled)
 
     def _padded_tables(self, decodes: list[ScheduledChunk]) -> torch.Tensor:
-        width = max(-(-c.end // self.block_size) for c in decodes)
+        width = max(ceil_div(c.end, self.block_size) for c in decodes)
         rows = [c.seq.block_ids[:width] + [0] * (width - min(width, len(c.seq.block_ids)))
                 for c in decodes]
         return self._tensor(rows)

@@ -36,6 +36,7 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.hashing import request_salt
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.units import ceil_div
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,7 @@ class Scheduler:
         seq.usage.computed_tokens = seq.num_prompt_tokens - cached_tokens
 
     def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_ids))
+        return max(0, ceil_div(num_tokens, self.block_size) - len(seq.block_ids))
 
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
         need = self._blocks_needed(seq, num_tokens)

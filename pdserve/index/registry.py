@@ -21,10 +21,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Literal
+from typing import TYPE_CHECKING
 
 import redis
 
+from pdserve.engine.config import KV_DTYPES
+from pdserve.engine.hashing import HASH_BYTES
 from pdserve.index.base import Lease, StoreUnavailable, WorkerKey, check_ttl
 from pdserve.index.redis_layout import (
     LeaseScripts,
@@ -34,11 +36,13 @@ from pdserve.index.redis_layout import (
     require_bytes_client,
     store_errors,
 )
+from pdserve.roles import ROLES, Role
+
+if TYPE_CHECKING:
+    from pdserve.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
-Role = Literal["prefill", "decode"]
-ROLES: tuple[Role, ...] = ("prefill", "decode")
 _INT_FIELDS = ("block_size", "num_blocks", "epoch")
 
 # KEYS: the workers set. ARGV: the lease key prefix. Removes every worker id whose lease is gone;
@@ -57,13 +61,18 @@ return gone
 
 @dataclass(frozen=True)
 class WorkerInfo:
+    """A worker's registry entry. It carries how the worker hashes its blocks (block size, KV dtype,
+    and the engine salt they make with the model's fingerprint), so the router hashes a prompt as
+    each worker does and never re-derives a salt from settings of its own."""
+
     worker_id: str
     role: Role
-    address: str  # host:port of its Worker gRPC service
-    kv_address: str  # host:port of its KVTransfer service (may equal address)
+    address: str  # host:port of its gRPC server: every service it serves
     node: str
     model_fingerprint: str
     block_size: int
+    kv_dtype: str
+    salt: str  # hex of its engine salt (pdserve/engine/hashing.py engine_salt): keys its block hashes
     num_blocks: int
     epoch: int
 
@@ -73,6 +82,19 @@ class WorkerInfo:
         if self.block_size <= 0 or self.num_blocks <= 0:
             raise ValueError(f"worker {self.worker_id!r} reports block_size={self.block_size}, "
                              f"num_blocks={self.num_blocks}; both must be positive")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"worker {self.worker_id!r} reports kv_dtype {self.kv_dtype!r}; known: "
+                             f"{', '.join(KV_DTYPES)}")
+        if not _is_salt_hex(self.salt):
+            raise ValueError(f"worker {self.worker_id!r} reports salt {self.salt!r}; expected the hex of "
+                             f"{HASH_BYTES} bytes")
+
+    @classmethod
+    def of_engine(cls, engine: LLMEngine, worker_id: str, role: Role, address: str, node: str,
+                  epoch: int) -> WorkerInfo:
+        """The entry of a worker serving `engine`: its hashing and pool as the engine has them."""
+        return cls(worker_id, role, address, node, engine.fingerprint, engine.block_size,
+                   engine.config.cache.kv_dtype, engine.salt.hex(), engine.pool.num_blocks, epoch)
 
     @property
     def key(self) -> WorkerKey:
@@ -91,6 +113,13 @@ class WorkerInfo:
         for name in _INT_FIELDS:
             values[name] = int(text[name])
         return cls(**values)  # type: ignore[arg-type]
+
+
+def _is_salt_hex(text: str) -> bool:
+    try:
+        return len(bytes.fromhex(text)) == HASH_BYTES
+    except ValueError:
+        return False
 
 
 class StaleEpoch(ValueError):

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import redis
 from grpc_health.v1 import health_pb2
 
-from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.config import EngineConfig
 from pdserve.index.base import StoreUnavailable, WorkerKey
 from pdserve.index.breaker import CircuitBreaker
 from pdserve.index.publisher import IndexPublisher
@@ -56,15 +56,8 @@ class WorkerSpec:
     role: str
     worker_id: str
     redis_url: str = field(repr=False)
-    model_path: str | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)  # the model, KV cache, scheduler, device
     host: str = "127.0.0.1"
-    block_size: int = 16
-    kv_dtype: str = "float32"
-    num_blocks: int | None = None
-    kv_cache_gib: float = 1.0
-    max_num_batched_tokens: int = 2048
-    torch_threads: int | None = None
-    device: str | None = None
     heartbeat_s: float = 1.0
     liveness_ttl_s: float = 5.0
     metrics_port: int | None = 0  # Prometheus /metrics; 0 = any free port, None = off
@@ -80,14 +73,6 @@ class WorkerSpec:
     cluster_secret: str | None = field(default=None, repr=False)  # None: no check
     audit_interval_s: float | None = None  # background KV audit (pdserve/worker/scrubber.py); None: off
     audit_max_fraction: float = DEFAULT_MAX_FRACTION
-    extra: dict = field(default_factory=dict)
-
-    def engine_config(self) -> EngineConfig:
-        cache = CacheConfig(block_size=self.block_size, kv_dtype=self.kv_dtype, num_blocks=self.num_blocks,
-                            kv_cache_gib=self.kv_cache_gib)
-        return EngineConfig(model_path=self.model_path, cache=cache, device=self.device,
-                            scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens),
-                            num_threads=self.torch_threads)
 
     def security_config(self) -> SecurityConfig:
         """What the worker serves with (TLS, the cluster secret) and dials decode workers with."""
@@ -114,7 +99,7 @@ class WorkerActor:
                                          spec.worker_id)
         breaker = CircuitBreaker()  # one view of Redis's health for the heartbeat and the publisher
         self.publisher = IndexPublisher(self.index, WorkerKey(spec.worker_id, self.epoch), breaker)
-        config = WorkerConfig(spec.role, spec.engine_config(), worker_id=spec.worker_id, host=spec.host,
+        config = WorkerConfig(spec.role, spec.engine, worker_id=spec.worker_id, host=spec.host,
                               advertise_host=_advertise_host(spec.host), node=_node_name(),
                               metrics_port=spec.metrics_port, security=spec.security_config(),
                               audit_interval_s=spec.audit_interval_s,
@@ -123,9 +108,8 @@ class WorkerActor:
                                    on_failing=self._leave)
         address = self.server.start()
         self.publisher.start(self._cached_hashes)
-        engine = self.server.engine
-        self.info = WorkerInfo(spec.worker_id, spec.role, address, address, _node_name(),
-                               engine.fingerprint, engine.block_size, engine.pool.num_blocks, self.epoch)
+        self.info = WorkerInfo.of_engine(self.server.engine, spec.worker_id, spec.role, address, _node_name(),
+                                         self.epoch)
         self.presence = Presence(self.registry, self.publisher, self.info, self._load, spec.heartbeat_s,
                                  spec.liveness_ttl_s, breaker)
         self.presence.start()

@@ -18,7 +18,7 @@ cluster secret, and the port serves TLS when the config has a certificate.
 Limits (refused at once with RESOURCE_EXHAUSTED naming the limit, never queued; see
 pdserve/call_limits.py): at most max_concurrent_calls of the role's calls and Audit at once
 (Status and Abort excepted: they are quick, and Abort frees blocks), set above the router's
-per-decode admission limit (router.placement.PlacementConfig.max_in_flight_per_decode) so that
+per-decode admission limit (router.config.PlacementConfig.max_in_flight_per_decode) so that
 it only ever stops a flood; at most max_health_watches Health.Watch streams. The thread pool has
 a thread for every call the limits admit plus SPARE_THREADS. Connections follow
 config.connections (keepalive, ping policy, idle and age limits: pdserve/grpc_options.py).
@@ -48,6 +48,7 @@ from pdserve.engine.weights import LoadedModel, load_model
 from pdserve.grpc_options import ConnectionPolicy, server_options
 from pdserve.kvwire import KVLayout
 from pdserve.metrics import MetricsEndpoint
+from pdserve.roles import ROLES
 from pdserve.security import SecurityConfig
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.metrics import WorkerMetrics
@@ -57,7 +58,6 @@ from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode")
 SPARE_THREADS = 16  # beyond the limited calls: Status, Abort, Health.Check, and refusing extra calls
 
 

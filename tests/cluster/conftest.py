@@ -14,7 +14,9 @@ import pytest
 
 from deploy.launcher import ClusterSpec, LocalCluster
 from pdserve.client import PdserveClient
+from pdserve.engine.config import CacheConfig
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from router.config import PlacementConfig
 from tests.kv_audit import audit_failures  # noqa: F401  (the cluster tests' end-of-test check)
 
 
@@ -30,9 +32,11 @@ def ray_session():
     ray.shutdown()
 
 
-def start_cluster(num_prefill: int, num_decode: int, **overrides) -> LocalCluster:
+def start_cluster(num_prefill: int, num_decode: int, num_blocks: int = 512, routing: str = "prefix",
+                  **overrides) -> LocalCluster:
     spec = ClusterSpec(num_prefill=num_prefill, num_decode=num_decode, port=0,
-                       namespace=f"t{uuid.uuid4().hex[:6]}", **{"num_blocks": 512, **overrides})
+                       namespace=f"t{uuid.uuid4().hex[:6]}", cache=CacheConfig(num_blocks=num_blocks),
+                       placement=PlacementConfig(routing=routing), **overrides)
     cluster = LocalCluster(spec, say=lambda *_: None)
     cluster.start()
     return cluster

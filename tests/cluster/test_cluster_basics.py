@@ -49,7 +49,7 @@ def test_greedy_output_matches_the_single_process_engine(cluster_1p1d, smollm_lo
             done = client.generate(text, temperature=0, max_tokens=24, routing="least_load")
             assert done.token_ids == reference_tokens(reference, ids, 24), text
             assert done.text == smollm_loaded.tokenizer.decode(done.token_ids)
-            remote = len(ids) >= cluster_1p1d.spec.min_remote_prefill_tokens
+            remote = len(ids) >= cluster_1p1d.spec.placement.min_remote_prefill_tokens
             assert done.prefill_worker == ("prefill-0" if remote else None)
     assert not wait_until_clean(cluster_1p1d)
 

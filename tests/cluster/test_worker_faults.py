@@ -18,7 +18,7 @@ import ray
 import redis
 
 from pdserve.client import PdserveError
-from pdserve.engine.hashing import engine_salt, hash_blocks
+from pdserve.engine.hashing import hash_blocks
 from pdserve.engine.sequence import SamplingParams
 from pdserve.index.redis_index import RedisPrefixIndex
 from tests.cluster.conftest import (
@@ -66,7 +66,7 @@ def wait_for_epoch(cluster, worker_id: str, above: int, timeout_s: float = 120.0
 
 def held_by(cluster, prompt: list[int]) -> dict[str, int]:
     info = next(w for w in cluster.registry.live_workers() if w.role == "decode")
-    salt = engine_salt(info.model_fingerprint, info.block_size, cluster.spec.kv_dtype)
+    salt = bytes.fromhex(info.salt)
     index = RedisPrefixIndex(redis.Redis.from_url(cluster.redis_url), cluster.spec.namespace)
     return dict(index.match(hash_blocks(prompt, info.block_size, salt)))
 

@@ -11,15 +11,12 @@ import time
 
 import pytest
 
+from loadtest.stats import percentile
 from pdserve.engine.hashing import engine_salt, hash_blocks
 from pdserve.index.base import WorkerKey
 from pdserve.index.redis_index import RedisPrefixIndex
 
 SALT = engine_salt("latency", 16, "float16")
-
-
-def percentile(samples: list[float], q: float) -> float:
-    return sorted(samples)[int(q * (len(samples) - 1))]
 
 
 @pytest.mark.slow
@@ -45,6 +42,6 @@ def test_match_256_blocks_16_workers(redis_client, namespace):
         index.match(prompt)
         samples.append(time.perf_counter() - start)
 
-    p50, p99 = percentile(samples, 0.5) * 1e3, percentile(samples, 0.99) * 1e3
+    p50, p99 = percentile(samples, 50) * 1e3, percentile(samples, 99) * 1e3
     print(f"match, 256 blocks, 16 workers at depths 16..256: p50 {p50:.2f} ms, p99 {p99:.2f} ms")
     assert p50 < 50, f"match p50 {p50:.1f} ms: is it still one EVALSHA walking per worker?"

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import redis
 
+from pdserve.engine.hashing import engine_salt
 from pdserve.index.base import Lease, WorkerKey
 from pdserve.index.redis_index import RedisPrefixIndex
 from pdserve.index.redis_layout import EPOCH_RETAIN_S, RedisKeys
@@ -24,9 +25,9 @@ def registry(redis_client, namespace) -> WorkerRegistry:
 
 
 def make_info(worker_id: str = "p0", epoch: int = 1, role: str = "prefill", **kw) -> WorkerInfo:
-    fields = dict(worker_id=worker_id, role=role, address="127.0.0.1:7001", kv_address="127.0.0.1:7002",
-                  node="node-a", model_fingerprint="smollm2-135m|bs16|f32", block_size=16,
-                  num_blocks=512, epoch=epoch)
+    fields = dict(worker_id=worker_id, role=role, address="127.0.0.1:7001", node="node-a",
+                  model_fingerprint="smollm2-135m", block_size=16, kv_dtype="float32",
+                  salt=engine_salt("smollm2-135m", 16, "float32").hex(), num_blocks=512, epoch=epoch)
     return WorkerInfo(**(fields | kw))
 
 
@@ -133,7 +134,8 @@ def test_an_old_incarnation_cannot_register_or_heartbeat(registry):
 
 def test_register_round_trips_info_and_lists_only_live_workers(registry):
     p = make_info("p0", epoch=registry.next_epoch("p0"))
-    d = make_info("d0", epoch=registry.next_epoch("d0"), role="decode", kv_address="127.0.0.1:7102")
+    d = make_info("d0", epoch=registry.next_epoch("d0"), role="decode", address="127.0.0.1:7102",
+                  kv_dtype="bfloat16", salt=engine_salt("smollm2-135m", 16, "bfloat16").hex())
     assert registry.register(p, TTL) is Lease.STARTED
     assert registry.register(d, SHORT_TTL) is Lease.STARTED
 
@@ -186,3 +188,7 @@ def test_worker_info_is_validated():
         make_info(role="both")
     with pytest.raises(ValueError, match="positive"):
         replace(make_info(), num_blocks=0)
+    with pytest.raises(ValueError, match="kv_dtype 'int8'"):
+        replace(make_info(), kv_dtype="int8")
+    with pytest.raises(ValueError, match="expected the hex of 16 bytes"):
+        replace(make_info(), salt="beef")

@@ -22,10 +22,9 @@ from pdserve.engine.weights import LoadedModel
 from pdserve.index.registry import WorkerInfo
 from pdserve.worker.server import WorkerConfig, WorkerServer
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from router.config import PlacementConfig
 from router.limits import RequestLimits
-from router.placement import PlacementConfig
 from router.server import RouterConfig, RouterServer
-from router.service import RouterPolicyConfig
 from tests.workers import worker_server
 
 TINY_CONTEXT = 512  # the tiny model's max_position_embeddings
@@ -53,9 +52,9 @@ def running_cluster(loaded: LoadedModel, limits: RequestLimits | None = None, nu
     configs = worker_configs or (WorkerConfig("prefill"), WorkerConfig("decode"))
     workers = [worker_server(replace(c, engine=engine), loaded) for c in configs]
     records = [info(w, w.start()) for w in workers]
-    placement = PlacementConfig(policy=routing, min_remote_prefill_tokens=32)
-    policy = RouterPolicyConfig(max_context_tokens=TINY_CONTEXT)
-    config = RouterConfig(port=0, placement=placement, policy=policy, limits=limits or RequestLimits(),
+    placement = PlacementConfig(routing=routing, min_remote_prefill_tokens=32)
+    limits = replace(limits or RequestLimits(), max_context_tokens=TINY_CONTEXT)
+    config = RouterConfig(port=0, placement=placement, limits=limits,
                           metrics_port=metrics_port, **(router_options or {}))
     router = RouterServer(config, loaded.tokenizer, lambda: records, rng=random.Random(0))
     router.start()
@@ -70,9 +69,8 @@ def running_cluster(loaded: LoadedModel, limits: RequestLimits | None = None, nu
 
 
 def info(worker: WorkerServer, address: str) -> WorkerInfo:
-    e = worker.engine
-    return WorkerInfo(worker.config.worker_id, worker.config.role, address, address, "local", e.fingerprint,
-                      e.block_size, e.pool.num_blocks, 0)
+    c = worker.config
+    return WorkerInfo.of_engine(worker.engine, c.worker_id, c.role, address, "local", 0)
 
 
 def greedy(max_tokens: int = 8) -> generation_pb2.SamplingParams:

@@ -17,9 +17,8 @@ from pdserve.client import PdserveClient
 from pdserve.engine.sequence import SamplingParams
 from pdserve.security import SecurityConfig
 from pdserve.worker.server import WorkerConfig
-from router.placement import PlacementConfig
+from router.config import PlacementConfig
 from router.server import RouterConfig, RouterServer
-from router.service import RouterPolicyConfig
 from tests.router.inprocess import info
 from tests.transfer.rig import assert_clean, engine_config, reference_tokens
 from tests.workers import WorkerStubs, worker_server
@@ -41,8 +40,8 @@ def workers(tiny_loaded):
 
 def start_router(tiny_loaded, records, isolation: str) -> RouterServer:
     config = RouterConfig(port=0, metrics_port=None, security=SecurityConfig(api_tokens=TOKENS),
-                          placement=PlacementConfig(policy="least_load", min_remote_prefill_tokens=32),
-                          policy=RouterPolicyConfig(cache_isolation=isolation))
+                          placement=PlacementConfig(routing="least_load", min_remote_prefill_tokens=32),
+                          cache_isolation=isolation)
     router = RouterServer(config, tiny_loaded.tokenizer, lambda: records, rng=random.Random(0))
     router.start()
     return router
@@ -69,11 +68,11 @@ def test_a_tenant_sees_no_prefix_hit_on_another_tenants_prompt(tiny_loaded, work
 
 
 def test_token_isolation_needs_api_tokens(tiny_loaded):
-    config = RouterConfig(port=0, metrics_port=None, policy=RouterPolicyConfig(cache_isolation="token"))
+    config = RouterConfig(port=0, metrics_port=None, cache_isolation="token")
     with pytest.raises(ValueError, match="needs API tokens"):
         RouterServer(config, tiny_loaded.tokenizer, lambda: [])
     with pytest.raises(ValueError, match="cache_isolation must be one of none, token"):
-        RouterPolicyConfig(cache_isolation="tenant")
+        RouterConfig(cache_isolation="tenant")
 
 
 def test_a_decode_call_must_carry_the_cache_salt_its_kv_was_sent_under(tiny_loaded, workers):

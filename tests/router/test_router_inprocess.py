@@ -16,7 +16,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.sequence import SamplingParams
 from pdserve.worker.server import WorkerConfig
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from router.placement import PlacementConfig
+from router.config import PlacementConfig
 from router.server import RouterConfig, RouterServer
 from tests.conftest import make_engine
 from tests.workers import worker_server
@@ -35,7 +35,7 @@ def cluster(tiny_loaded):
     engine = EngineConfig(cache=CacheConfig(num_blocks=128), device="cpu")
     workers = [worker_server(WorkerConfig(role, engine), tiny_loaded) for role in ("prefill", "decode")]
     records = [Record(w.config.worker_id, w.config.role, w.start()) for w in workers]
-    placement = PlacementConfig(policy="least_load", min_remote_prefill_tokens=32)
+    placement = PlacementConfig(routing="least_load", min_remote_prefill_tokens=32)
     config = RouterConfig(port=0, placement=placement)
     router = RouterServer(config, tiny_loaded.tokenizer, lambda: records, rng=random.Random(0))
     router.start()

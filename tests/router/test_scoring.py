@@ -10,11 +10,11 @@ import random
 
 import pytest
 
-from router.scoring import ScoringWeights, WorkerLoad, choose, usable_blocks
+from router.scoring import Candidate, ScoringWeights, choose, usable_blocks
 
 W = ScoringWeights()
-P = WorkerLoad("p0", "p0:1", active=0)
-D = WorkerLoad("d0", "d0:1", active=0)
+P = Candidate("p0", "p0:1", active_requests=0)
+D = Candidate("d0", "d0:1", active_requests=0)
 
 
 def pick(tokens, decode, prefill, held, weights=W, seed=0):
@@ -47,34 +47,34 @@ def test_prefix_held_by_the_prefill_worker_is_reused_and_only_missing_blocks_mov
 
 
 def test_decode_load_moves_the_request_to_an_idle_worker():
-    busy = WorkerLoad("d1", "d1:1", active=3)
-    idle = WorkerLoad("d2", "d2:1", active=0)
+    busy = Candidate("d1", "d1:1", active_requests=3)
+    idle = Candidate("d2", "d2:1", active_requests=0)
     # d1 holds 64 blocks of a 1,100-token prompt: local 2 x 76 + 64 x 3 = 344
     # d2 holds nothing: local 2 x 1100 = 2200, or p0 -> d2: 1100 + 4 x 69 = 1376  -> d1 wins
     assert pick(1100, [busy, idle], [P], {"d1": 64}).decode is busy
     # with 20 active on d1: 152 + 64 x 20 = 1432 > 1376  -> p0 -> d2 wins
-    swamped = WorkerLoad("d1", "d1:1", active=20)
+    swamped = Candidate("d1", "d1:1", active_requests=20)
     c = pick(1100, [swamped, idle], [P], {"d1": 64})
     assert (c.decode, c.prefill, c.cost) == (idle, P, 1376)
 
 
 def test_kv_pool_pressure_counts_as_load():
     # short prompt, 100 tokens: local only. d1 half full: 200 + 32 x 0.5 = 216 vs d2 empty: 200
-    half = WorkerLoad("d1", "d1:1", active=0, used_block_fraction=0.5)
-    empty = WorkerLoad("d2", "d2:1", active=0)
+    half = Candidate("d1", "d1:1", active_requests=0, used_block_fraction=0.5)
+    empty = Candidate("d2", "d2:1", active_requests=0)
     c = pick(100, [half, empty], [P], {})
     assert (c.decode, c.cost) == (empty, 200)
 
 
 def test_busy_prefill_workers_lose_to_an_idle_one():
     # 1,040 tokens, nothing cached: p_busy 1300 + 256 x 2 = 1812, p_idle 1300
-    busy = WorkerLoad("p1", "p1:1", active=2)
-    idle = WorkerLoad("p2", "p2:1", active=0)
+    busy = Candidate("p1", "p1:1", active_requests=2)
+    idle = Candidate("p2", "p2:1", active_requests=0)
     assert pick(1040, [D], [busy, idle], {}).prefill is idle
 
 
 def test_ties_are_broken_by_the_injected_random_source():
-    d1, d2 = WorkerLoad("d1", "a", 0), WorkerLoad("d2", "b", 0)
+    d1, d2 = Candidate("d1", "a", 0), Candidate("d2", "b", 0)
     picks = {pick(100, [d1, d2], [], {}, seed=s).decode.worker_id for s in range(20)}
     assert picks == {"d1", "d2"}
     assert pick(100, [d1, d2], [], {}, seed=3) == pick(100, [d1, d2], [], {}, seed=3)

@@ -32,10 +32,9 @@ from protos.pdserve.v1 import (
     kv_transfer_pb2_grpc,
     worker_pb2,
 )
+from router.config import PlacementConfig
 from router.limits import RequestLimits
-from router.placement import PlacementConfig
 from router.server import RouterConfig, RouterServer
-from router.service import RouterPolicyConfig
 from tests.router.inprocess import TINY_CONTEXT, greedy, info, running_cluster, wait_until_clean
 from tests.workers import WorkerStubs, worker_server
 
@@ -72,8 +71,8 @@ def secured_cluster(loaded, certs: DevCerts, mutual: bool = False) -> Iterator[S
                for role in ("prefill", "decode")]
     records = [info(w, w.start()) for w in workers]
     config = RouterConfig(port=0, metrics_port=0, security=router_security,
-                          placement=PlacementConfig(policy="least_load", min_remote_prefill_tokens=32),
-                          policy=RouterPolicyConfig(max_context_tokens=TINY_CONTEXT))
+                          placement=PlacementConfig(routing="least_load", min_remote_prefill_tokens=32),
+                          limits=RequestLimits(max_context_tokens=TINY_CONTEXT))
     router = RouterServer(config, loaded.tokenizer, lambda: records, rng=random.Random(0))
     router.start()
     user = SecurityConfig(tls=TLSConfig(ca=certs.ca), client_cert=client_cert[0], client_key=client_cert[1],

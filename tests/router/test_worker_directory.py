@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from pdserve.security import SecurityConfig
-from router.policy import Candidate
+from router.scoring import Candidate
 from router.workers import CHANNEL_RETIRE_S, WorkerDirectory
 
 

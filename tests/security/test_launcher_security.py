@@ -15,6 +15,7 @@ from deploy.redis_server import RedisServer
 from deploy.up import client_flags
 from pdserve.security import SecurityConfig, TLSConfig
 from pdserve.security.redis_auth import RedisAuthFailed
+from router.limits import RequestLimits
 
 TOKENS, SECRET = ("token-one-aaaa", "token-two-bbbb"), "the-cluster-secret-cccc"
 
@@ -26,8 +27,9 @@ def secured_spec(dev_certs, tmp_path) -> ClusterSpec:
     return ClusterSpec(tls_cert=dev_certs.server_cert, tls_key=dev_certs.server_key, tls_ca=dev_certs.ca,
                        tls_require_client_cert=True, tls_client_cert=dev_certs.client_cert,
                        tls_client_key=dev_certs.client_key, api_token_file=str(tmp_path / "tokens.txt"),
-                       cluster_secret_file=str(tmp_path / "secret.txt"), max_prompt_tokens=100,
-                       max_tokens_limit=50, max_message_bytes=1 << 16, max_concurrent_streams=8,
+                       cluster_secret_file=str(tmp_path / "secret.txt"),
+                       limits=RequestLimits(max_prompt_tokens=100, max_tokens_limit=50,
+                                            max_message_bytes=1 << 16, max_concurrent_streams=8),
                        metrics_port=None)
 
 

@@ -31,7 +31,7 @@ import sys, redis
 from pdserve.index.registry import WorkerInfo, WorkerRegistry
 registry = WorkerRegistry(redis.Redis.from_url(sys.argv[1], socket_timeout=5), "t-auth")
 epoch = registry.next_epoch(sys.argv[2])
-info = WorkerInfo(sys.argv[2], "decode", "127.0.0.1:1", "127.0.0.1:1", "node", "fp", 16, 64, epoch)
+info = WorkerInfo(sys.argv[2], "decode", "127.0.0.1:1", "node", "fp", 16, "float32", "00" * 16, 64, epoch)
 registry.register(info, 60)
 print("registered")
 """

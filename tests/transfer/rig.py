@@ -83,16 +83,16 @@ class Rig:
         return WorkerStubs(channel)
 
     def prefill_request(self, request_id: str, prompt: list[int], sampling: SamplingParams = GREEDY,
-                        target_cached_blocks: int = 0) -> worker_pb2.PrefillRequest:
+                        decode_cached_blocks: int = 0) -> worker_pb2.PrefillRequest:
         return worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt,
                                          sampling=sampling_to_proto(sampling),
                                          decode_target=self.decode.address,
-                                         target_cached_blocks=target_cached_blocks)
+                                         decode_cached_blocks=decode_cached_blocks)
 
     def remote_prefill(self, request_id: str, prompt: list[int], sampling: SamplingParams = GREEDY,
-                       target_cached_blocks: int = 0, timeout: float = 60) -> worker_pb2.PrefillReply:
+                       decode_cached_blocks: int = 0, timeout: float = 60) -> worker_pb2.PrefillReply:
         """Worker.Prefill on P: grpc.RpcError when it fails."""
-        request = self.prefill_request(request_id, prompt, sampling, target_cached_blocks)
+        request = self.prefill_request(request_id, prompt, sampling, decode_cached_blocks)
         return self.stub(self.prefill).Prefill(request, timeout=timeout)
 
     def decode_tokens(self, request_id: str, prompt: list[int], reply: worker_pb2.PrefillReply | None = None,

@@ -35,9 +35,8 @@ from prefill_worker.faults import (
 )
 from prefill_worker.role import PrefillConfig, PrefillRole
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from router.placement import PlacementConfig
+from router.config import PlacementConfig, RequestDeadlines
 from router.server import RouterConfig, RouterServer
-from router.service import RouterPolicyConfig
 from tests.transfer.processes import WorkerProcess
 from tests.transfer.rig import (
     Gate,
@@ -199,10 +198,10 @@ def distinct_prompt(i: int) -> list[int]:
     return [(i * 37 + j * 11) % 500 + 10 for j in range(48 + 3 * i)]
 
 
-def start_router(tiny_loaded, records: list[Record], policy: RouterPolicyConfig | None = None,
+def start_router(tiny_loaded, records: list[Record], deadlines: RequestDeadlines | None = None,
                  ) -> RouterServer:
-    placement = PlacementConfig(policy="least_load", min_remote_prefill_tokens=32)
-    config = RouterConfig(port=0, placement=placement, policy=policy or RouterPolicyConfig())
+    placement = PlacementConfig(routing="least_load", min_remote_prefill_tokens=32)
+    config = RouterConfig(port=0, placement=placement, deadlines=deadlines or RequestDeadlines())
     router = RouterServer(config, tiny_loaded.tokenizer, lambda: records, rng=random.Random(0))
     router.start()
     return router
@@ -356,7 +355,7 @@ def test_a_stalled_transfer_falls_back_to_local_prefill_well_inside_the_request_
     prefill = WorkerServer(WorkerConfig("prefill", ENGINE), role, tiny_loaded)
     decode = WorkerServer(WorkerConfig("decode", ENGINE), DecodeRole(), tiny_loaded)
     records = [Record(w.config.worker_id, w.config.role, w.start()) for w in (prefill, decode)]
-    router = start_router(tiny_loaded, records, RouterPolicyConfig(prefill_deadline_fraction=0.5))
+    router = start_router(tiny_loaded, records, RequestDeadlines(prefill_deadline_fraction=0.5))
     try:
         prompt, request_deadline_s = distinct_prompt(0), 12.0
         started = time.monotonic()

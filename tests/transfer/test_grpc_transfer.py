@@ -50,11 +50,11 @@ def chat(loaded, text: str) -> list[int]:
 
 
 def remote_prefill(prefill: WorkerServer, decode: WorkerProcess, request_id: str, prompt: list[int],
-                   target_cached_blocks: int = 0) -> worker_pb2.PrefillReply:
+                   decode_cached_blocks: int = 0) -> worker_pb2.PrefillReply:
     stub = worker_pb2_grpc.PrefillServiceStub(grpc.insecure_channel(prefill.address))
     return stub.Prefill(worker_pb2.PrefillRequest(
         request_id=request_id, prompt_token_ids=prompt, sampling=sampling_to_proto(GREEDY),
-        decode_target=decode.address, target_cached_blocks=target_cached_blocks), timeout=120)
+        decode_target=decode.address, decode_cached_blocks=decode_cached_blocks), timeout=120)
 
 
 def decode_tokens(decode: WorkerProcess, request_id: str, prompt: list[int],
@@ -96,7 +96,7 @@ def test_receiver_cached_prefix_sends_fewer_bytes(smollm_loaded, smol_prefill, s
     assert shared_blocks >= 2
     cold = remote_prefill(smol_prefill, smol_decode, "c1", first)
     decode_tokens(smol_decode, "c1", first, cold)  # the decode side now caches it
-    warm = remote_prefill(smol_prefill, smol_decode, "c2", second, target_cached_blocks=shared_blocks)
+    warm = remote_prefill(smol_prefill, smol_decode, "c2", second, decode_cached_blocks=shared_blocks)
     tokens, used = decode_tokens(smol_decode, "c2", second, warm)
     layers, block_bytes = smollm_loaded.config.num_layers, smol_prefill.layout.block_bytes
     assert cold.bytes_sent == layers * -(-len(first) // 16) * block_bytes

@@ -70,7 +70,7 @@ def test_transferred_kv_decodes_exactly_like_one_engine(rig, tiny_loaded):
 def test_receiver_cached_prefix_is_not_sent(rig, tiny_loaded):
     rig.decode_tokens("warm", PROMPT[:40], sampling=SamplingParams(temperature=0, max_tokens=1))
     assert cached_prompt_blocks(rig.decode, PROMPT) == 2
-    reply = rig.remote_prefill("r2", PROMPT, target_cached_blocks=2)
+    reply = rig.remote_prefill("r2", PROMPT, decode_cached_blocks=2)
     assert reply.blocks_sent == 2 * layers(tiny_loaded)  # blocks 2 and 3 only
     assert reply.bytes_sent == 2 * layers(tiny_loaded) * rig.prefill.layout.block_bytes
     tokens, used = rig.decode_tokens("r2", PROMPT, reply)
@@ -182,7 +182,7 @@ def test_pool_too_small_is_resource_exhausted(tiny_loaded, kind_param):
 
 def test_claimed_prefix_the_receiver_lost_fails_precondition(rig, tiny_loaded):
     with pytest.raises(grpc.RpcError) as failure:
-        rig.remote_prefill("r9", PROMPT, target_cached_blocks=2)
+        rig.remote_prefill("r9", PROMPT, decode_cached_blocks=2)
     assert failure.value.code() is grpc.StatusCode.FAILED_PRECONDITION
     assert "holds 0 of the 2 prefix blocks" in failure.value.details()
 

@@ -22,16 +22,17 @@ import grpc
 import redis
 
 from decode_worker.actor import DecodeWorker
+from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.hashing import hash_blocks
 from pdserve.engine.sequence import SamplingParams
 from pdserve.engine.weights import LoadedModel
 from pdserve.index.redis_index import RedisPrefixIndex
 from pdserve.worker.actor import WorkerActor, WorkerSpec
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from router.placement import PlacementConfig
+from router.config import PlacementConfig
+from router.limits import RequestLimits
 from router.redis_backend import redis_router
 from router.server import RouterConfig, RouterServer
-from router.service import RouterPolicyConfig
 from tests.conftest import MIN_GREEDY_MARGIN, greedy_margin, make_engine
 
 TINY_CONTEXT = 512
@@ -51,10 +52,11 @@ def wait_for(condition: Callable[[], object], timeout_s: float, what: str, poll_
         time.sleep(poll_s)
 
 
-def decode_spec(worker_id: str, redis_url: str, model_dir: str, namespace: str, **overrides) -> WorkerSpec:
-    values = dict(role="decode", worker_id=worker_id, redis_url=redis_url, model_path=model_dir,
-                  num_blocks=96, torch_threads=1, metrics_port=None, namespace=namespace,
-                  heartbeat_s=HEARTBEAT_S, liveness_ttl_s=LEASE_TTL_S, redis_wait_s=10.0)
+def decode_spec(worker_id: str, redis_url: str, model_dir: str, namespace: str, num_blocks: int = 96,
+                **overrides) -> WorkerSpec:
+    engine = EngineConfig(model_dir, CacheConfig(num_blocks=num_blocks), num_threads=1)
+    values = dict(role="decode", worker_id=worker_id, redis_url=redis_url, engine=engine, metrics_port=None,
+                  namespace=namespace, heartbeat_s=HEARTBEAT_S, liveness_ttl_s=LEASE_TTL_S, redis_wait_s=10.0)
     return WorkerSpec(**(values | overrides))
 
 
@@ -131,8 +133,8 @@ class RedisCluster:
 
     def start_router(self) -> RouterServer:
         config = RouterConfig(port=0, refresh_s=0.1, metrics_port=None,
-                              placement=PlacementConfig(policy="prefix"),
-                              policy=RouterPolicyConfig(max_context_tokens=TINY_CONTEXT))
+                              placement=PlacementConfig(routing="prefix"),
+                              limits=RequestLimits(max_context_tokens=TINY_CONTEXT))
         self.router = redis_router(config, self.loaded.tokenizer, self.redis_url, self.namespace,
                                    rng=random.Random(0))
         self.router.start()

@@ -14,6 +14,7 @@ import redis
 
 from decode_worker.actor import DecodeWorker
 from deploy.redis_server import RedisServer
+from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.index.base import StoreUnavailable
 from pdserve.index.registry import WorkerRegistry
 from pdserve.worker.actor import WorkerSpec, redis_client
@@ -24,8 +25,9 @@ def test_a_worker_starting_while_redis_is_down_waits_and_registers():
     server = RedisServer()
     url = server.start()
     server.kill()
-    spec = WorkerSpec(role="decode", worker_id="decode-w", redis_url=url, num_blocks=16, torch_threads=1,
-                      metrics_port=None, namespace="t-wait", redis_wait_s=60.0)
+    spec = WorkerSpec(role="decode", worker_id="decode-w", redis_url=url,
+                      engine=EngineConfig(cache=CacheConfig(num_blocks=16), num_threads=1), metrics_port=None,
+                      namespace="t-wait", redis_wait_s=60.0)
     outcome: dict = {}
 
     def construct() -> None:

@@ -71,10 +71,10 @@ def registry():
 
 
 def register(registry: WorkerRegistry, worker: WorkerServer) -> None:
-    e, c = worker.engine, worker.config
+    c = worker.config
     epoch = registry.next_epoch(c.worker_id)
-    registry.register(WorkerInfo(c.worker_id, c.role, worker.address, worker.address, "local", e.fingerprint,
-                                 e.block_size, e.pool.num_blocks, epoch), ttl_s=60)
+    info = WorkerInfo.of_engine(worker.engine, c.worker_id, c.role, worker.address, "local", epoch)
+    registry.register(info, ttl_s=60)
 
 
 def test_a_prefill_naming_an_unregistered_decode_target_is_refused(tiny_loaded, registry):

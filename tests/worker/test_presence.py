@@ -16,7 +16,7 @@ from pdserve.index.publisher import IndexPublisher
 from pdserve.index.registry import WorkerInfo
 from pdserve.worker.presence import Presence
 
-INFO = WorkerInfo("d0", "decode", "127.0.0.1:1", "127.0.0.1:1", "node", "fp", 16, 64, 7)
+INFO = WorkerInfo("d0", "decode", "127.0.0.1:1", "node", "fp", 16, "float32", "00" * 16, 64, 7)
 
 
 class ScriptedRegistry:

@@ -12,14 +12,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class Candidate:
-    worker_id: str
-    address: str
-    active_requests: int
+from router.scoring import Candidate
 
 
 class NoWorkerError(RuntimeError):
