@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve import cli
+from deploy import cli
 from pdserve.plan import KVPlan, KVShape, plan_kv, read_kv_shape
 
 MIB, GIB = 2**20, 2**30

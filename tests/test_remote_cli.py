@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from pdserve import cli
+from deploy import cli
 from pdserve.client import USAGE_FIELDS
 from tests.test_client import TIMINGS, USAGE, FakeGeneration, closed_port_target, serving
 
