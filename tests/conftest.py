@@ -1,18 +1,24 @@
-"""Shared fixtures: the tiny random model, the real SmolLM2, engine builders, leak checks."""
+"""Shared fixtures (the tiny random model, the real SmolLM2, the development CA, a redis-server), engine
+builders and leak checks. Helpers that are not fixtures live in tests/helpers/.
+"""
 
 from __future__ import annotations
 
 import os
 import signal
+import uuid
 
 import pytest
+import redis
 import torch
 
+from deploy.redis_server import RedisServer, generate_password
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.events import KVEvent
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.tiny_model import write_tiny_model
 from pdserve.engine.weights import LoadedModel, default_model_path, load_model
+from pdserve.security.certs import DevCerts, make_dev_ca
 
 # NOTE: a shell without job control starts a background command (`make test &`, `nohup ... &`)
 # with SIGINT ignored, and every process it starts inherits that. The tests that press Ctrl-C on
@@ -30,6 +36,34 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_loaded(tiny_model_dir) -> LoadedModel:
     return load_model(str(tiny_model_dir), progress=False)
+
+
+@pytest.fixture(scope="session")
+def dev_certs(tmp_path_factory) -> DevCerts:
+    """The development CA (`python -m pdserve.security.certs`) every TLS test trusts: a CA, a server
+    certificate for 127.0.0.1 and localhost, and a client certificate."""
+    return make_dev_ca(tmp_path_factory.mktemp("dev-ca"))
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    """A real redis-server per test module, with a password as `pdserve up` starts it (tests that
+    break their server make their own)."""
+    with RedisServer(password=generate_password()) as server:
+        yield server
+
+
+@pytest.fixture
+def redis_client(redis_server):
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A fresh key namespace per test, so tests on one redis-server never share keys."""
+    return f"t{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture(scope="session")
