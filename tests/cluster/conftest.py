@@ -1,5 +1,5 @@
 """Cluster fixtures: one local Ray for the session, real embedded Redis, real actors (the helpers:
-tests/helpers/ray_cluster.py).
+tests/helpers/ray_cluster.py). Every test in this folder is marked slow (tests/conftest.py).
 
 Each cluster gets its own Redis and its own actor names; they share the Ray instance,
 which starts once (ray.init costs seconds on a small machine).
