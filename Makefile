@@ -14,7 +14,7 @@ PROTOS := $(wildcard protos/*.proto protos/pdserve/v1/*.proto)
 BENCH_MODULES := bench.engine bench.kv_transfer bench.router bench.disagg
 
 .DEFAULT_GOAL := help
-.PHONY: help setup protos test up bench lint clean distclean
+.PHONY: help setup protos test test-fast up bench lint clean distclean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -44,10 +44,19 @@ else
 	@echo "protos: no .proto files in protos/, nothing to generate"
 endif
 
-test: setup ## run the test suite
-	@$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "make test: pytest ran no tests (none collected, or all deselected); check testpaths in pyproject.toml and PYTEST_ARGS" >&2; exit 1; fi; \
+# pytest exits 5 when it ran no test: a silent pass would hide a wrong testpaths or PYTEST_ARGS.
+define pytest_or_fail_on_none
+	@$(PY) -m pytest -q $(1) $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make $@: pytest ran no tests (none collected, or all deselected); check testpaths in pyproject.toml and PYTEST_ARGS" >&2; exit 1; fi; \
 	exit $$rc
+endef
+
+test: setup ## run the whole test suite (about 8 minutes on 2 cores)
+	$(call pytest_or_fail_on_none,)
+
+# The tests marked slow (tests/conftest.py marks every test that loads SmolLM2 or starts Ray) are left out.
+test-fast: setup ## run the tests that need neither SmolLM2 nor Ray (-m "not slow", under 3 minutes)
+	$(call pytest_or_fail_on_none,-m "not slow")
 
 up: setup ## start the local cluster (Redis, Ray, 1 prefill + 1 decode worker, router on 127.0.0.1:50051), answer a sample chat, serve until Ctrl-C
 	$(VENV)/bin/pdserve up $(UP_ARGS)

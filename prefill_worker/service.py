@@ -1,6 +1,6 @@
 """The PrefillService: compute a prompt here and stream its KV to the decode worker that will
 decode it. The one prefill orchestration: production and the transfer tests
-(tests/transfer/rig.py) both run it.
+(tests/helpers/rig.py) both run it.
 
     Prefill: check the decode target (a live decode worker in the registry: peers.py)
       -> register the outgoing transfer -> submit(max_tokens=1) -> each layer's blocks are pinned

@@ -1,18 +1,31 @@
-"""Shared fixtures: the tiny random model, the real SmolLM2, engine builders, leak checks."""
+"""Shared fixtures (the tiny random model, the real SmolLM2, the development CA, a redis-server), engine
+builders and leak checks, and the `slow` mark. Helpers that are not fixtures live in tests/helpers/.
+
+A test is slow when it loads SmolLM2 or starts Ray: it uses a fixture of SLOW_FIXTURES (directly or
+through another fixture) or lives in a folder of SLOW_FOLDERS. pytest_collection_modifyitems marks
+it, so a new test cannot forget the mark; `make test-fast` (-m "not slow") leaves them out, and a
+test that starts Ray without the mark fails.
+"""
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
+import uuid
+from pathlib import Path
 
 import pytest
+import redis
 import torch
 
+from deploy.redis_server import RedisServer, generate_password
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.events import KVEvent
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.tiny_model import write_tiny_model
 from pdserve.engine.weights import LoadedModel, default_model_path, load_model
+from pdserve.security.certs import DevCerts, make_dev_ca
 
 # NOTE: a shell without job control starts a background command (`make test &`, `nohup ... &`)
 # with SIGINT ignored, and every process it starts inherits that. The tests that press Ctrl-C on
@@ -20,6 +33,36 @@ from pdserve.engine.weights import LoadedModel, default_model_path, load_model
 # reset to the default on exec, so the processes the suite starts get SIGINT as from a terminal.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+SLOW_FIXTURES = frozenset({"smollm_loaded", "hf_smollm", "ray_session"})
+SLOW_FOLDERS = (Path(__file__).parent / "cluster",)  # every test there runs a cluster of Ray actors
+
+
+def is_slow(item: pytest.Item) -> bool:
+    return (not SLOW_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
+            or any(item.path.is_relative_to(folder) for folder in SLOW_FOLDERS))
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by mark
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if is_slow(item):
+            item.add_marker(pytest.mark.slow)
+
+
+def _ray_is_up() -> bool:
+    ray = sys.modules.get("ray")  # never import Ray just to ask
+    return ray is not None and ray.is_initialized()
+
+
+@pytest.fixture(autouse=True)
+def _only_slow_tests_start_ray(request):
+    ray_was_up = _ray_is_up()
+    yield
+    if not ray_was_up and _ray_is_up() and request.node.get_closest_marker("slow") is None:
+        pytest.fail(f"{request.node.nodeid} started Ray but is not marked slow: use the ray_session fixture "
+                    "(tests/cluster/conftest.py), or mark it @pytest.mark.slow", pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +73,34 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_loaded(tiny_model_dir) -> LoadedModel:
     return load_model(str(tiny_model_dir), progress=False)
+
+
+@pytest.fixture(scope="session")
+def dev_certs(tmp_path_factory) -> DevCerts:
+    """The development CA (`python -m pdserve.security.certs`) every TLS test trusts: a CA, a server
+    certificate for 127.0.0.1 and localhost, and a client certificate."""
+    return make_dev_ca(tmp_path_factory.mktemp("dev-ca"))
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    """A real redis-server per test module, with a password as `pdserve up` starts it (tests that
+    break their server make their own)."""
+    with RedisServer(password=generate_password()) as server:
+        yield server
+
+
+@pytest.fixture
+def redis_client(redis_server):
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A fresh key namespace per test, so tests on one redis-server never share keys."""
+    return f"t{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture(scope="session")

@@ -5,25 +5,18 @@ exits 1 and shows in its worker's row, an unreachable worker or router exits 3; 
 from __future__ import annotations
 
 import json
-import random
 import socket
 
 import grpc
 import pytest
 
 from deploy.cli import main
-from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.hashing import hash_blocks
-from pdserve.index.registry import WorkerInfo
 from pdserve.worker.server import WorkerConfig
-from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
-from router.config import PlacementConfig
-from router.limits import RequestLimits
-from router.server import RouterConfig, RouterServer
+from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc
 from tests.engine.test_audit import corrupt
-from tests.router.inprocess import TINY_CONTEXT, greedy, info
-from tests.worker.test_worker_service import assert_clean
-from tests.workers import worker_server
+from tests.helpers.cluster import generate, generate_request, running_cluster
+from tests.helpers.workers import wait_until_clean, worker_record
 
 PROMPT = list(range(800, 870))  # 70 tokens: prefilled remotely, 4 whole blocks on both workers
 
@@ -36,23 +29,11 @@ def unused_address() -> str:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_loaded):
-    engine = EngineConfig(cache=CacheConfig(num_blocks=64), device="cpu")
-    workers = [worker_server(WorkerConfig(role, engine, worker_id=f"{role}-0"), tiny_loaded)
-               for role in ("prefill", "decode")]
-    live = [info(w, w.start()) for w in workers]
-    config = RouterConfig(port=0, metrics_port=None,
-                          placement=PlacementConfig(routing="least_load", min_remote_prefill_tokens=32),
-                          limits=RequestLimits(max_context_tokens=TINY_CONTEXT))
-    router = RouterServer(config, tiny_loaded.tokenizer, lambda: list(live), rng=random.Random(0))
-    router.start()
-    with grpc.insecure_channel(router.address) as channel:
-        replies = list(generation_pb2_grpc.GenerationStub(channel).Generate(generation_pb2.GenerateRequest(
-            token_ids=generation_pb2.TokenIds(ids=PROMPT), sampling=greedy()), timeout=60))
-    assert replies[-1].prefill_worker == "prefill-0"
-    yield router, workers, live
-    router.stop()
-    for w in workers:
-        w.stop()
+    workers = [WorkerConfig(role, worker_id=f"{role}-0") for role in ("prefill", "decode")]
+    with running_cluster(tiny_loaded, workers=workers, num_blocks=64) as c:
+        replies = generate(c.router, generate_request(PROMPT))
+        assert replies[-1].prefill_worker == "prefill-0"
+        yield c.router, c.workers, c.records
 
 
 def audit(router, capsys, *flags: str) -> tuple[int, str]:
@@ -73,8 +54,7 @@ def test_a_clean_cluster_audits_every_worker_and_exits_0(cluster, capsys):
         assert (state, mismatched, evicted, skipped) == ("audited", "0", "0", "0")
         assert int(checked) == int(cached) >= 4
     assert "rule: bit-exact, else" in out and out.rstrip().endswith("no mismatch")
-    for w in workers:
-        assert_clean(w)
+    wait_until_clean(*workers, timeout_s=0)
 
 
 def test_a_corrupt_block_exits_1_and_shows_in_its_row_then_is_gone(cluster, capsys):
@@ -90,13 +70,12 @@ def test_a_corrupt_block_exits_1_and_shows_in_its_row_then_is_gone(cluster, caps
     code, out = audit(router, capsys, "--json")
     reply = json.loads(out)
     assert code == 0 and {w["workerId"] for w in reply["workers"]} == {"prefill-0", "decode-0"}
-    for w in workers:
-        assert_clean(w)
+    wait_until_clean(*workers, timeout_s=0)
 
 
 def test_an_unreachable_worker_is_a_row_and_exit_3(cluster, capsys):
     router, _, live = cluster
-    ghost = WorkerInfo("decode-9", "decode", unused_address(), "local", "", 16, "float32", "00" * 16, 64, 0)
+    ghost = worker_record("decode-9", "decode", unused_address())
     live.append(ghost)
     router.directory.refresh()
     try:

@@ -8,15 +8,9 @@ import pytest
 from deploy.cli import build_parser, main
 from pdserve.client_security import client_kwargs, security_from_args
 from pdserve.security import SecurityConfig, TLSConfig
-from pdserve.security.certs import DevCerts, make_dev_ca
 
 CLIENT_FLAGS = ("--tls-ca", "--tls-client-cert", "--tls-client-key", "--api-token-file", "--api-token-env")
 COMMANDS = (["generate", "--router", "127.0.0.1:1"], ["chat"], ["status"], ["audit"], ["loadtest"])
-
-
-@pytest.fixture(scope="module")
-def dev_certs(tmp_path_factory) -> DevCerts:
-    return make_dev_ca(tmp_path_factory.mktemp("dev-ca"))
 
 
 def parse(*argv: str):

@@ -13,7 +13,6 @@ from pdserve.client import PdserveClient, PdserveError
 from pdserve.client_security import client_kwargs
 from pdserve.engine.config import CacheConfig
 from pdserve.security import CLUSTER_SECRET_KEY, open_channel
-from pdserve.security.certs import make_dev_ca
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from router.config import PlacementConfig
 
@@ -21,8 +20,8 @@ TOKEN, SECRET = "cluster-test-token-1", "cluster-test-secret-2"
 
 
 @pytest.mark.slow
-def test_a_secured_cluster_serves_token_holders_and_members_only(ray_session, tmp_path):
-    certs = make_dev_ca(tmp_path / "certs")
+def test_a_secured_cluster_serves_token_holders_and_members_only(ray_session, dev_certs, tmp_path):
+    certs = dev_certs
     (tmp_path / "tokens.txt").write_text(f"# accepted API tokens\n{TOKEN}\n")
     (tmp_path / "secret.txt").write_text(f"{SECRET}\n")
     spec = ClusterSpec(num_prefill=1, num_decode=1, port=0, namespace=f"t{uuid.uuid4().hex[:6]}",

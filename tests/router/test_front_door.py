@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import ExitStack
 
 import grpc
 import pytest
@@ -18,11 +19,12 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.engine.sequence import SamplingParams
 from pdserve.grpc_options import ConnectionPolicy
-from protos.pdserve.v1 import generation_pb2
 from router.server import RouterConfig, RouterServer
 from tests.conftest import make_engine
-from tests.grpc_clients import IdleStreams, seconds_until_idle_after_a_call, wait_for
-from tests.router.inprocess import ProcessResources, greedy, running_cluster, wait_until_clean
+from tests.helpers.cluster import ProcessResources, generate_request, running_cluster, start_router
+from tests.helpers.grpc_clients import IdleStreams, seconds_until_idle_after_a_call
+from tests.helpers.waiting import wait_for
+from tests.helpers.workers import wait_until_clean
 
 IDLE_STREAMS = 400
 PROMPT = list(range(300, 350))  # 50 tokens: prefilled remotely, its KV pushed to the decode worker
@@ -34,10 +36,6 @@ def reflection_stream(channel: grpc.aio.Channel) -> grpc.aio.Call:
 
 def health_watch(channel: grpc.aio.Channel) -> grpc.aio.Call:
     return health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
-
-
-def generate_request(prompt: list[int]) -> generation_pb2.GenerateRequest:
-    return generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=prompt), sampling=greedy(8))
 
 
 def list_services(address: str) -> list[str]:
@@ -80,7 +78,7 @@ def test_400_idle_open_streams_leave_generate_serving_and_leak_nothing(tiny_load
         # gRPC's pollers open a few sockets of their own once, under the first load, and keep them.
         assert wait_for(lambda: ProcessResources.now().open_fds < before.open_fds + 8), \
             (before, ProcessResources.now())
-        wait_until_clean(cluster)
+        wait_until_clean(*cluster.workers, timeout_s=10.0)
 
 
 def test_router_threads_cover_generate_streams_and_every_open_stream_admitted(tiny_loaded):
@@ -95,18 +93,14 @@ def test_router_threads_cover_generate_streams_and_every_open_stream_admitted(ti
 # --- connections ---------------------------------------------------------------------------------
 @pytest.fixture
 def router_with(tiny_loaded):
-    started: list[RouterServer] = []
+    """Start a router (no workers) with a ConnectionPolicy; all are stopped at the test's end."""
+    with ExitStack() as started:
+        def start(policy: ConnectionPolicy) -> RouterServer:
+            router = start_router(tiny_loaded, [], connections=policy)
+            started.callback(router.stop)
+            return router
 
-    def start(policy: ConnectionPolicy) -> RouterServer:
-        config = RouterConfig(port=0, metrics_port=None, connections=policy)
-        router = RouterServer(config, tiny_loaded.tokenizer, lambda: [])
-        router.start()
-        started.append(router)
-        return router
-
-    yield start
-    for router in started:
-        router.stop()
+        yield start
 
 
 def test_the_router_closes_a_connection_idle_past_the_configured_limit(router_with):

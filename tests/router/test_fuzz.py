@@ -20,13 +20,8 @@ from protos.pdserve.v1 import generation_pb2 as pb
 from router.limits import RequestLimits
 from router.scoring import ScoringWeights
 from tests.conftest import make_engine
-from tests.router.inprocess import (
-    ProcessResources,
-    dead_engine_loops,
-    greedy,
-    running_cluster,
-    wait_until_clean,
-)
+from tests.helpers.cluster import ProcessResources, dead_engine_loops, greedy, running_cluster
+from tests.helpers.workers import wait_until_clean
 
 VOCAB = 49152
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -128,7 +123,7 @@ def test_any_request_is_ok_invalid_or_exhausted_and_leaves_the_cluster_clean(tin
     with running_cluster(tiny_loaded, LIMITS, routing="prefix") as cluster:
         for _ in range(3):  # warm: threads and channels a normal request needs exist before we count
             assert status_of(cluster, normal)[0] is grpc.StatusCode.OK
-        wait_until_clean(cluster)
+        wait_until_clean(*cluster.workers, timeout_s=10.0)
         before = ProcessResources.now()
         codes: dict[str, int] = {}
         killed_by: list[pb.GenerateRequest] = []
@@ -170,11 +165,11 @@ def test_any_request_is_ok_invalid_or_exhausted_and_leaves_the_cluster_clean(tin
         print(f"fuzz outcomes: {codes}")  # with -s
         assert codes.get("OK", 0) and codes.get("INVALID_ARGUMENT", 0) and codes.get("RESOURCE_EXHAUSTED", 0)
 
-        wait_until_clean(cluster)
+        wait_until_clean(*cluster.workers, timeout_s=10.0)
         code, replies = status_of(cluster, normal)
         assert code is grpc.StatusCode.OK and [t for r in replies for t in r.token_ids] == expected
         assert replies[-1].prefill_worker  # least_load, 50 tokens: the remote-prefill path still works
-        wait_until_clean(cluster)
+        wait_until_clean(*cluster.workers, timeout_s=10.0)
         after = ProcessResources.now()
         assert after.threads <= before.threads + 8, (before, after)
         assert after.open_fds <= before.open_fds + 16, (before, after)

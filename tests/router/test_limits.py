@@ -15,7 +15,8 @@ from protos.pdserve.v1 import generation_pb2 as pb
 from router import limits as lim
 from router.limits import LimitExceeded, RequestLimits, StreamLimitReached
 from tests.conftest import make_engine
-from tests.router.inprocess import TINY_CONTEXT, greedy, running_cluster, wait_until_clean
+from tests.helpers.cluster import TINY_CONTEXT, greedy, running_cluster
+from tests.helpers.workers import wait_until_clean
 
 VOCAB = 49152
 
@@ -220,7 +221,7 @@ def test_streams_over_the_limit_are_refused_at_once_then_admitted_again(cluster)
     while cluster.router.servicer.requests_in_flight and time.monotonic() < deadline:
         time.sleep(0.01)
     assert call(cluster, text="hi", sampling=greedy(2))[-1].finished
-    wait_until_clean(cluster)
+    wait_until_clean(*cluster.workers, timeout_s=10.0)
 
 
 def test_two_clients_may_use_the_same_request_id_at_once(cluster):
@@ -241,4 +242,4 @@ def test_two_clients_may_use_the_same_request_id_at_once(cluster):
         assert replies[-1].finished and replies[-1].usage.completion_tokens == 16
         assert {r.request_id for r in replies} == {"same"}
         assert replies[-1].prefill_worker  # 48 tokens: the remote-prefill path, through the KV sender
-    wait_until_clean(cluster)
+    wait_until_clean(*cluster.workers, timeout_s=10.0)

@@ -7,8 +7,8 @@ import grpc
 import pytest
 
 from pdserve.metrics import scrape
-from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
-from tests.router.inprocess import running_cluster
+from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc
+from tests.helpers.cluster import generate, generate_request, metric_value, running_cluster
 
 
 @pytest.fixture()
@@ -17,65 +17,58 @@ def cluster(tiny_loaded):
         yield c.router, c.workers
 
 
-def generate(router, prompt: list[int], max_tokens: int = 6, timeout: float = 60):
-    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(router.address))
-    sampling = generation_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    request = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=prompt), sampling=sampling)
-    return list(stub.Generate(request, timeout=timeout))
-
-
-def value(samples, name: str, **labels) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+MAX_TOKENS = 6
 
 
 def test_router_counters_match_what_clients_saw(cluster):
     router, workers = cluster
     prompt = list(range(300, 350))  # 50 tokens: prefilled remotely, 3 whole blocks
-    replies = [generate(router, prompt) for _ in range(3)]
+    replies = [generate(router, generate_request(prompt, MAX_TOKENS)) for _ in range(3)]
     with pytest.raises(grpc.RpcError) as bad:
-        generate(router, [10**7])
+        generate(router, generate_request([10**7], MAX_TOKENS))
     assert bad.value.code() is grpc.StatusCode.INVALID_ARGUMENT
 
     m = scrape(f"http://{router.metrics_address}/metrics")
-    assert value(m, "pdserve_router_requests_total", code="OK") == 3
-    assert value(m, "pdserve_router_requests_total", code="INVALID_ARGUMENT") == 1
+    assert metric_value(m, "pdserve_router_requests_total", code="OK") == 3
+    assert metric_value(m, "pdserve_router_requests_total", code="INVALID_ARGUMENT") == 1
     streamed = sum(len(r.token_ids) for rs in replies for r in rs)
-    assert value(m, "pdserve_router_generated_tokens_total") == streamed == 18
-    assert value(m, "pdserve_router_prompt_tokens_total") == 150
+    assert metric_value(m, "pdserve_router_generated_tokens_total") == streamed == 18
+    assert metric_value(m, "pdserve_router_prompt_tokens_total") == 150
     cached = sum(rs[-1].usage.cached_tokens for rs in replies)
-    assert value(m, "pdserve_router_cached_tokens_total") == cached == 2 * 48  # turns 2 and 3 hit 3 blocks
-    assert value(m, "pdserve_router_ttft_seconds_count") == 3
-    assert value(m, "pdserve_router_itl_seconds_count") == 3 * 5
-    assert value(m, "pdserve_router_remote_prefills_total", outcome="ok") == 3
-    assert value(m, "pdserve_router_requests_in_flight") == 0
+    # turns 2 and 3 hit 3 blocks
+    assert metric_value(m, "pdserve_router_cached_tokens_total") == cached == 2 * 48
+    assert metric_value(m, "pdserve_router_ttft_seconds_count") == 3
+    assert metric_value(m, "pdserve_router_itl_seconds_count") == 3 * 5
+    assert metric_value(m, "pdserve_router_remote_prefills_total", outcome="ok") == 3
+    assert metric_value(m, "pdserve_router_requests_in_flight") == 0
 
 
 def test_worker_metrics_agree_with_status(cluster):
     router, workers = cluster
     prefill, decode = workers
-    generate(router, list(range(400, 450)))
+    generate(router, generate_request(list(range(400, 450)), MAX_TOKENS))
     for worker in workers:
         status = worker.status()
         m = scrape(f"http://{status.metrics_address}/metrics")
-        assert value(m, "pdserve_worker_kv_blocks", state="total") == status.num_blocks == 128
-        assert value(m, "pdserve_worker_kv_blocks", state="used") == status.used_blocks == 0
-        assert value(m, "pdserve_worker_prompt_tokens_total") == status.prompt_tokens_total == 50
-        assert value(m, "pdserve_worker_requests_running") == 0
+        assert metric_value(m, "pdserve_worker_kv_blocks", state="total") == status.num_blocks == 128
+        assert metric_value(m, "pdserve_worker_kv_blocks", state="used") == status.used_blocks == 0
+        assert metric_value(m, "pdserve_worker_prompt_tokens_total") == status.prompt_tokens_total == 50
+        assert metric_value(m, "pdserve_worker_requests_running") == 0
     d = scrape(f"http://{decode.status().metrics_address}/metrics")
     p = scrape(f"http://{prefill.status().metrics_address}/metrics")
-    sent = value(p, "pdserve_worker_kv_bytes_sent_total")
-    assert value(d, "pdserve_worker_kv_bytes_received_total") == sent > 0
-    assert value(d, "pdserve_worker_kv_transfers_received_total", outcome="done") == 1
-    assert value(p, "pdserve_worker_kv_transfers_sent_total", outcome="done") == 1
-    assert value(d, "pdserve_worker_kv_transfer_failures_total") == 0
-    assert value(d, "pdserve_worker_generated_tokens_total") == 6
-    assert value(d, "pdserve_worker_itl_seconds_count") == 5
-    assert value(p, "pdserve_worker_ttft_seconds_count") == 1
+    sent = metric_value(p, "pdserve_worker_kv_bytes_sent_total")
+    assert metric_value(d, "pdserve_worker_kv_bytes_received_total") == sent > 0
+    assert metric_value(d, "pdserve_worker_kv_transfers_received_total", outcome="done") == 1
+    assert metric_value(p, "pdserve_worker_kv_transfers_sent_total", outcome="done") == 1
+    assert metric_value(d, "pdserve_worker_kv_transfer_failures_total") == 0
+    assert metric_value(d, "pdserve_worker_generated_tokens_total") == 6
+    assert metric_value(d, "pdserve_worker_itl_seconds_count") == 5
+    assert metric_value(p, "pdserve_worker_ttft_seconds_count") == 1
 
 
 def test_cluster_status_lists_every_worker_and_marks_the_dead(cluster):
     router, workers = cluster
-    generate(router, list(range(500, 550)))
+    generate(router, generate_request(list(range(500, 550)), MAX_TOKENS))
     admin = admin_pb2_grpc.AdminStub(grpc.insecure_channel(router.address))
     reply = admin.ClusterStatus(admin_pb2.ClusterStatusRequest(), timeout=10)
     assert reply.router_address == router.address and reply.metrics_address == router.metrics_address
@@ -94,8 +87,8 @@ def test_pdserve_status_prints_one_row_per_worker(cluster, capsys):
     from deploy.cli import main
 
     router, workers = cluster
-    generate(router, list(range(600, 650)))
-    generate(router, list(range(600, 650)))
+    generate(router, generate_request(list(range(600, 650)), MAX_TOKENS))
+    generate(router, generate_request(list(range(600, 650)), MAX_TOKENS))
     assert main(["status", "--router", router.address]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(f"router {router.address} · metrics {router.metrics_address}")

@@ -1,64 +1,28 @@
-"""Router + two real workers in one process over real gRPC sockets (tiny model).
-
-The worker list is given directly here (the Redis registry is exercised by the cluster
-tests); everything else is the product path.
-"""
+"""Router + two real workers in one process over real gRPC sockets (tiny model: tests/helpers/cluster.py)."""
 
 from __future__ import annotations
-
-import random
-from dataclasses import dataclass
 
 import grpc
 import pytest
 
-from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.sequence import SamplingParams
-from pdserve.worker.server import WorkerConfig
-from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from router.config import PlacementConfig
-from router.server import RouterConfig, RouterServer
+from protos.pdserve.v1 import generation_pb2
 from tests.conftest import make_engine
-from tests.workers import worker_server
-
-
-@dataclass(frozen=True)
-class Record:
-    worker_id: str
-    role: str
-    address: str
-    epoch: int = 0
+from tests.helpers.cluster import generate, generate_request, running_cluster
+from tests.helpers.workers import wait_until_clean
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_loaded):
-    engine = EngineConfig(cache=CacheConfig(num_blocks=128), device="cpu")
-    workers = [worker_server(WorkerConfig(role, engine), tiny_loaded) for role in ("prefill", "decode")]
-    records = [Record(w.config.worker_id, w.config.role, w.start()) for w in workers]
-    placement = PlacementConfig(routing="least_load", min_remote_prefill_tokens=32)
-    config = RouterConfig(port=0, placement=placement)
-    router = RouterServer(config, tiny_loaded.tokenizer, lambda: records, rng=random.Random(0))
-    router.start()
-    yield router, workers
-    router.stop()
-    for w in workers:
-        w.stop()
-
-
-def generate(router, **kwargs):
-    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(router.address))
-    return list(stub.Generate(generation_pb2.GenerateRequest(**kwargs), timeout=60))
-
-
-def greedy(max_tokens=8):
-    return generation_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    with running_cluster(tiny_loaded) as c:
+        yield c.router, c.workers
 
 
 @pytest.mark.parametrize("prompt_len, remote", [(50, True), (10, False)])
 def test_both_paths_match_one_engine(cluster, tiny_loaded, prompt_len, remote):
     router, workers = cluster
     prompt = list(range(700, 700 + prompt_len))
-    replies = generate(router, token_ids=generation_pb2.TokenIds(ids=prompt), sampling=greedy())
+    replies = generate(router, generate_request(prompt))
     tokens = [t for r in replies for t in r.token_ids]
     expected = make_engine(tiny_loaded).generate(
         [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), detokenize=False)[0]
@@ -66,9 +30,7 @@ def test_both_paths_match_one_engine(cluster, tiny_loaded, prompt_len, remote):
     last = replies[-1]
     assert last.finished and last.usage.completion_tokens == 8 and last.usage.prompt_tokens == prompt_len
     assert bool(last.prefill_worker) is remote
-    for w in workers:
-        status = w.status()
-        assert status.used_blocks == 0 and status.parked_transfers == 0
+    wait_until_clean(*workers, timeout_s=0)
 
 
 def test_bad_requests_are_invalid_argument(cluster):
@@ -84,6 +46,6 @@ def test_bad_requests_are_invalid_argument(cluster):
     ]
     for kwargs, message in cases:
         with pytest.raises(grpc.RpcError) as err:
-            generate(router, **kwargs)
+            generate(router, generation_pb2.GenerateRequest(**kwargs))
         assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT, kwargs
         assert message in err.value.details()

@@ -7,7 +7,6 @@ runs them: one process, real TLS sockets from a development CA, the tiny model.
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -19,24 +18,21 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.client import PdserveClient
 from pdserve.client_security import client_kwargs
-from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.security import CLUSTER_SECRET_KEY, SecurityConfig, TLSConfig, open_channel
-from pdserve.security.certs import DevCerts, make_dev_ca
+from pdserve.security.certs import DevCerts
 from pdserve.worker.server import WorkerConfig, WorkerServer
 from protos.pdserve.v1 import (
     admin_pb2,
     admin_pb2_grpc,
-    generation_pb2,
     generation_pb2_grpc,
     kv_transfer_pb2,
     kv_transfer_pb2_grpc,
     worker_pb2,
 )
-from router.config import PlacementConfig
 from router.limits import RequestLimits
-from router.server import RouterConfig, RouterServer
-from tests.router.inprocess import TINY_CONTEXT, greedy, info, running_cluster, wait_until_clean
-from tests.workers import WorkerStubs, worker_server
+from router.server import RouterServer
+from tests.helpers.cluster import Cluster, generate_request, running_cluster
+from tests.helpers.workers import WorkerStubs, wait_until_clean
 
 TOKEN, SECOND_TOKEN, SECRET = "api-token-alpha-1", "api-token-beta-2", "cluster-secret-gamma-3"
 PROMPT = list(range(300, 350))  # 50 tokens >= min_remote_prefill_tokens: prefilled remotely, KV pushed
@@ -45,18 +41,25 @@ BEARER = "authorization"
 
 @dataclass
 class Secured:
-    router: RouterServer
-    workers: list[WorkerServer]
+    cluster: Cluster
     certs: DevCerts
     user: SecurityConfig  # what a client holding TOKEN dials with
 
     @property
+    def router(self) -> RouterServer:
+        return self.cluster.router
+
+    @property
+    def workers(self) -> list[WorkerServer]:
+        return self.cluster.workers
+
+    @property
     def prefill(self) -> WorkerServer:
-        return self.workers[0]
+        return self.cluster.prefill
 
     @property
     def decode(self) -> WorkerServer:
-        return self.workers[1]
+        return self.cluster.decode
 
 
 @contextmanager
@@ -65,51 +68,30 @@ def secured_cluster(loaded, certs: DevCerts, mutual: bool = False) -> Iterator[S
     workers_security = SecurityConfig(tls=certs.server_tls(require_client_cert=mutual),
                                       client_cert=client_cert[0], client_key=client_cert[1],
                                       cluster_secret=SECRET)
-    router_security = replace(workers_security, api_tokens=(TOKEN, SECOND_TOKEN))
-    engine = EngineConfig(cache=CacheConfig(num_blocks=128), device="cpu")
-    workers = [worker_server(WorkerConfig(role, engine, metrics_port=None, security=workers_security), loaded)
+    workers = [WorkerConfig(role, metrics_port=None, security=workers_security)
                for role in ("prefill", "decode")]
-    records = [info(w, w.start()) for w in workers]
-    config = RouterConfig(port=0, metrics_port=0, security=router_security,
-                          placement=PlacementConfig(routing="least_load", min_remote_prefill_tokens=32),
-                          limits=RequestLimits(max_context_tokens=TINY_CONTEXT))
-    router = RouterServer(config, loaded.tokenizer, lambda: records, rng=random.Random(0))
-    router.start()
     user = SecurityConfig(tls=TLSConfig(ca=certs.ca), client_cert=client_cert[0], client_key=client_cert[1],
                           api_tokens=(TOKEN,))
-    try:
-        yield Secured(router, workers, certs, user)
-    finally:
-        router.stop()
-        for w in workers:
-            w.stop()
+    with running_cluster(loaded, workers=workers, metrics_port=0,
+                         security=replace(workers_security, api_tokens=(TOKEN, SECOND_TOKEN))) as cluster:
+        yield Secured(cluster, certs, user)
 
 
 @pytest.fixture(scope="module")
-def certs(tmp_path_factory) -> DevCerts:
-    return make_dev_ca(tmp_path_factory.mktemp("dev-ca"))
-
-
-@pytest.fixture(scope="module")
-def secured(tiny_loaded, certs) -> Iterator[Secured]:
-    with secured_cluster(tiny_loaded, certs) as cluster:
+def secured(tiny_loaded, dev_certs) -> Iterator[Secured]:
+    with secured_cluster(tiny_loaded, dev_certs) as cluster:
         yield cluster
 
 
 @pytest.fixture(scope="module")
-def mutual(tiny_loaded, certs) -> Iterator[Secured]:
-    with secured_cluster(tiny_loaded, certs, mutual=True) as cluster:
+def mutual(tiny_loaded, dev_certs) -> Iterator[Secured]:
+    with secured_cluster(tiny_loaded, dev_certs, mutual=True) as cluster:
         yield cluster
 
 
 def tls_channel(cluster: Secured, address: str) -> grpc.Channel:
     """TLS trusting the dev CA, and no credential at all: each call brings its own metadata."""
     return open_channel(address, TLSConfig(ca=cluster.certs.ca))
-
-
-def request(prompt: list[int] = PROMPT, max_tokens: int = 8) -> generation_pb2.GenerateRequest:
-    return generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=prompt),
-                                          sampling=greedy(max_tokens))
 
 
 def worker_totals(cluster: Secured) -> list[tuple]:
@@ -133,7 +115,7 @@ def refused(call) -> grpc.RpcError:
 
 def test_a_token_over_tls_gets_the_exact_tokens_of_a_plaintext_run(secured, tiny_loaded):
     with running_cluster(tiny_loaded, RequestLimits()) as plain:
-        expected = [t for r in plain.stub.Generate(request(), timeout=60) for t in r.token_ids]
+        expected = [t for r in plain.stub.Generate(generate_request(PROMPT), timeout=60) for t in r.token_ids]
     before = secured.prefill.status().send_outcomes["done"], secured.decode.status().transfer_outcomes["done"]
 
     with PdserveClient(secured.router.address, timeout_s=60, **client_kwargs(secured.user)) as client:
@@ -144,7 +126,7 @@ def test_a_token_over_tls_gets_the_exact_tokens_of_a_plaintext_run(secured, tiny
     assert done.prefill_worker == secured.prefill.config.worker_id
     after = secured.prefill.status().send_outcomes["done"], secured.decode.status().transfer_outcomes["done"]
     assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
-    wait_until_clean(secured)
+    wait_until_clean(*secured.workers, timeout_s=10.0)
 
 
 @pytest.mark.parametrize("metadata, why", [
@@ -160,7 +142,8 @@ def test_no_token_or_a_wrong_one_is_refused_before_any_worker_is_touched(secured
     generation = generation_pb2_grpc.GenerationStub(channel)
     admin = admin_pb2_grpc.AdminStub(channel)
 
-    error = refused(lambda: list(generation.Generate(request(), timeout=30, metadata=metadata)))
+    request = generate_request(PROMPT)
+    error = refused(lambda: list(generation.Generate(request, timeout=30, metadata=metadata)))
     assert error.code() is grpc.StatusCode.UNAUTHENTICATED and why in error.details()
     assert TOKEN not in error.details() and SECRET not in error.details()
     error = refused(lambda: admin.ClusterStatus(admin_pb2.ClusterStatusRequest(), timeout=30,

@@ -4,22 +4,13 @@ and no request of ours is on it; before, every restart left one open channel beh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import grpc
 import pytest
 
 from pdserve.security import SecurityConfig
 from router.scoring import Candidate
 from router.workers import CHANNEL_RETIRE_S, WorkerDirectory
-
-
-@dataclass
-class Record:
-    worker_id: str
-    role: str
-    address: str
-    epoch: int = 1
+from tests.helpers.workers import worker_record
 
 
 class RecordingSecurity(SecurityConfig):
@@ -47,14 +38,14 @@ def is_closed(channel: grpc.Channel) -> bool:
 
 class Directory:
     def __init__(self) -> None:
-        self.live = [Record("decode-0", "decode", "127.0.0.1:1001")]
+        self.live = [worker_record("decode-0", "decode", "127.0.0.1:1001", epoch=1)]
         self.now = 0.0
         self.security = RecordingSecurity()
         self.directory = WorkerDirectory(lambda: self.live, security=self.security, clock=lambda: self.now)
         self.directory.refresh()
 
     def restart_worker(self) -> None:
-        self.live = [Record("decode-0", "decode", "127.0.0.1:1002", epoch=2)]
+        self.live = [worker_record("decode-0", "decode", "127.0.0.1:1002", epoch=2)]
 
     def after(self, seconds: float) -> None:
         self.now += seconds
@@ -140,7 +131,7 @@ def test_a_worker_that_left_the_registry_stays_while_it_answers_serving(health_s
 
     health, address = health_server
     health.set("", health_pb2.HealthCheckResponse.SERVING)
-    live = [Record("decode-0", "decode", address)]
+    live = [worker_record("decode-0", "decode", address, epoch=1)]
     directory = WorkerDirectory(lambda: live)
     try:
         directory.refresh()
@@ -155,7 +146,7 @@ def test_a_worker_that_left_the_registry_stays_while_it_answers_serving(health_s
 
 
 def test_a_worker_that_left_and_does_not_answer_is_dropped_at_once():
-    live = [Record("decode-0", "decode", "127.0.0.1:1")]  # nothing listens on port 1
+    live = [worker_record("decode-0", "decode", "127.0.0.1:1", epoch=1)]  # nothing listens on port 1
     directory = WorkerDirectory(lambda: live)
     try:
         directory.refresh()
@@ -182,7 +173,7 @@ def test_the_sweep_goes_through_the_breaker_and_waits_while_a_worker_is_kept(hea
             raise StoreUnavailable("Redis refused sweep(): READONLY")
         return 0
 
-    live = [Record("decode-0", "decode", address)]
+    live = [worker_record("decode-0", "decode", address, epoch=1)]
     directory = WorkerDirectory(lambda: live, sweep=sweep)
     try:
         directory.refresh()
@@ -195,7 +186,7 @@ def test_the_sweep_goes_through_the_breaker_and_waits_while_a_worker_is_kept(hea
         directory.refresh()  # decode-0 is kept: it still serves
         directory.sweep()
         assert len(sweeps) == 1
-        live = [Record("decode-0", "decode", address)]
+        live = [worker_record("decode-0", "decode", address, epoch=1)]
         directory.refresh()
         directory.sweep()
         assert len(sweeps) == 2

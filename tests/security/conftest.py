@@ -1,4 +1,5 @@
-"""A dev CA per session and TinyServer: real gRPC on a loopback port that records every call it serves."""
+"""TinyServer: real gRPC on a loopback port that records every call it serves (the dev CA: `dev_certs`
+in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pdserve.security.certs import DevCerts, make_dev_ca
 from pdserve.security.tls import TLSConfig, add_port
 
 SERVICE = "pdserve.test.Echo"
@@ -24,11 +24,6 @@ METHODS = {  # name -> (request_streaming, response_streaming)
 
 def path(method: str) -> str:
     return f"/{SERVICE}/{method}"
-
-
-@pytest.fixture(scope="session")
-def dev_certs(tmp_path_factory) -> DevCerts:
-    return make_dev_ca(tmp_path_factory.mktemp("dev-ca"))
 
 
 class TinyServer:

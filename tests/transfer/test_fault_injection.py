@@ -8,11 +8,9 @@ process SIGKILLed while it streams.
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -34,18 +32,13 @@ from prefill_worker.faults import (
     RequestIds,
 )
 from prefill_worker.role import PrefillConfig, PrefillRole
-from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from router.config import PlacementConfig, RequestDeadlines
-from router.server import RouterConfig, RouterServer
-from tests.transfer.processes import WorkerProcess
-from tests.transfer.rig import (
-    Gate,
-    assert_clean,
-    assert_no_wrong_kv,
-    cached_prompt_blocks,
-    reference_tokens,
-    start_rig,
-)
+from router.config import RequestDeadlines
+from router.server import RouterServer
+from tests.helpers.cluster import generate, generate_request, metric_value, running_cluster, start_router
+from tests.helpers.processes import WorkerProcess
+from tests.helpers.rig import Gate, assert_no_wrong_kv, cached_prompt_blocks, reference_tokens, start_rig
+from tests.helpers.waiting import eventually
+from tests.helpers.workers import wait_until_clean, worker_info
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -121,7 +114,7 @@ def test_fault_is_reported_by_both_ends_and_recompute_is_exact(tiny_loaded, tran
         assert cached_prompt_blocks(rig.decode, PROMPT) == 0
         tokens, used = rig.decode_tokens("hit", PROMPT, sampling=GREEDY)
         assert not used and tokens == reference_tokens(tiny_loaded, PROMPT, GREEDY)
-        assert_clean(rig.prefill, rig.decode)
+        wait_until_clean(rig.prefill, rig.decode)
         assert_no_wrong_kv(rig.prefill, rig.decode)
     finally:
         rig.close()
@@ -139,7 +132,7 @@ def test_transfers_the_plan_does_not_hit_go_through_untouched(tiny_loaded, trans
         tokens, used = rig.decode_tokens("clean", PROMPT, reply, GREEDY)
         assert used and tokens == reference_tokens(tiny_loaded, PROMPT, GREEDY)
         assert rig.prefill.role.faults.injected == {}
-        assert_clean(rig.prefill, rig.decode)
+        wait_until_clean(rig.prefill, rig.decode)
         assert_no_wrong_kv(rig.prefill, rig.decode)
     finally:
         rig.close()
@@ -153,21 +146,13 @@ def test_delay_sleeps_past_the_push_deadline(tiny_loaded):
         reply = rig.remote_prefill("late", PROMPT, GREEDY)  # loopback has no deadline: it completes
         assert slept == [2.25] and rig.prefill.role.faults.injected == {"delay": 1}
         rig.decode_tokens("late", PROMPT, reply, GREEDY)
-        assert_clean(rig.prefill, rig.decode)
+        wait_until_clean(rig.prefill, rig.decode)
         assert_no_wrong_kv(rig.prefill, rig.decode)
     finally:
         rig.close()
 
 
 # --- a router, a faulty prefill worker and a decode worker over real gRPC ---------------------------
-@dataclass(frozen=True)
-class Record:
-    worker_id: str
-    role: str
-    address: str
-    epoch: int = 0
-
-
 TRANSFER_DEADLINE_S = 3.0
 # request index -> the LAYER frame its fault hits (each transfer has 2: one per layer)
 DROPPED = {1: 0, 6: 1}
@@ -198,57 +183,26 @@ def distinct_prompt(i: int) -> list[int]:
     return [(i * 37 + j * 11) % 500 + 10 for j in range(48 + 3 * i)]
 
 
-def start_router(tiny_loaded, records: list[Record], deadlines: RequestDeadlines | None = None,
-                 ) -> RouterServer:
-    placement = PlacementConfig(routing="least_load", min_remote_prefill_tokens=32)
-    config = RouterConfig(port=0, placement=placement, deadlines=deadlines or RequestDeadlines())
-    router = RouterServer(config, tiny_loaded.tokenizer, lambda: records, rng=random.Random(0))
-    router.start()
-    return router
-
-
 ENGINE = EngineConfig(cache=CacheConfig(num_blocks=128), device="cpu")
+
+
+def faulty_prefill(loaded, fault_sleep=None, **prefill_config) -> WorkerServer:
+    """A prefill worker whose role has a fault plan (PrefillConfig fields, fault_plan among them);
+    fault_sleep: what a DELAY waits with (default: time.sleep)."""
+    role = PrefillRole(PrefillConfig(**prefill_config), fault_sleep=fault_sleep or time.sleep)
+    return WorkerServer(WorkerConfig("prefill", ENGINE), role, loaded)
 
 
 @pytest.fixture()
 def faulty_cluster(tiny_loaded):
-    role = PrefillRole(PrefillConfig(transfer_timeout_s=TRANSFER_DEADLINE_S, fault_plan=fault_plan()))
-    prefill = WorkerServer(WorkerConfig("prefill", ENGINE), role, tiny_loaded)
-    decode = WorkerServer(WorkerConfig("decode", ENGINE), DecodeRole(), tiny_loaded)
-    records = [Record(w.config.worker_id, w.config.role, w.start()) for w in (prefill, decode)]
-    router = start_router(tiny_loaded, records)
-    yield router, prefill, decode
-    router.stop()
-    for w in (prefill, decode):
-        w.stop()
+    prefill = faulty_prefill(tiny_loaded, transfer_timeout_s=TRANSFER_DEADLINE_S, fault_plan=fault_plan())
+    with running_cluster(tiny_loaded, workers=(prefill, WorkerConfig("decode")), metrics_port=0) as cluster:
+        yield cluster.router, cluster.prefill, cluster.decode
 
 
-def generate(router: RouterServer, request_id: str, prompt: list[int], timeout: float = 60):
-    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(router.address))
-    sampling = generation_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    request = generation_pb2.GenerateRequest(request_id=request_id, sampling=sampling,
-                                             token_ids=generation_pb2.TokenIds(ids=prompt))
-    return list(stub.Generate(request, timeout=timeout))
-
-
-def value(samples, name: str, **labels) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-def eventually(condition, timeout_s: float, what: str):
-    """condition()'s last value once truthy; fails with `what` and that value after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = condition()
-        if result or time.monotonic() > deadline:
-            assert result, f"{what} (after {timeout_s} s)"
-            return result
-        time.sleep(0.02)
-
-
-def clean(worker: WorkerServer):
-    s = worker.status()
-    return (s.used_blocks, s.parked_transfers, s.held_blocks) == (0, 0, 0) and s
+def ask(router: RouterServer, request_id: str, prompt: list[int], timeout: float = 60):
+    """A greedy request of MAX_TOKENS through the router: its replies."""
+    return generate(router, generate_request(prompt, MAX_TOKENS, request_id), timeout)
 
 
 def test_injected_faults_are_all_detected_counted_and_recomputed_exactly(faulty_cluster, tiny_loaded):
@@ -256,7 +210,7 @@ def test_injected_faults_are_all_detected_counted_and_recomputed_exactly(faulty_
     prompts = {rid(i): distinct_prompt(i) for i in range(N_REQUESTS)}
     expected = {r: reference_tokens(tiny_loaded, p, GREEDY) for r, p in prompts.items()}
     with ThreadPoolExecutor(N_REQUESTS) as pool:
-        replies = dict(zip(prompts, pool.map(lambda r: generate(router, r, prompts[r]), prompts)))
+        replies = dict(zip(prompts, pool.map(lambda r: ask(router, r, prompts[r]), prompts)))
 
     faulted = {rid(i) for hit in (DROPPED, CORRUPTED, DELAYED) for i in hit}
     for r, stream in replies.items():
@@ -273,16 +227,16 @@ def test_injected_faults_are_all_detected_counted_and_recomputed_exactly(faulty_
 
     d = scrape(f"http://{decode.status().metrics_address}/metrics")
     p = scrape(f"http://{prefill.status().metrics_address}/metrics")
-    assert value(d, "pdserve_worker_kv_transfer_failures_total") == 3 * n
+    assert metric_value(d, "pdserve_worker_kv_transfer_failures_total") == 3 * n
     for outcome, count in outcomes.items():
-        assert value(d, "pdserve_worker_kv_transfers_received_total", outcome=outcome) == count, outcome
-        assert value(p, "pdserve_worker_kv_transfers_sent_total", outcome=outcome) == count, outcome
+        received = metric_value(d, "pdserve_worker_kv_transfers_received_total", outcome=outcome)
+        sent = metric_value(p, "pdserve_worker_kv_transfers_sent_total", outcome=outcome)
+        assert (received, sent) == (count, count), outcome
     m = scrape(f"http://{router.metrics_address}/metrics")
-    assert value(m, "pdserve_router_remote_prefills_total", outcome="fallback") == 3 * n
-    assert value(m, "pdserve_router_remote_prefills_total", outcome="ok") == N_REQUESTS - 3 * n
-    assert value(m, "pdserve_router_requests_total", code="OK") == N_REQUESTS
-    for worker in (prefill, decode):
-        eventually(lambda w=worker: clean(w), 2, f"{worker.config.role} worker holds no blocks")
+    assert metric_value(m, "pdserve_router_remote_prefills_total", outcome="fallback") == 3 * n
+    assert metric_value(m, "pdserve_router_remote_prefills_total", outcome="ok") == N_REQUESTS - 3 * n
+    assert metric_value(m, "pdserve_router_requests_total", code="OK") == N_REQUESTS
+    wait_until_clean(prefill, decode, timeout_s=2)
     assert_no_wrong_kv(prefill, decode)
 
 
@@ -296,12 +250,11 @@ def test_prefill_worker_killed_mid_transfer_frees_the_reservation_and_output_is_
     decode = WorkerServer(WorkerConfig("decode", ENGINE), DecodeRole(), tiny_loaded)
     router = None
     try:
-        records = [Record(prefill.worker_id, "prefill", prefill.address),
-                   Record(decode.config.worker_id, "decode", decode.start())]
-        router = start_router(tiny_loaded, records)
+        decode.start()
+        router = start_router(tiny_loaded, [worker_info(prefill), worker_info(decode)], metrics_port=0)
         prompt = distinct_prompt(5)
         result: dict[str, list] = {}
-        client = threading.Thread(target=lambda: result.update(replies=generate(router, "victim", prompt)))
+        client = threading.Thread(target=lambda: result.update(replies=ask(router, "victim", prompt)))
         client.start()
         eventually(lambda: decode.status().used_blocks > 0, 30, "the transfer reserved blocks on decode")
         prefill.kill()
@@ -318,8 +271,8 @@ def test_prefill_worker_killed_mid_transfer_frees_the_reservation_and_output_is_
         assert tokens == reference_tokens(tiny_loaded, prompt, GREEDY)
         assert replies[-1].prefill_worker == "" and replies[-1].decode_worker == decode.config.worker_id
         m = scrape(f"http://{router.metrics_address}/metrics")
-        assert value(m, "pdserve_router_remote_prefills_total", outcome="fallback") == 1
-        eventually(lambda: clean(decode), 2, "the decode worker holds no blocks")
+        assert metric_value(m, "pdserve_router_remote_prefills_total", outcome="fallback") == 1
+        wait_until_clean(decode, timeout_s=2)
         assert_no_wrong_kv(decode)
     finally:
         if router is not None:
@@ -338,7 +291,7 @@ def test_kv_parked_for_a_request_prefilled_here_after_all_is_freed_with_it(tiny_
         assert rig.decode.status().parked_transfers == 1
         tokens, used = rig.decode_tokens("stranded", PROMPT, sampling=GREEDY)  # prefill_here
         assert not used and tokens == reference_tokens(tiny_loaded, PROMPT, GREEDY)
-        assert_clean(rig.prefill, rig.decode, timeout_s=2)
+        wait_until_clean(rig.prefill, rig.decode, timeout_s=2)
         assert_no_wrong_kv(rig.prefill, rig.decode)
     finally:
         rig.close()
@@ -351,28 +304,23 @@ def test_a_stalled_transfer_falls_back_to_local_prefill_well_inside_the_request_
     the exact answer, long before its own deadline, and no worker keeps a block."""
     gate = Gate()
     plan = FaultPlan((FaultRule(FaultKind.DELAY, client_request(0)),))
-    role = PrefillRole(PrefillConfig(fault_plan=plan), fault_sleep=gate)
-    prefill = WorkerServer(WorkerConfig("prefill", ENGINE), role, tiny_loaded)
-    decode = WorkerServer(WorkerConfig("decode", ENGINE), DecodeRole(), tiny_loaded)
-    records = [Record(w.config.worker_id, w.config.role, w.start()) for w in (prefill, decode)]
-    router = start_router(tiny_loaded, records, RequestDeadlines(prefill_deadline_fraction=0.5))
-    try:
-        prompt, request_deadline_s = distinct_prompt(0), 12.0
-        started = time.monotonic()
-        replies = generate(router, rid(0), prompt, timeout=request_deadline_s)
-        elapsed = time.monotonic() - started
-        assert gate.reached.is_set(), "the transfer was never held"
-        assert [t for r in replies for t in r.token_ids] == reference_tokens(tiny_loaded, prompt, GREEDY)
-        assert replies[-1].prefill_worker == "", "it did not fall back to the decode worker"
-        assert elapsed < 0.5 * request_deadline_s + 3.0, f"took {elapsed:.1f} s of the {request_deadline_s} s"
-        m = scrape(f"http://{router.metrics_address}/metrics")
-        assert value(m, "pdserve_router_remote_prefills_total", outcome="fallback") == 1
-        gate.open()
-        for worker in (prefill, decode):
-            eventually(lambda w=worker: clean(w), 5, f"{worker.config.role} worker holds no blocks")
-        assert_no_wrong_kv(prefill, decode)
-    finally:
-        gate.open()
-        router.stop()
-        for w in (prefill, decode):
-            w.stop()
+    prefill = faulty_prefill(tiny_loaded, fault_sleep=gate, fault_plan=plan)
+    with running_cluster(tiny_loaded, workers=(prefill, WorkerConfig("decode")), metrics_port=0,
+                         deadlines=RequestDeadlines(prefill_deadline_fraction=0.5)) as cluster:
+        try:
+            prompt, request_deadline_s = distinct_prompt(0), 12.0
+            started = time.monotonic()
+            replies = ask(cluster.router, rid(0), prompt, timeout=request_deadline_s)
+            elapsed = time.monotonic() - started
+            assert gate.reached.is_set(), "the transfer was never held"
+            assert [t for r in replies for t in r.token_ids] == reference_tokens(tiny_loaded, prompt, GREEDY)
+            assert replies[-1].prefill_worker == "", "it did not fall back to the decode worker"
+            assert elapsed < 0.5 * request_deadline_s + 3.0, \
+                f"took {elapsed:.1f} s of the {request_deadline_s} s"
+            m = scrape(f"http://{cluster.router.metrics_address}/metrics")
+            assert metric_value(m, "pdserve_router_remote_prefills_total", outcome="fallback") == 1
+            gate.open()
+            wait_until_clean(*cluster.workers)
+            assert_no_wrong_kv(*cluster.workers)
+        finally:
+            gate.open()

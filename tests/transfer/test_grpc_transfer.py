@@ -18,9 +18,11 @@ from pdserve.worker.server import WorkerConfig, WorkerServer
 from prefill_worker.faults import FaultKind, FaultPlan, FaultRule, RequestIds
 from prefill_worker.role import PrefillConfig, PrefillRole
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from tests.kv_audit import audit_failures
-from tests.transfer.processes import WorkerProcess
-from tests.transfer.rig import assert_clean, eventually, reference_tokens
+from tests.helpers.kv_audit import audit_failures
+from tests.helpers.processes import WorkerProcess
+from tests.helpers.rig import reference_tokens
+from tests.helpers.waiting import eventually
+from tests.helpers.workers import wait_until_clean
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 CORRUPTED = "corrupted"  # the one request whose transfer the prefill worker's plan corrupts
@@ -81,7 +83,7 @@ def test_greedy_tokens_identical_to_one_engine(smollm_loaded, smol_prefill, smol
         tokens, used = decode_tokens(smol_decode, f"x{i}", prompt, reply)
         assert used, "the decode process fell back to local prefill"
         assert tokens == reference_tokens(smollm_loaded, prompt, GREEDY)
-    assert_clean(smol_prefill)
+    wait_until_clean(smol_prefill)
     assert_process_clean(smol_decode)
     assert not audit_failures([smol_prefill.address, smol_decode.address])
 
@@ -102,7 +104,7 @@ def test_receiver_cached_prefix_sends_fewer_bytes(smollm_loaded, smol_prefill, s
     assert cold.bytes_sent == layers * -(-len(first) // 16) * block_bytes
     assert warm.bytes_sent == layers * (-(-len(second) // 16) - shared_blocks) * block_bytes
     assert used and tokens == reference_tokens(smollm_loaded, second, GREEDY)
-    assert_clean(smol_prefill)
+    wait_until_clean(smol_prefill)
     assert_process_clean(smol_decode)
     assert not audit_failures([smol_prefill.address, smol_decode.address])
 
@@ -117,6 +119,6 @@ def test_flipped_byte_over_grpc_is_detected_and_recompute_is_exact(smollm_loaded
     assert_process_clean(smol_decode)
     tokens, used = decode_tokens(smol_decode, CORRUPTED, prompt, None)
     assert not used and tokens == reference_tokens(smollm_loaded, prompt, GREEDY)
-    assert_clean(smol_prefill)
+    wait_until_clean(smol_prefill)
     assert_process_clean(smol_decode)
     assert not audit_failures([smol_prefill.address, smol_decode.address])

@@ -1,7 +1,7 @@
 """The KV transfer contract: every scenario over the loopback, gRPC and fault-injecting channels.
 
 A prefill worker and a decode worker (tiny model, production WorkerServers, called over real
-gRPC: tests/transfer/rig.py) hand a prompt's KV over the channel under test. Whatever
+gRPC: tests/helpers/rig.py) hand a prompt's KV over the channel under test. Whatever
 happens to the transfer, the decode worker must never cache or use a block that is not the
 prompt's true KV, and every flow ends with both workers clean.
 """
@@ -17,17 +17,17 @@ from pdserve.engine.weights import load_model
 from pdserve.worker.convert import sampling_to_proto
 from prefill_worker.faults import FaultKind, FaultRule, RequestIds
 from protos.pdserve.v1 import worker_pb2
-from tests.transfer.rig import (
+from tests.helpers.rig import (
     CHANNELS,
-    assert_clean,
     assert_no_wrong_kv,
     cached_prompt_blocks,
     engine_config,
-    eventually,
     hold,
     reference_tokens,
     start_rig,
 )
+from tests.helpers.waiting import eventually
+from tests.helpers.workers import wait_until_clean
 
 PROMPT = list(range(300, 350))  # 50 tokens: 3 full blocks of 16 and a partial one
 FILLER = [(7 * j) % 400 + 600 for j in range(112)]  # 7 blocks of other tokens: overwrites a small pool
@@ -47,7 +47,7 @@ def rig(request, tiny_loaded):
     """P with a 20-token budget (chunked prefill), D with a 128-block pool."""
     rig = start_rig(tiny_loaded, request.param, prefill_engine=engine_config(budget=20), max_chunk_bytes=4096)
     yield rig
-    assert_clean(rig.prefill, rig.decode)
+    wait_until_clean(rig.prefill, rig.decode)
     assert_no_wrong_kv(rig.prefill, rig.decode)
     rig.close()
 
@@ -95,7 +95,7 @@ def test_each_block_goes_once_per_layer_under_chunked_prefill(tiny_loaded, kind_
         assert reply.bytes_sent == 4 * layers(tiny_loaded) * rig.prefill.layout.block_bytes
         tokens, used = rig.decode_tokens("r4", PROMPT, reply)
         assert used and tokens == reference_tokens(tiny_loaded, PROMPT)
-        assert_clean(rig.prefill, rig.decode)
+        wait_until_clean(rig.prefill, rig.decode)
         assert_no_wrong_kv(rig.prefill, rig.decode)
     finally:
         rig.close()
@@ -108,7 +108,7 @@ def test_parked_kv_expires_and_the_decode_call_prefills_instead(tiny_loaded, kin
         eventually(lambda: rig.decode.status().parked_transfers == 0, 5, "the engine loop swept it")
         tokens, used = rig.decode_tokens("r5", PROMPT, reply)
         assert not used and tokens == reference_tokens(tiny_loaded, PROMPT)
-        assert_clean(rig.prefill, rig.decode)
+        wait_until_clean(rig.prefill, rig.decode)
         assert_no_wrong_kv(rig.prefill, rig.decode)
     finally:
         rig.close()
@@ -122,7 +122,7 @@ def assert_refused(rig, loaded, request_id: str, code: grpc.StatusCode, message:
     assert cached_prompt_blocks(rig.decode, PROMPT) == 0
     tokens, used = rig.decode_tokens(request_id, PROMPT)
     assert not used and tokens == reference_tokens(loaded, PROMPT)
-    assert_clean(rig.prefill, rig.decode)
+    wait_until_clean(rig.prefill, rig.decode)
     assert_no_wrong_kv(rig.prefill, rig.decode)
 
 
@@ -156,7 +156,7 @@ def test_layout_mismatch_fails_precondition_naming_the_field(tiny_loaded, other_
         assert failure.value.code() is grpc.StatusCode.FAILED_PRECONDITION
         assert field in failure.value.details()
         assert rig.decode.status().transfer_outcomes == {"FAILED_PRECONDITION": 1}
-        assert_clean(rig.prefill, rig.decode)
+        wait_until_clean(rig.prefill, rig.decode)
         assert_no_wrong_kv(rig.prefill, rig.decode)
     finally:
         rig.close()
@@ -174,7 +174,7 @@ def test_pool_too_small_is_resource_exhausted(tiny_loaded, kind_param):
         assert failure.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "retry later" in failure.value.details()
         busy.cancel()
-        assert_clean(rig.prefill, rig.decode)
+        wait_until_clean(rig.prefill, rig.decode)
         assert_no_wrong_kv(rig.prefill, rig.decode)
     finally:
         rig.close()
@@ -215,7 +215,7 @@ def assert_victim_left_nothing_and_the_prompt_stays_exact(rig, loaded) -> None:
     assert rig.decode.status().transfer_outcomes["done"] == 1  # the filler's, not the victim's
     tokens, used = rig.decode_tokens("again", PROMPT)
     assert not used and tokens == reference_tokens(loaded, PROMPT)
-    assert_clean(rig.prefill, rig.decode)
+    wait_until_clean(rig.prefill, rig.decode)
 
 
 def test_cancel_while_the_prefill_worker_waits_on_the_transfer(held_rig, tiny_loaded):
@@ -267,7 +267,7 @@ def test_preemption_mid_prefill_aborts_the_transfer(tiny_loaded, kind):
         assert used and tokens == reference_tokens(tiny_loaded, HOLDER_PROMPT)
         tokens, used = rig.decode_tokens("again", VICTIM_PROMPT)
         assert not used and tokens == reference_tokens(tiny_loaded, VICTIM_PROMPT)
-        assert_clean(rig.prefill, rig.decode)
+        wait_until_clean(rig.prefill, rig.decode)
         assert_no_wrong_kv(rig.prefill, rig.decode)
     finally:
         rig.gate.open()

@@ -12,9 +12,8 @@ import concurrent.futures as cf
 import random
 import signal
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -28,28 +27,19 @@ from pdserve.engine.sequence import SamplingParams
 from pdserve.engine.weights import LoadedModel
 from pdserve.index.redis_index import RedisPrefixIndex
 from pdserve.worker.actor import WorkerActor, WorkerSpec
+from pdserve.worker.server import WorkerServer
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from router.config import PlacementConfig
 from router.limits import RequestLimits
 from router.redis_backend import redis_router
 from router.server import RouterConfig, RouterServer
 from tests.conftest import MIN_GREEDY_MARGIN, greedy_margin, make_engine
+from tests.helpers.waiting import eventually
 
 TINY_CONTEXT = 512
 HEARTBEAT_S = 0.25
 LEASE_TTL_S = 1.5  # short, so a fault held a few seconds outlives every lease
 MAX_TOKENS = 8
-
-
-def wait_for(condition: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"{what}: not within {timeout_s} s")
-        time.sleep(poll_s)
 
 
 def decode_spec(worker_id: str, redis_url: str, model_dir: str, namespace: str, num_blocks: int = 96,
@@ -139,9 +129,14 @@ class RedisCluster:
                                    rng=random.Random(0))
         self.router.start()
         self._channel = grpc.insecure_channel(self.router.address)
-        wait_for(lambda: self.routed_ids() == {w.spec.worker_id for w in self.workers}, 10,
+        eventually(lambda: self.routed_ids() == {w.spec.worker_id for w in self.workers}, 10,
                  "the router sees every worker")
         return self.router
+
+    @property
+    def servers(self) -> list[WorkerServer]:
+        """The workers' WorkerServers (for wait_until_clean: tests/helpers/workers.py)."""
+        return [w.server for w in self.workers]
 
     def routed_ids(self) -> set[str]:
         assert self.router is not None
@@ -203,10 +198,3 @@ class RedisCluster:
             return RedisPrefixIndex(client, self.namespace).match(self.hashes(prompt))
         finally:
             client.close()
-
-    def wait_until_clean(self, timeout_s: float = 10.0) -> None:
-        """No block referenced, no request left, on every worker."""
-        def clean() -> bool:
-            return all(w.server.engine.leaked_blocks() == [] and not w.server.engine.has_unfinished()
-                       and w.server.status().used_blocks == 0 for w in self.workers)
-        wait_for(clean, timeout_s, "every worker's blocks free")

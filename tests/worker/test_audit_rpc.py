@@ -17,9 +17,8 @@ from pdserve.worker.server import WorkerConfig, WorkerServer
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.conftest import RecordingPublisher, make_engine
 from tests.engine.test_audit import corrupt
-from tests.kv_audit import audit_failures
-from tests.worker.test_worker_service import assert_clean
-from tests.workers import WorkerStubs, worker_server
+from tests.helpers.kv_audit import audit_failures
+from tests.helpers.workers import WorkerStubs, wait_until_clean, worker_server
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 PROMPT = list(range(500, 567))  # 67 tokens: 4 whole blocks, and decode fills a fifth
@@ -88,8 +87,7 @@ def test_audit_over_grpc_finds_a_corrupt_received_block_and_the_next_request_is_
     assert [t for r in replies for t in r.token_ids] == expected
     assert replies[-1].usage.cached_tokens == 32  # blocks 0-1 still served, block 2 on recomputed
     assert audit(decode).mismatched == 0
-    assert_clean(prefill)
-    assert_clean(decode)
+    wait_until_clean(prefill, decode, timeout_s=0)
 
 
 def test_a_sampled_audit_checks_fewer_blocks(workers):

@@ -1,6 +1,6 @@
 """The decode worker's resume path trusts nothing: every field of a Decode call that resumes
 transferred KV is checked against the KV parked for it, and a bad one is INVALID_ARGUMENT that
-frees the parked KV. Two tiny-model WorkerServers over real gRPC (tests/transfer/rig.py)."""
+frees the parked KV. Two tiny-model WorkerServers over real gRPC (tests/helpers/rig.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 from pdserve.engine.sequence import SamplingParams
 from pdserve.worker.convert import sampling_to_proto
 from protos.pdserve.v1 import worker_pb2
-from tests.transfer.rig import GREEDY, assert_clean, reference_tokens, start_rig
+from tests.helpers.rig import GREEDY, reference_tokens, start_rig
+from tests.helpers.workers import wait_until_clean
 
 PROMPT = list(range(300, 350))
 
@@ -65,12 +66,12 @@ def test_a_bad_field_is_invalid_argument_and_frees_the_parked_kv(rig, tiny_loade
         list(rig.stub(rig.decode).Decode(request, timeout=30))
     assert failure.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert message in failure.value.details()
-    assert_clean(rig.prefill, rig.decode, timeout_s=0.5)
+    wait_until_clean(rig.prefill, rig.decode, timeout_s=0.5)
     # the worker still serves: the same prompt, transferred again, resumes exactly
     again = rig.remote_prefill(f"{rid}-again", PROMPT)
     tokens, used = rig.decode_tokens(f"{rid}-again", PROMPT, again)
     assert used and tokens == reference_tokens(tiny_loaded, PROMPT)
-    assert_clean(rig.prefill, rig.decode)
+    wait_until_clean(rig.prefill, rig.decode)
 
 
 def test_an_empty_request_id_is_invalid_argument(rig):
@@ -84,4 +85,4 @@ def test_an_empty_request_id_is_invalid_argument(rig):
         rig.remote_prefill("", PROMPT)
     assert failure.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "request_id is empty" in failure.value.details()
-    assert_clean(rig.prefill, rig.decode)
+    wait_until_clean(rig.prefill, rig.decode)

@@ -13,12 +13,12 @@ import pytest
 import redis
 
 from deploy.redis_server import RedisServer
-from pdserve.index.registry import WorkerInfo, WorkerRegistry
+from pdserve.index.registry import WorkerRegistry
 from pdserve.worker.server import WorkerConfig, WorkerServer
 from prefill_worker.peers import RegisteredDecodeTargets
 from prefill_worker.role import PrefillRole
-from tests.transfer.rig import Rig, assert_clean, engine_config, reference_tokens
-from tests.workers import worker_server
+from tests.helpers.rig import Rig, engine_config, reference_tokens
+from tests.helpers.workers import wait_until_clean, worker_info, worker_server
 
 PROMPT = list(range(300, 350))
 
@@ -71,10 +71,7 @@ def registry():
 
 
 def register(registry: WorkerRegistry, worker: WorkerServer) -> None:
-    c = worker.config
-    epoch = registry.next_epoch(c.worker_id)
-    info = WorkerInfo.of_engine(worker.engine, c.worker_id, c.role, worker.address, "local", epoch)
-    registry.register(info, ttl_s=60)
+    registry.register(worker_info(worker, epoch=registry.next_epoch(worker.config.worker_id)), ttl_s=60)
 
 
 def test_a_prefill_naming_an_unregistered_decode_target_is_refused(tiny_loaded, registry):
@@ -102,7 +99,7 @@ def test_a_prefill_naming_an_unregistered_decode_target_is_refused(tiny_loaded, 
         status = stranger.status()
         assert status.bytes_received == 0 and not status.transfer_outcomes, "KV reached an unlisted worker"
         assert stranger.address not in prefill.role.channels.addresses(), "the prefill worker dialled it"
-        assert_clean(prefill, decode, stranger)
+        wait_until_clean(prefill, decode, stranger)
     finally:
         rig.close()
         stranger.stop()

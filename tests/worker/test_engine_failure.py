@@ -14,7 +14,7 @@ from pdserve.worker.convert import sampling_to_proto
 from pdserve.worker.server import WorkerConfig
 from protos.pdserve.v1 import worker_pb2
 from tests.conftest import make_engine
-from tests.workers import WorkerStubs, worker_server
+from tests.helpers.workers import WorkerStubs, worker_server
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -98,7 +98,8 @@ def test_a_worker_whose_steps_keep_failing_leaves_routing_and_the_others_serve(t
     and leaves the registry; the router drops it, and every later request is served, exactly, by
     decode-1."""
     from deploy.redis_server import RedisServer
-    from tests.worker.redis_cluster import RedisCluster, sigterm_kept, wait_for
+    from tests.helpers.waiting import eventually
+    from tests.worker.redis_cluster import RedisCluster, sigterm_kept
 
     with RedisServer(password="step-failure-test") as redis_server, sigterm_kept():
         cluster = RedisCluster(tiny_loaded, str(tiny_model_dir), redis_server.url)
@@ -110,8 +111,8 @@ def test_a_worker_whose_steps_keep_failing_leaves_routing_and_the_others_serve(t
                 raise RuntimeError("injected step failure")
 
             broken.server.engine.step = always_fail  # the engine loop calls it even when idle
-            wait_for(lambda: not broken.server.status().serving, 10, "decode-0 took itself out of service")
-            wait_for(lambda: cluster.routed_ids() == {"decode-1"}, 10, "the router dropped decode-0")
+            eventually(lambda: not broken.server.status().serving, 10, "decode-0 took itself out of service")
+            eventually(lambda: cluster.routed_ids() == {"decode-1"}, 10, "the router dropped decode-0")
             assert "decode-0" not in {w.worker_id for w in cluster.workers[1].registry.live_workers()}
             served = cluster.concurrently([list(range(100 + i, 140 + i)) for i in range(8)])
             assert {r.decode_worker for r in served} == {"decode-1"}

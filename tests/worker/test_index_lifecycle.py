@@ -18,11 +18,12 @@ import pytest
 import redis
 
 from decode_worker.actor import DecodeWorker
-from deploy.redis_server import RedisServer
 from pdserve.engine.sequence import SamplingParams
 from pdserve.index.redis_layout import RedisKeys
 from pdserve.worker.actor import WorkerActor
-from tests.worker.redis_cluster import RedisCluster, decode_spec, sigterm_kept, wait_for
+from tests.helpers.waiting import eventually
+from tests.helpers.workers import wait_until_clean
+from tests.worker.redis_cluster import RedisCluster, decode_spec, sigterm_kept
 
 pytestmark = pytest.mark.slow
 
@@ -33,19 +34,6 @@ SHARED = list(range(300, 340))  # 2 full blocks + 8 tokens: the same blocks in e
 FIXED_KEYS = 7
 
 
-@pytest.fixture(scope="module")
-def redis_server():
-    with RedisServer(password="lifecycle-test-password") as server:
-        yield server
-
-
-@pytest.fixture
-def admin(redis_server):
-    client = redis.Redis.from_url(redis_server.url)
-    yield client
-    client.close()
-
-
 def serve(actor: WorkerActor, prompt: list[int], request_id: str) -> None:
     """One request through the worker's engine loop (what its Decode RPC drives)."""
     sampling = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -53,39 +41,39 @@ def serve(actor: WorkerActor, prompt: list[int], request_id: str) -> None:
     assert outputs[-1].finished and outputs[-1].finish_reason == "length"
 
 
-def published(admin: redis.Redis, keys: RedisKeys, actor: WorkerActor) -> bool:
+def published(redis_client: redis.Redis, keys: RedisKeys, actor: WorkerActor) -> bool:
     """The index holds exactly what the incarnation's pool caches, under its epoch."""
     held = set(actor.server.engine.pool.cached_hashes())
-    return set(admin.smembers(keys.entry_hashes(f"{actor.spec.worker_id}@{actor.epoch}"))) == held
+    return set(redis_client.smembers(keys.entry_hashes(f"{actor.spec.worker_id}@{actor.epoch}"))) == held
 
 
-def key_and_set_sizes(admin: redis.Redis, keys: RedisKeys) -> tuple[int, int]:
+def key_and_set_sizes(redis_client: redis.Redis, keys: RedisKeys) -> tuple[int, int]:
     """How many keys the namespace has, and how many entries its largest block set names."""
-    names = admin.keys(f"{keys.namespace}:*")
+    names = redis_client.keys(f"{keys.namespace}:*")
     blocks = [k for k in names if k.startswith(keys.block_prefix)]
-    return len(names), max((admin.scard(k) for k in blocks), default=0)
+    return len(names), max((redis_client.scard(k) for k in blocks), default=0)
 
 
-def check_bounded(admin: redis.Redis, keys: RedisKeys, actor: WorkerActor, restart: int) -> None:
+def check_bounded(redis_client: redis.Redis, keys: RedisKeys, actor: WorkerActor, restart: int) -> None:
     """The bound: one live incarnation's FIXED_KEYS plus one block key per hash it holds, and each
     block set names only that incarnation's entry. Older epochs leave nothing."""
-    wait_for(lambda: published(admin, keys, actor), 10, "the incarnation's blocks published")
+    eventually(lambda: published(redis_client, keys, actor), 10, "the incarnation's blocks published")
     bound = FIXED_KEYS + len(actor.server.engine.pool.cached_hashes())
 
     def bounded() -> bool:
-        count, largest = key_and_set_sizes(admin, keys)
+        count, largest = key_and_set_sizes(redis_client, keys)
         return count <= bound and largest == 1
 
     try:
-        wait_for(bounded, 5, "older epochs cleaned up")
+        eventually(bounded, 5, "older epochs cleaned up")
     except AssertionError:
         pass  # the assertions below say by how much
-    count, largest = key_and_set_sizes(admin, keys)
+    count, largest = key_and_set_sizes(redis_client, keys)
     assert count <= bound, f"restart {restart}: {count} keys, bound {bound}"
     assert largest == 1, f"restart {restart}: a block set names {largest} entries"
 
 
-def test_twenty_restarts_of_a_decode_worker_leave_redis_bounded(redis_server, admin, tiny_model_dir):
+def test_twenty_restarts_of_a_decode_worker_leave_redis_bounded(redis_server, redis_client, tiny_model_dir):
     keys = RedisKeys("t-restarts")
     spec = decode_spec("decode-0", redis_server.url, str(tiny_model_dir), keys.namespace, num_blocks=32)
     for restart in range(RESTARTS):
@@ -94,14 +82,14 @@ def test_twenty_restarts_of_a_decode_worker_leave_redis_bounded(redis_server, ad
         try:
             serve(actor, SHARED, f"shared-{restart}")
             serve(actor, [restart] * 3 + list(range(500, 537)), f"own-{restart}")  # blocks new each time
-            check_bounded(admin, keys, actor, restart)
+            check_bounded(redis_client, keys, actor, restart)
         finally:
             actor.stop()
-    names = admin.keys(f"{keys.namespace}:*")
-    assert [k for k in names if admin.pttl(k) <= 0] == []  # what the last one left expires on its own
+    names = redis_client.keys(f"{keys.namespace}:*")
+    assert [k for k in names if redis_client.pttl(k) <= 0] == []  # what the last one left expires on its own
 
 
-def test_the_router_sweeps_a_worker_that_left(redis_server, admin, tiny_loaded, tiny_model_dir):
+def test_the_router_sweeps_a_worker_that_left(redis_server, redis_client, tiny_loaded, tiny_model_dir):
     with sigterm_kept():
         cluster = RedisCluster(tiny_loaded, str(tiny_model_dir), redis_server.url)
     try:
@@ -109,49 +97,51 @@ def test_the_router_sweeps_a_worker_that_left(redis_server, admin, tiny_loaded, 
         keys = RedisKeys(cluster.namespace)
         leaving = cluster.workers[1]
         serve(leaving, list(range(700, 750)), "before-leaving")
-        wait_for(lambda: published(admin, keys, leaving), 10, "its blocks published")
+        eventually(lambda: published(redis_client, keys, leaving), 10, "its blocks published")
         leaving.stop()  # scale-down or a drain: deregistered, its process gone
         cluster.workers.remove(leaving)
 
         def leftovers() -> list[bytes]:
-            names = admin.keys(f"{keys.namespace}:*")
+            names = redis_client.keys(f"{keys.namespace}:*")
             mine = [k for k in names if b"decode-1" in k]
-            mine += [b"entries:" + m for m in admin.smembers(keys.entries) if m.startswith(b"decode-1@")]
-            mine += [b"workers:" + m for m in admin.smembers(keys.workers) if m == b"decode-1"]
+            mine += [b"entries:" + m for m in redis_client.smembers(keys.entries)
+                     if m.startswith(b"decode-1@")]
+            mine += [b"workers:" + m for m in redis_client.smembers(keys.workers) if m == b"decode-1"]
             for k in names:
                 if k.startswith(keys.block_prefix):
-                    mine += [k + b" names " + m for m in admin.smembers(k) if m.startswith(b"decode-1@")]
+                    mine += [k + b" names " + m for m in redis_client.smembers(k)
+                             if m.startswith(b"decode-1@")]
             return [k for k in mine if k != keys.epoch("decode-1").encode()]
 
-        wait_for(lambda: not leftovers(), 15, "the router's sweep removes what decode-1 left")
-        assert admin.pttl(keys.epoch("decode-1")) > 0  # the epoch counter outlives it, for a while
+        eventually(lambda: not leftovers(), 15, "the router's sweep removes what decode-1 left")
+        assert redis_client.pttl(keys.epoch("decode-1")) > 0  # the epoch counter outlives it, for a while
         assert cluster.routed_ids() == {"decode-0"}
         cluster.generate(list(range(700, 750)))
-        cluster.wait_until_clean()
+        wait_until_clean(*cluster.servers, timeout_s=10.0)
     finally:
         cluster.stop()
 
 
-def test_a_malformed_info_hash_is_skipped_and_routing_keeps_working(redis_server, admin, tiny_loaded,
+def test_a_malformed_info_hash_is_skipped_and_routing_keeps_working(redis_server, redis_client, tiny_loaded,
                                                                      tiny_model_dir, caplog):
     with sigterm_kept():
         cluster = RedisCluster(tiny_loaded, str(tiny_model_dir), redis_server.url, num_decode=1)
     try:
         cluster.start_router()
         keys = RedisKeys(cluster.namespace)
-        admin.hset(keys.info("ghost"), mapping={"role": "banana", "block_size": "many"})
-        admin.set(keys.live("ghost"), "1", px=60_000)
-        admin.sadd(keys.workers, "ghost")
-        admin.sadd(keys.entries, "not-an-entry")
+        redis_client.hset(keys.info("ghost"), mapping={"role": "banana", "block_size": "many"})
+        redis_client.set(keys.live("ghost"), "1", px=60_000)
+        redis_client.sadd(keys.workers, "ghost")
+        redis_client.sadd(keys.entries, "not-an-entry")
         caplog.set_level(logging.WARNING)
         with sigterm_kept():
             cluster.add_worker("decode-1")
 
-        wait_for(lambda: cluster.routed_ids() == {"decode-0", "decode-1"}, 10,
+        eventually(lambda: cluster.routed_ids() == {"decode-0", "decode-1"}, 10,
                  "the router sees the worker that started after the junk")
         assert any(keys.info("ghost") in r.getMessage() for r in caplog.records), "no warning names the key"
         for i in range(4):
             cluster.generate(list(range(800 + i, 850 + i)))
-        cluster.wait_until_clean()
+        wait_until_clean(*cluster.servers, timeout_s=10.0)
     finally:
         cluster.stop()

@@ -13,10 +13,10 @@ from pdserve.index.base import Lease, StoreUnavailable, WorkerKey
 from pdserve.index.breaker import CircuitBreaker
 from pdserve.index.memory import InMemoryPrefixIndex
 from pdserve.index.publisher import IndexPublisher
-from pdserve.index.registry import WorkerInfo
 from pdserve.worker.presence import Presence
+from tests.helpers.workers import worker_record
 
-INFO = WorkerInfo("d0", "decode", "127.0.0.1:1", "node", "fp", 16, "float32", "00" * 16, 64, 7)
+INFO = worker_record("d0", "decode", "127.0.0.1:1", epoch=7, fingerprint="fp", node="node")
 
 
 class ScriptedRegistry:

@@ -31,7 +31,9 @@ import redis
 from deploy.redis_server import RedisServer, free_port
 from pdserve.index.breaker import BreakerState
 from pdserve.security.redis_auth import redis_url_with_credentials
-from tests.worker.redis_cluster import LEASE_TTL_S, RedisCluster, StepTimes, sigterm_kept, wait_for
+from tests.helpers.waiting import eventually
+from tests.helpers.workers import wait_until_clean
+from tests.worker.redis_cluster import LEASE_TTL_S, RedisCluster, StepTimes, sigterm_kept
 
 pytestmark = pytest.mark.slow
 
@@ -88,14 +90,14 @@ def run_through_fault(cluster: RedisCluster, inject: Callable[[], None], clear: 
     assert with_fault.mean_s <= 3 * without_fault.mean_s + 0.02, summary  # a wait would add ~1 s
 
     holder = served.decode_worker
-    wait_for(lambda: cluster.holders(FAULT_PROMPT).get(holder, 0) >= 3, 20,
+    eventually(lambda: cluster.holders(FAULT_PROMPT).get(holder, 0) >= 3, 20,
              f"{holder} publishes the fault-time prompt again")
     breaker = cluster.router.placer.breaker
-    wait_for(lambda: breaker.state is not BreakerState.OPEN or breaker.retry_in() == 0, 10,
+    eventually(lambda: breaker.state is not BreakerState.OPEN or breaker.retry_in() == 0, 10,
              "the router's breaker lets an index lookup through")
     again = cluster.generate(AFTER_FAULT_PROMPT)
     assert again.decode_worker == holder and again.usage.cached_tokens == 48, again
-    cluster.wait_until_clean()
+    wait_until_clean(*cluster.servers, timeout_s=10.0)
 
 
 @pytest.fixture

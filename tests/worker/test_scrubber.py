@@ -17,17 +17,11 @@ from pdserve.worker.server import WorkerConfig
 from protos.pdserve.v1 import worker_pb2
 from tests.conftest import assert_no_leaks, make_engine
 from tests.engine.test_audit import corrupt, random_prompts
+from tests.helpers.waiting import eventually
+from tests.helpers.workers import worker_server
 from tests.worker.test_audit_rpc import stub
-from tests.workers import worker_server
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-
-
-def wait_for(condition, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("fraction", [0.05, 0.2])
@@ -50,7 +44,7 @@ def test_the_scrubber_spends_at_most_its_fraction_of_wall_time(tiny_loaded, frac
     scrubber = AuditScrubber(auditor, interval_s=0.001, max_fraction=fraction)
     started = time.perf_counter()
     scrubber.start()
-    wait_for(lambda: len(spans) >= 8)
+    eventually(lambda: len(spans) >= 8, 30)
     scrubber.stop()
     assert spans[0][1] - spans[0][0] > 0.001
     # every audit but the last has had its pause: over that window the share is bounded
@@ -72,12 +66,12 @@ def test_a_worker_with_a_scrubber_finds_a_corrupt_block_on_its_own(tiny_loaded):
         list(stub(worker).Decode(worker_pb2.DecodeRequest(
             request_id="s", prompt_token_ids=prompt, sampling=sampling_to_proto(GREEDY), prefill_here=True),
             timeout=30))
-        wait_for(lambda: worker.status().kv_audited_blocks_total >= 2)  # it scrubs the clean cache
+        eventually(lambda: worker.status().kv_audited_blocks_total >= 2, 30)  # it scrubs the clean cache
         assert worker.status().kv_audit_mismatches_total == 0
         [_, second] = worker.engine.pool.match_prefix(hash_blocks(prompt, 16, worker.engine.salt))
         with worker.engine.lock:
             corrupt(worker.engine, second)
-        wait_for(lambda: worker.status().kv_audit_mismatches_total == 1)
+        eventually(lambda: worker.status().kv_audit_mismatches_total == 1, 30)
         assert worker.status().kv_audit_evicted_total == 1
         assert worker.engine.pool.block_hash(second) is None
         status = worker.status()

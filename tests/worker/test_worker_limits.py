@@ -30,11 +30,12 @@ from pdserve.kvwire import TransferBegin
 from pdserve.worker.convert import sampling_to_proto
 from pdserve.worker.server import WorkerConfig, WorkerServer, call_limits
 from prefill_worker.role import PrefillRole
-from protos.pdserve.v1 import generation_pb2, worker_pb2
+from protos.pdserve.v1 import worker_pb2
 from tests.conftest import make_engine
-from tests.grpc_clients import HeldPrefill, HeldPush, seconds_until_idle_after_a_call, wait_for
-from tests.router.inprocess import greedy, running_cluster, wait_until_clean
-from tests.workers import WorkerStubs, worker_server
+from tests.helpers.cluster import generate_request, running_cluster
+from tests.helpers.grpc_clients import HeldPrefill, HeldPush, seconds_until_idle_after_a_call
+from tests.helpers.waiting import wait_for
+from tests.helpers.workers import WorkerStubs, wait_until_clean, worker_server
 
 CALLS = "the worker's calls"
 PROMPT = list(range(300, 350))  # 50 tokens, 4 blocks of 16
@@ -58,29 +59,20 @@ def stub(address: str) -> WorkerStubs:
     return WorkerStubs(grpc.insecure_channel(address))
 
 
-def assert_clean(worker: WorkerServer) -> None:
-    status = worker.status()
-    assert (status.used_blocks, status.parked_transfers, status.held_blocks) == (0, 0, 0), status
-    assert status.free_blocks == status.num_blocks
-    if worker.config.role == "decode":
-        assert worker.role.kv_servicer.pushes_in_flight() == {}
-
-
 @pytest.fixture
 def start_worker(tiny_loaded) -> Iterator:
-    started: list[WorkerServer] = []
+    """Start a worker of a role (WorkerConfig fields; decode: its DecodeConfig); all are stopped at the
+    test's end."""
+    with ExitStack() as started:
+        def start(role: str = "decode", decode: DecodeConfig | None = None, **fields) -> WorkerServer:
+            config = WorkerConfig(role, TINY_ENGINE, metrics_port=None, **fields)
+            worker = (WorkerServer(config, DecodeRole(decode), tiny_loaded) if decode is not None
+                      else worker_server(config, tiny_loaded))
+            worker.start()
+            started.callback(worker.stop)
+            return worker
 
-    def start(role: str = "decode", decode: DecodeConfig | None = None, **fields) -> WorkerServer:
-        config = WorkerConfig(role, TINY_ENGINE, metrics_port=None, **fields)
-        worker = (WorkerServer(config, DecodeRole(decode), tiny_loaded) if decode is not None
-                  else worker_server(config, tiny_loaded))
-        worker.start()
-        started.append(worker)
-        return worker
-
-    yield start
-    for worker in started:
-        worker.stop()
+        yield start
 
 
 # --- max_concurrent_calls --------------------------------------------------------------------------
@@ -93,7 +85,7 @@ def test_a_full_worker_refuses_at_once_and_the_router_goes_elsewhere(tiny_loaded
     workers = (WorkerConfig("prefill", worker_id="prefill-0", **full),
                WorkerConfig("decode", worker_id="decode-a", **full),
                WorkerConfig("decode", worker_id="decode-b"))
-    with running_cluster(tiny_loaded, routing="round_robin", worker_configs=workers) as cluster, \
+    with running_cluster(tiny_loaded, routing="round_robin", workers=workers) as cluster, \
             ExitStack() as holds:
         prefill, decode_a, decode_b = cluster.workers
         holds.callback(HeldPrefill(prefill.address, PROMPT).close)
@@ -112,9 +104,7 @@ def test_a_full_worker_refuses_at_once_and_the_router_goes_elsewhere(tiny_loaded
                 "(WorkerConfig.max_concurrent_calls)") in refused.value.details()
         assert stub(decode_a.address).Status(worker_pb2.StatusRequest(), timeout=5).worker_id == "decode-a"
 
-        request = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=PROMPT),
-                                                 sampling=greedy(8))
-        replies = list(cluster.stub.Generate(request, timeout=60))
+        replies = list(cluster.stub.Generate(generate_request(PROMPT), timeout=60))
 
         assert [t for r in replies for t in r.token_ids] == expected_tokens(tiny_loaded)
         assert (replies[-1].decode_worker, replies[-1].prefill_worker) == ("decode-b", "")
@@ -124,7 +114,7 @@ def test_a_full_worker_refuses_at_once_and_the_router_goes_elsewhere(tiny_loaded
         holds.close()
         for worker in cluster.workers:
             assert wait_for(lambda w=worker: w.call_limiter.counts()[CALLS].in_flight == 0)
-        wait_until_clean(cluster)
+        wait_until_clean(*cluster.workers, timeout_s=10.0)
 
 
 def test_the_worker_limit_covers_every_long_call_and_spares_status_and_abort():
@@ -182,8 +172,7 @@ def test_kv_pushes_are_capped_per_peer_before_anything_is_reserved(start_worker,
     assert replies[0].used_transferred_kv
     assert [t for r in replies for t in r.token_ids] == expected_tokens(tiny_loaded)
     assert wait_for(lambda: prefill.status().held_blocks == 0)
-    assert_clean(decode)
-    assert_clean(prefill)
+    wait_until_clean(decode, prefill, timeout_s=0)
 
 
 @pytest.mark.parametrize("peer, host", [
@@ -215,7 +204,7 @@ def test_a_begin_only_push_is_freed_within_the_servers_limit(start_worker):
     # the receiver counts it once its next read breaks, just after the call is cancelled
     assert wait_for(lambda: decode.status().transfer_outcomes == {"DEADLINE_EXCEEDED": 1})
     assert not decode.engine.handoff.is_parked("begin-only")
-    assert_clean(decode)
+    wait_until_clean(decode, timeout_s=0)
 
 
 def test_the_clock_stops_at_end_and_never_cuts_a_push_that_reached_it():
@@ -242,8 +231,7 @@ def test_an_honest_push_within_the_limit_goes_through(start_worker, tiny_loaded)
     assert [t for r in replies for t in r.token_ids] == expected_tokens(tiny_loaded)
     assert decode.status().transfer_outcomes == {"done": 1}
     assert wait_for(lambda: prefill.status().held_blocks == 0)
-    assert_clean(decode)
-    assert_clean(prefill)
+    wait_until_clean(decode, prefill, timeout_s=0)
 
 
 # --- connections -----------------------------------------------------------------------------------

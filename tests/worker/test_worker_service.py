@@ -11,7 +11,7 @@ from pdserve.worker.convert import sampling_to_proto
 from pdserve.worker.server import WorkerConfig, WorkerServer
 from protos.pdserve.v1 import kv_transfer_pb2_grpc, worker_pb2
 from tests.conftest import make_engine
-from tests.workers import WorkerStubs, worker_server
+from tests.helpers.workers import WorkerStubs, wait_until_clean, worker_server
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPT = list(range(400, 447))
@@ -32,12 +32,6 @@ def stub(server: WorkerServer) -> WorkerStubs:
     return WorkerStubs(grpc.insecure_channel(server.address))
 
 
-def assert_clean(server: WorkerServer) -> None:
-    status = server.status()
-    assert status.used_blocks == 0 and status.parked_transfers == 0 and status.held_blocks == 0
-    assert status.free_blocks == status.num_blocks
-
-
 def decode_tokens(replies) -> tuple[list[int], list]:
     replies = list(replies)
     return [t for r in replies for t in r.token_ids], replies
@@ -56,8 +50,7 @@ def test_remote_prefill_then_decode_matches_one_engine(workers, tiny_loaded):
     assert replies[0].used_transferred_kv and replies[-1].finished
     assert tokens == expected
     assert replies[-1].usage.completion_tokens == 10
-    assert_clean(prefill)
-    assert_clean(decode)
+    wait_until_clean(prefill, decode, timeout_s=0)
 
 
 def test_prefill_here_matches_one_engine(workers, tiny_loaded):
@@ -67,7 +60,7 @@ def test_prefill_here_matches_one_engine(workers, tiny_loaded):
         request_id="b", prompt_token_ids=PROMPT, sampling=sampling_to_proto(GREEDY), prefill_here=True),
         timeout=30))
     assert tokens == expected and not replies[0].used_transferred_kv
-    assert_clean(decode)
+    wait_until_clean(decode, timeout_s=0)
 
 
 def test_bad_request_is_invalid_argument(workers):
@@ -82,8 +75,7 @@ def test_bad_request_is_invalid_argument(workers):
         stub(prefill).Prefill(worker_pb2.PrefillRequest(request_id="d", prompt_token_ids=[1, 2], sampling=bad,
                                                         decode_target=decode.address), timeout=10)
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err.value.details()
-    assert_clean(prefill)
-    assert_clean(decode)
+    wait_until_clean(prefill, decode, timeout_s=0)
 
 
 def test_cancelled_decode_frees_blocks(workers):
@@ -94,12 +86,7 @@ def test_cancelled_decode_frees_blocks(workers):
         prefill_here=True), timeout=30)
     next(call)
     call.cancel()
-    import time
-
-    deadline = time.monotonic() + 5
-    while decode.status().used_blocks and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert_clean(decode)
+    wait_until_clean(decode)  # the abort reaches the engine loop a moment after the cancel
 
 
 def test_a_worker_serves_only_its_own_roles_services(workers):
@@ -120,8 +107,7 @@ def test_a_worker_serves_only_its_own_roles_services(workers):
             with pytest.raises(grpc.RpcError) as refused:
                 call()
             assert refused.value.code() is grpc.StatusCode.UNIMPLEMENTED, (worker.config.role, name)
-    assert_clean(prefill)
-    assert_clean(decode)
+    wait_until_clean(prefill, decode, timeout_s=0)
 
 
 def test_kv_channels_are_bounded_least_recently_used_closed_first(monkeypatch):

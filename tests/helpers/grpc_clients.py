@@ -145,16 +145,6 @@ def seconds_until_idle_after_a_call(address: str, timeout_s: float = 5.0) -> flo
     return time.monotonic() - called if closed else None
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    """True once condition() holds; False if it still does not after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 class HeldPrefill:
     """A Prefill call held open on a prefill worker: its decode target is a socket that takes TCP
     connections and never speaks HTTP/2, so the KV push, and the call, wait until close()."""

@@ -1,4 +1,5 @@
-"""A prefill worker and a decode worker in this process, for the KV transfer contract suite.
+"""A prefill worker and a decode worker in this process (the Rig), for the KV transfer contract suite
+and the tests of the decode worker's side of a hand-off.
 
 Both are production `WorkerServer`s, called over real gRPC sockets (PrefillService.Prefill,
 DecodeService.Decode): the prefill orchestration under test is the one production runs. Only the
@@ -17,7 +18,6 @@ expire, preempt or overwrite while the sender is behind, then let it go on.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,9 +34,9 @@ from prefill_worker.faults import FaultKind, FaultPlan, FaultRule, RequestIds
 from prefill_worker.role import PrefillConfig, PrefillRole
 from protos.pdserve.v1 import worker_pb2
 from tests.conftest import make_engine
-from tests.kv_audit import audit_failures
-from tests.transfer.loopback import LoopbackKVChannel
-from tests.workers import WorkerStubs
+from tests.helpers.kv_audit import audit_failures
+from tests.helpers.loopback import LoopbackKVChannel
+from tests.helpers.workers import WorkerStubs
 
 CHANNELS = ("loopback", "grpc", "faults")
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -154,32 +154,8 @@ def cached_prompt_blocks(worker: WorkerServer, prompt: list[int]) -> int:
         return len(engine.pool.match_prefix(hash_blocks(prompt, engine.block_size, engine.salt)))
 
 
-def eventually(condition: Callable[[], object], timeout_s: float, what: str):
-    """condition()'s value once truthy; fails naming `what` after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = condition()
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"{what} (waited {timeout_s} s)"
-        time.sleep(0.01)
-
-
-def is_clean(worker: WorkerServer) -> bool:
-    s = worker.status()
-    return (s.used_blocks, s.parked_transfers, s.held_blocks, s.free_blocks) == (0, 0, 0, s.num_blocks)
-
-
 def assert_no_wrong_kv(*workers: WorkerServer) -> None:
-    """The KV audit of every worker: each block it caches is its prompt's true KV (tests/kv_audit.py).
+    """The KV audit of every worker: each block it caches is its prompt's true KV (tests/helpers/kv_audit.py).
     Every fault test ends with it."""
     failures = audit_failures([w.address for w in workers])
     assert not failures, failures
-
-
-def assert_clean(*workers: WorkerServer, timeout_s: float = 5.0) -> None:
-    """Every block free or cached and unreferenced, nothing parked or held (a call-end callback
-    may still be releasing, so this waits a moment)."""
-    for worker in workers:
-        eventually(lambda w=worker: is_clean(w), timeout_s, f"{worker.config.role} worker is clean: "
-                   f"{worker.status()}")

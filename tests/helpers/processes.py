@@ -11,7 +11,7 @@ import grpc
 import torch
 
 from protos.pdserve.v1 import worker_pb2
-from tests.workers import WorkerStubs
+from tests.helpers.workers import WorkerStubs
 
 SPAWN = mp.get_context("spawn")
 

@@ -1,0 +1,62 @@
+"""Clusters of real Ray actors (deploy.launcher.LocalCluster, embedded Redis) and what the cluster tests
+ask of them. The session's Ray instance is the `ray_session` fixture (tests/cluster/conftest.py); each
+cluster gets its own Redis and its own actor names on it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import grpc
+
+from deploy.launcher import ClusterSpec, LocalCluster
+from pdserve.client import PdserveClient
+from pdserve.engine.config import CacheConfig
+from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from router.config import PlacementConfig
+from tests.helpers.workers import leftovers
+
+
+def start_cluster(num_prefill: int, num_decode: int, num_blocks: int = 512, routing: str = "prefix",
+                  **overrides) -> LocalCluster:
+    """A started cluster on the session's Ray: num_blocks a worker, `routing`, other ClusterSpec fields."""
+    spec = ClusterSpec(num_prefill=num_prefill, num_decode=num_decode, port=0,
+                       namespace=f"t{uuid.uuid4().hex[:6]}", cache=CacheConfig(num_blocks=num_blocks),
+                       placement=PlacementConfig(routing=routing), **overrides)
+    cluster = LocalCluster(spec, say=lambda *_: None)
+    cluster.start()
+    return cluster
+
+
+def client_of(cluster: LocalCluster) -> PdserveClient:
+    return PdserveClient(cluster.router.address, timeout_s=300)
+
+
+def worker_status(cluster: LocalCluster) -> dict[str, worker_pb2.WorkerStatus]:
+    """Every live worker's Status, by worker id."""
+    out = {}
+    for info in cluster.registry.live_workers():
+        with grpc.insecure_channel(info.address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            out[info.worker_id] = stub.Status(worker_pb2.StatusRequest(), timeout=10)
+    return out
+
+
+def worker_addresses(cluster: LocalCluster) -> list[str]:
+    """Every live worker's address (a restarted worker's new one)."""
+    return [info.address for info in cluster.registry.live_workers()]
+
+
+def wait_until_clean(cluster: LocalCluster, timeout_s: float = 10.0) -> None:
+    """Wait until every live worker (the registry read again each time: a restarted worker's new
+    incarnation) is clean by its Status: no block referenced, nothing parked or held, no request left
+    (tests/helpers/workers.py leftovers). AssertionError naming what is left after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        dirty = {w: left for w, s in worker_status(cluster).items() if (left := leftovers(s))}
+        if not dirty:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"workers not clean after {timeout_s} s: {dirty}")
+        time.sleep(0.05)
