@@ -365,7 +365,7 @@ def _add_up_audit(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
     audit.add_argument("--audit-max-fraction", type=float, metavar="F",
                        help="most of each worker's wall time the scrubber may spend, measured: after an "
                             "audit that took t seconds it waits at least t x (1 - F) / F "
-                            f"(default: {d.audit_max_fraction:g})")
+                            f"(default: {d.audit.max_fraction:g})")
 
 
 def _add_up_security(p: argparse.ArgumentParser) -> None:

@@ -4,9 +4,10 @@
          --flags given on the command line replace theirs--> ClusterSpec (each part checks its values)
 
 One configuration tree: ClusterSpec composes the engine's CacheConfig and SchedulerConfig
-(pdserve/engine/config.py) and the router's PlacementConfig, RequestDeadlines
-(router/config.py) and RequestLimits (router/limits.py), so each setting and its default is
-declared once, where it is used. A file key or a flag names a field path ("cache.block_size",
+(pdserve/engine/config.py), the router's PlacementConfig, RequestDeadlines (router/config.py)
+and RequestLimits (router/limits.py), the TLS files (pdserve/security/files.py) and the audit
+schedule (pdserve/worker/scrubber.py), so each setting and its default is declared once, where
+it is used. A file key or a flag names a field path ("cache.block_size",
 "limits.max_concurrent_streams"); a part that refuses a value raises a FieldError, which is
 re-worded here with the key and the flag the user wrote: `cache.kv_dtype (--kv-dtype) must be
 one of float32, float16, bfloat16, got 'int8'`.
@@ -30,7 +31,8 @@ from pdserve.engine.config import CacheConfig, SchedulerConfig
 from pdserve.engine.hashing import CACHE_ISOLATION
 from pdserve.field_error import FieldError
 from pdserve.roles import ROLES
-from pdserve.worker.scrubber import DEFAULT_MAX_FRACTION, check_scrubber_settings
+from pdserve.security.files import TLSFiles
+from pdserve.worker.scrubber import AuditSchedule
 from router.config import PlacementConfig, RequestDeadlines
 from router.limits import RequestLimits
 
@@ -71,21 +73,14 @@ class ClusterSpec:
     startup_timeout_s: float = 600.0
     actor_resources: dict[str, dict[str, float]] = field(default_factory=dict)  # role -> custom resources
     # Security (docs/security.md): file paths, read when the cluster starts; None = off.
-    tls_cert: str | None = None  # the certificate the router and every worker serve
-    tls_key: str | None = None
-    tls_ca: str | None = None  # trusted when the router and workers dial each other (and clients: mTLS)
-    tls_require_client_cert: bool = False  # mutual TLS on every server
-    tls_client_cert: str | None = None  # what the router and prefill workers present under mutual TLS
-    tls_client_key: str | None = None
+    tls: TLSFiles = field(default_factory=TLSFiles)  # what the router and every worker serve and trust
     api_token_file: str | None = None  # the router's accepted bearer tokens, one per line
     cluster_secret_file: str | None = None  # the secret of the internal services, one line
     # none: any request may reuse any other's cached prefix; token: only requests of the same API token
     # (router/server.py RouterConfig.cache_isolation; docs/security.md weighs the two). token needs
     # api_token_file.
     cache_isolation: str = "none"
-    # The background KV audit on every worker (pdserve/worker/scrubber.py): None = off.
-    audit_interval_s: float | None = None
-    audit_max_fraction: float = DEFAULT_MAX_FRACTION  # of wall time the scrubber may spend auditing
+    audit: AuditSchedule = field(default_factory=AuditSchedule)  # the background KV audit on every worker
 
     def __post_init__(self) -> None:
         if self.num_decode < 1:
@@ -119,10 +114,6 @@ class ClusterSpec:
                 raise ValueError(f"worker_env: {name!r}: {value!r} must map a variable name to a string "
                                  "(quote numbers in YAML: MALLOC_ARENA_MAX: \"4\")")
         self._check_tls()
-        try:
-            check_scrubber_settings(self.audit_interval_s, self.audit_max_fraction)
-        except ValueError as exc:
-            raise ValueError(f"audit: {exc} (--audit-interval-s, --audit-max-fraction)") from None
 
     def _check_parts(self) -> None:
         """Each part is its own config dataclass (it checks its values); refuse anything else, such as
@@ -139,20 +130,21 @@ class ClusterSpec:
 
     def _check_tls(self) -> None:
         """Which TLS settings go together; whether the files exist is checked when the cluster starts."""
-        if (self.tls_cert is None) != (self.tls_key is None):
+        tls = self.tls
+        if (tls.cert is None) != (tls.key is None):
             raise ValueError("tls.cert (--tls-cert) and tls.key (--tls-key) go together: give both or "
                              "neither")
-        if (self.tls_client_cert is None) != (self.tls_client_key is None):
+        if (tls.client_cert is None) != (tls.client_key is None):
             raise ValueError("tls.client_cert (--tls-client-cert) and tls.client_key (--tls-client-key) go "
                              "together: give both or neither")
-        needs_cert = {"tls.ca (--tls-ca)": self.tls_ca is not None,
-                      "tls.require_client_cert (--tls-require-client-cert)": self.tls_require_client_cert,
-                      "tls.client_cert (--tls-client-cert)": self.tls_client_cert is not None}
+        needs_cert = {"tls.ca (--tls-ca)": tls.ca is not None,
+                      "tls.require_client_cert (--tls-require-client-cert)": tls.require_client_cert,
+                      "tls.client_cert (--tls-client-cert)": tls.client_cert is not None}
         given = [name for name, on in needs_cert.items() if on]
-        if self.tls_cert is None and given:
+        if tls.cert is None and given:
             raise ValueError(f"{', '.join(given)} needs tls.cert and tls.key (--tls-cert, --tls-key): "
                              "the cluster serves TLS only with a certificate")
-        if self.tls_require_client_cert and (self.tls_ca is None or self.tls_client_cert is None):
+        if tls.require_client_cert and (tls.ca is None or tls.client_cert is None):
             raise ValueError("tls.require_client_cert (--tls-require-client-cert) needs tls.ca (--tls-ca), "
                              "the CA of the client certificates, and tls.client_cert/tls.client_key "
                              "(--tls-client-cert/--tls-client-key), the certificate the router and prefill "
@@ -165,7 +157,7 @@ class ClusterSpec:
 
 
 _PARTS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "placement": PlacementConfig,
-          "limits": RequestLimits, "deadlines": RequestDeadlines}
+          "limits": RequestLimits, "deadlines": RequestDeadlines, "tls": TLSFiles, "audit": AuditSchedule}
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -211,16 +203,16 @@ FILE_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "namespace": ("namespace", (str,)),
     "max_restarts": ("max_restarts", (int,)),
     "worker_env": ("worker_env", (dict,)),
-    "tls.cert": ("tls_cert", _PATH),
-    "tls.key": ("tls_key", _PATH),
-    "tls.ca": ("tls_ca", _PATH),
-    "tls.require_client_cert": ("tls_require_client_cert", (bool,)),
-    "tls.client_cert": ("tls_client_cert", _PATH),
-    "tls.client_key": ("tls_client_key", _PATH),
+    "tls.cert": ("tls.cert", _PATH),
+    "tls.key": ("tls.key", _PATH),
+    "tls.ca": ("tls.ca", _PATH),
+    "tls.require_client_cert": ("tls.require_client_cert", (bool,)),
+    "tls.client_cert": ("tls.client_cert", _PATH),
+    "tls.client_key": ("tls.client_key", _PATH),
     "auth.api_token_file": ("api_token_file", _PATH),
     "auth.cluster_secret_file": ("cluster_secret_file", _PATH),
-    "audit.interval_s": ("audit_interval_s", (int, float, _NONE)),
-    "audit.max_fraction": ("audit_max_fraction", _NUMBER),
+    "audit.interval_s": ("audit.interval_s", (int, float, _NONE)),
+    "audit.max_fraction": ("audit.max_fraction", _NUMBER),
 }
 # Keys a file may no longer use: the error names the new key (a silent alias would be a second name).
 RENAMED_KEYS = {"placement": ("actor_placement", "pack or spread: how Ray places the worker actors")}
@@ -239,13 +231,13 @@ FLAG_FIELDS: dict[str, str] = {
     "max_concurrent_streams": "limits.max_concurrent_streams",
     "prefill_deadline_fraction": "deadlines.prefill_deadline_fraction",
     "prefill_timeout_s": "deadlines.prefill_timeout_s", "cache_isolation": "cache_isolation",
-    "tls_cert": "tls_cert", "tls_key": "tls_key", "tls_ca": "tls_ca",
-    "tls_require_client_cert": "tls_require_client_cert", "tls_client_cert": "tls_client_cert",
-    "tls_client_key": "tls_client_key", "api_token_file": "api_token_file",
-    "cluster_secret_file": "cluster_secret_file", "audit_interval_s": "audit_interval_s",
-    "audit_max_fraction": "audit_max_fraction"}
+    "tls_cert": "tls.cert", "tls_key": "tls.key", "tls_ca": "tls.ca",
+    "tls_require_client_cert": "tls.require_client_cert", "tls_client_cert": "tls.client_cert",
+    "tls_client_key": "tls.client_key", "api_token_file": "api_token_file",
+    "cluster_secret_file": "cluster_secret_file", "audit_interval_s": "audit.interval_s",
+    "audit_max_fraction": "audit.max_fraction"}
 # Fields that name a file: a relative path in the file is relative to the file.
-PATH_FIELDS = ("model_path", "tls_cert", "tls_key", "tls_ca", "tls_client_cert", "tls_client_key",
+PATH_FIELDS = ("model_path", "tls.cert", "tls.key", "tls.ca", "tls.client_cert", "tls.client_key",
                "api_token_file", "cluster_secret_file")
 _SECTIONS = sorted({key.split(".")[0] for key in FILE_KEYS if "." in key})
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", dict: "a mapping", _NONE: "null",

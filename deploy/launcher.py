@@ -96,11 +96,9 @@ class LocalCluster:
     def _read_security(self) -> SecurityConfig:
         """The router's SecurityConfig from the spec's files; ValueError names a bad flag or file."""
         s = self.spec
-        tls = TLSConfig(s.tls_cert, s.tls_key, s.tls_ca, s.tls_require_client_cert) if s.tls_cert else None
         tokens = read_secrets_file(s.api_token_file, "API token") if s.api_token_file else ()
         secret = read_secret(file=s.cluster_secret_file, what="cluster secret")
-        return SecurityConfig(tls=tls, client_cert=s.tls_client_cert, client_key=s.tls_client_key,
-                              api_tokens=tokens, cluster_secret=secret)
+        return SecurityConfig.of_files(s.tls, api_tokens=tokens, cluster_secret=secret)
 
     def client_security(self) -> SecurityConfig:
         """How a client dials this cluster's router: its CA, the client certificate, the first API token."""
@@ -195,11 +193,7 @@ class LocalCluster:
                               num_threads=threads)
         return WorkerSpec(role=role, worker_id=worker_id, redis_url=self.redis_url, engine=engine,
                           host=s.host, namespace=s.namespace,
-                          tls_cert=s.tls_cert, tls_key=s.tls_key, tls_ca=s.tls_ca,
-                          tls_require_client_cert=s.tls_require_client_cert,
-                          tls_client_cert=s.tls_client_cert, tls_client_key=s.tls_client_key,
-                          cluster_secret=self.security.cluster_secret,
-                          audit_interval_s=s.audit_interval_s, audit_max_fraction=s.audit_max_fraction)
+                          tls=s.tls, cluster_secret=self.security.cluster_secret, audit=s.audit)
 
     def _wait_until_live(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -40,10 +40,10 @@ def answer_sample(address: str, security: SecurityConfig) -> None:
 def client_flags(spec: ClusterSpec, num_tokens: int) -> str:
     """The flags a `pdserve generate --router` needs for this cluster ('' when it is open)."""
     flags = []
-    if spec.tls_ca is not None:
-        flags.append(f"--tls-ca {spec.tls_ca}")
-    if spec.tls_require_client_cert:
-        flags.append(f"--tls-client-cert {spec.tls_client_cert} --tls-client-key {spec.tls_client_key}")
+    if spec.tls.ca is not None:
+        flags.append(f"--tls-ca {spec.tls.ca}")
+    if spec.tls.require_client_cert:
+        flags.append(f"--tls-client-cert {spec.tls.client_cert} --tls-client-key {spec.tls.client_key}")
     if spec.api_token_file is not None:
         # NOTE: a client sends one token; the router's file may list several.
         flags.append(f"--api-token-file {spec.api_token_file if num_tokens == 1 else 'ONE-TOKEN-FILE'}")

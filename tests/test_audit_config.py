@@ -14,7 +14,7 @@ from deploy.launcher import LocalCluster
 from deploy.redis_server import RedisServer
 from deploy.up import spec_from_args
 from pdserve.engine.config import CacheConfig
-from pdserve.worker.scrubber import AuditScrubber
+from pdserve.worker.scrubber import AuditSchedule, AuditScrubber
 
 
 def test_the_file_and_the_flags_set_the_audit_fields(tmp_path):
@@ -22,15 +22,16 @@ def test_the_file_and_the_flags_set_the_audit_fields(tmp_path):
     path.write_text(textwrap.dedent("""
         audit: {interval_s: 30, max_fraction: 0.1}
     """))
-    assert load_config(path) == ClusterSpec(audit_interval_s=30, audit_max_fraction=0.1)
+    assert load_config(path) == ClusterSpec(audit=AuditSchedule(interval_s=30, max_fraction=0.1))
     args = build_parser().parse_args(["up", "--config", str(path), "--audit-max-fraction", "0.02"])
-    assert spec_from_args(args) == ClusterSpec(audit_interval_s=30, audit_max_fraction=0.02)
-    assert ClusterSpec().audit_interval_s is None  # off by default
+    assert spec_from_args(args) == ClusterSpec(audit=AuditSchedule(interval_s=30, max_fraction=0.02))
+    assert ClusterSpec().audit.interval_s is None  # off by default
 
 
 @pytest.mark.parametrize("text, message", [
-    ("audit: {interval_s: 0}", "audit: audit_interval_s must be > 0 seconds"),
-    ("audit: {interval_s: 5, max_fraction: 2}", r"audit: audit_max_fraction must be in \(0, 1\]"),
+    ("audit: {interval_s: 0}", r"audit.interval_s \(--audit-interval-s\) must be > 0 seconds"),
+    ("audit: {interval_s: 5, max_fraction: 2}",
+     r"audit.max_fraction \(--audit-max-fraction\) must be in \(0, 1\]"),
     ("audit: {max_fraction: fast}", "'audit.max_fraction' must be a number"),
 ])
 def test_a_bad_audit_setting_names_the_key(tmp_path, text, message):
@@ -47,11 +48,12 @@ def test_a_bad_audit_flag_is_a_usage_error(capsys):
 
 def test_a_worker_started_by_the_launcher_runs_the_scrubber_it_was_given(tiny_model_dir):
     cluster = LocalCluster(ClusterSpec(model_path=str(tiny_model_dir), cache=CacheConfig(num_blocks=16),
-                                       audit_interval_s=7.5, audit_max_fraction=0.1, namespace="t-audit"))
+                                       audit=AuditSchedule(interval_s=7.5, max_fraction=0.1),
+                                       namespace="t-audit"))
     with RedisServer() as server:
         cluster.redis_url = server.url
         spec = cluster._worker_spec("decode", "decode-0", threads=1)
-        assert (spec.audit_interval_s, spec.audit_max_fraction) == (7.5, 0.1)
+        assert spec.audit == AuditSchedule(interval_s=7.5, max_fraction=0.1)
         actor = DecodeWorker(spec)
         try:
             scrubber = actor.server.scrubber
@@ -60,4 +62,4 @@ def test_a_worker_started_by_the_launcher_runs_the_scrubber_it_was_given(tiny_mo
         finally:
             actor.stop()
         cluster.spec = ClusterSpec(model_path=str(tiny_model_dir))
-        assert cluster._worker_spec("decode", "decode-0", threads=1).audit_interval_s is None
+        assert cluster._worker_spec("decode", "decode-0", threads=1).audit.interval_s is None

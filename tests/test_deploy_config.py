@@ -13,6 +13,7 @@ from deploy.cli import build_parser
 from deploy.config import FILE_KEYS, ClusterSpec, load_config, spec_from_mapping
 from deploy.up import FLAG_FIELDS, spec_from_args
 from pdserve.engine.config import CacheConfig, SchedulerConfig
+from pdserve.security.files import TLSFiles
 from router.config import PlacementConfig, RequestDeadlines
 from router.limits import RequestLimits
 
@@ -71,8 +72,8 @@ def test_every_key_lands_on_its_field(tmp_path):
         redis_url="redis://10.0.0.1:6380/0", ray_address="auto", namespace="prod",
         limits=RequestLimits(max_prompt_tokens=1000, max_tokens_limit=512, max_message_bytes=65536,
                              max_concurrent_streams=32),
-        tls_cert="/c/server.pem", tls_key="/c/server-key.pem", tls_ca="/c/ca.pem",
-        tls_require_client_cert=True, tls_client_cert="/c/client.pem", tls_client_key="/c/client-key.pem",
+        tls=TLSFiles(cert="/c/server.pem", key="/c/server-key.pem", ca="/c/ca.pem", require_client_cert=True,
+                     client_cert="/c/client.pem", client_key="/c/client-key.pem"),
         api_token_file="/s/tokens.txt", cluster_secret_file="/s/secret.txt", max_restarts=5,
         worker_env={"MALLOC_ARENA_MAX": "4", "OMP_WAIT_POLICY": "PASSIVE"})
 
@@ -183,7 +184,7 @@ def test_relative_certificate_and_secret_paths_are_relative_to_the_file(tmp_path
     """, "conf.yaml")
     (tmp_path / "conf").mkdir()
     spec = load_config(path.rename(tmp_path / "conf" / "conf.yaml"))
-    assert (spec.tls_cert, spec.tls_key, spec.tls_ca) == (
+    assert (spec.tls.cert, spec.tls.key, spec.tls.ca) == (
         str(tmp_path / "conf" / "certs" / "server.pem"), str(tmp_path / "conf" / "certs" / "server-key.pem"),
         "/etc/pdserve/ca.pem")
     assert (spec.api_token_file, spec.cluster_secret_file) == (str(tmp_path / "tokens.txt"),
@@ -295,12 +296,12 @@ def test_security_and_limit_flags_set_their_fields():
                    "--api-token-file", "t.txt", "--cluster-secret-file", "x.txt",
                    "--max-prompt-tokens", "100", "--max-tokens-limit", "50",
                    "--max-message-bytes", "4096", "--max-concurrent-streams", "8")
-    assert spec == ClusterSpec(tls_cert="s.pem", tls_key="k.pem", tls_ca="ca.pem",
-                               tls_require_client_cert=True, tls_client_cert="c.pem", tls_client_key="ck.pem",
+    assert spec == ClusterSpec(tls=TLSFiles(cert="s.pem", key="k.pem", ca="ca.pem", require_client_cert=True,
+                                            client_cert="c.pem", client_key="ck.pem"),
                                api_token_file="t.txt", cluster_secret_file="x.txt",
                                limits=RequestLimits(max_prompt_tokens=100, max_tokens_limit=50,
                                                     max_message_bytes=4096, max_concurrent_streams=8))
-    assert up_spec().tls_require_client_cert is False  # not given: the file's (or the default) stands
+    assert up_spec().tls.require_client_cert is False  # not given: the file's (or the default) stands
 
 
 def test_up_help_lists_the_security_and_limit_flags(capsys):

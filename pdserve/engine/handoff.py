@@ -25,7 +25,7 @@ park over, or release, another's blocks.
 
 Prefill side. A KV sender reads blocks on its own thread, so it holds its own reference on each
 block it was offered (pin) until its transfer ends (unpin): preemption cannot hand those blocks
-to another request while they are read. The sender counts its pins (pdserve/transfer/sender.py).
+to another request while they are read. The sender counts its pins (prefill_worker/sender.py).
 
 One owner: KVHandoff alone reads and changes the reservations it holds. Every method takes the
 engine's lock (the RLock the engine steps under), except num_parked: one len(), read without the

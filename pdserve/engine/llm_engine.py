@@ -62,7 +62,7 @@ from pdserve.engine.weights import LoadedModel, load_model
 
 
 class StepObserver(Protocol):
-    """What a KV sender sees of each step (pdserve/transfer/sender.py). Both run on the engine's
+    """What a KV sender sees of each step (prefill_worker/sender.py). Both run on the engine's
     thread, under its lock."""
 
     def layer_done(self, layer: int, chunks: list[ScheduledChunk]) -> None:

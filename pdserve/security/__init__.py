@@ -23,36 +23,38 @@ Files:
     config.py      SecurityConfig: the above composed for one process
     certs.py       make_dev_ca and `python -m pdserve.security.certs` (needs `cryptography`)
     redis_auth.py  credentials in Redis URLs
+    files.py       TLSFiles: a cluster's TLS file paths (pure, no grpc)
 
-NOTE: certs is not imported here, so `python -m pdserve.security.certs` runs cleanly and
-serving never needs `cryptography`.
+NOTE: the names below are imported when first used, not with the package, so importing the pure
+files.py (deploy/config.py does, to check a config file) does not import grpc. certs is not among
+them, so `python -m pdserve.security.certs` runs cleanly and serving never needs `cryptography`.
 """
 
-from pdserve.security.auth import (
-    AUTHORIZATION_KEY,
-    CLUSTER_SECRET_KEY,
-    EXEMPT_METHODS,
-    BearerTokenInterceptor,
-    ClusterSecretInterceptor,
-    metadata_interceptors,
-    read_secret,
-    read_secrets_file,
-)
-from pdserve.security.config import SecurityConfig, is_loopback
-from pdserve.security.tls import TLSConfig, add_port, open_channel
+from __future__ import annotations
 
-__all__ = [
-    "AUTHORIZATION_KEY",
-    "CLUSTER_SECRET_KEY",
-    "EXEMPT_METHODS",
-    "BearerTokenInterceptor",
-    "ClusterSecretInterceptor",
-    "SecurityConfig",
-    "TLSConfig",
-    "add_port",
-    "is_loopback",
-    "metadata_interceptors",
-    "open_channel",
-    "read_secret",
-    "read_secrets_file",
-]
+import importlib
+from typing import Any
+
+_WHERE = {
+    "AUTHORIZATION_KEY": "auth",
+    "CLUSTER_SECRET_KEY": "auth",
+    "EXEMPT_METHODS": "auth",
+    "BearerTokenInterceptor": "auth",
+    "ClusterSecretInterceptor": "auth",
+    "metadata_interceptors": "auth",
+    "read_secret": "auth",
+    "read_secrets_file": "auth",
+    "SecurityConfig": "config",
+    "is_loopback": "config",
+    "TLSFiles": "files",
+    "TLSConfig": "tls",
+    "add_port": "tls",
+    "open_channel": "tls",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

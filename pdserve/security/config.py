@@ -15,6 +15,7 @@ from pdserve.security.auth import (
     check_secret,
     metadata_interceptors,
 )
+from pdserve.security.files import TLSFiles
 from pdserve.security.tls import ChannelOptions, TLSConfig, add_port, check_key_pair, open_channel
 
 
@@ -63,6 +64,16 @@ class SecurityConfig:
         if self.client_cert is not None and self.tls is None:
             raise ValueError("--tls-client-cert needs TLS (--tls-ca): a client certificate is only sent "
                              "over a TLS channel")
+
+    @classmethod
+    def of_files(cls, files: TLSFiles, api_tokens: tuple[str, ...] = (),
+                 cluster_secret: str | None = None) -> SecurityConfig:
+        """What a process of a cluster serves and dials with, from the cluster's TLS file paths (read
+        here, on this node) and the credentials already read."""
+        tls = (TLSConfig(files.cert, files.key, files.ca, files.require_client_cert)
+               if files.serves_tls else None)
+        return cls(tls=tls, client_cert=files.client_cert, client_key=files.client_key,
+                   api_tokens=api_tokens, cluster_secret=cluster_secret)
 
     def server_interceptors(self, public: bool) -> list[grpc.ServerInterceptor]:
         """Gates for a server: bearer tokens on the public API, the cluster secret on internal ones."""

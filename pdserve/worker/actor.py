@@ -34,10 +34,10 @@ from pdserve.index.breaker import CircuitBreaker
 from pdserve.index.publisher import IndexPublisher
 from pdserve.index.redis_index import RedisPrefixIndex
 from pdserve.index.registry import WorkerInfo, WorkerRegistry
-from pdserve.security import SecurityConfig, TLSConfig
+from pdserve.security import SecurityConfig, TLSFiles
 from pdserve.security.redis_auth import redis_exposure_warning
 from pdserve.worker.presence import Presence
-from pdserve.worker.scrubber import DEFAULT_MAX_FRACTION
+from pdserve.worker.scrubber import AuditSchedule
 from pdserve.worker.server import Role, WorkerConfig, WorkerServer
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
@@ -64,22 +64,13 @@ class WorkerSpec:
     redis_wait_s: float = 300.0  # at start: how long to wait for an unreachable Redis
     drain_grace_s: float = 30.0  # on SIGTERM: how long in-flight requests may take to finish
     namespace: str = "pdserve"
-    tls_cert: str | None = None  # None: plaintext
-    tls_key: str | None = None
-    tls_ca: str | None = None
-    tls_require_client_cert: bool = False
-    tls_client_cert: str | None = None  # presented when pushing KV to a mutual-TLS decode worker
-    tls_client_key: str | None = None
+    tls: TLSFiles = field(default_factory=TLSFiles)  # plaintext unless it names a certificate
     cluster_secret: str | None = field(default=None, repr=False)  # None: no check
-    audit_interval_s: float | None = None  # background KV audit (pdserve/worker/scrubber.py); None: off
-    audit_max_fraction: float = DEFAULT_MAX_FRACTION
+    audit: AuditSchedule = field(default_factory=AuditSchedule)  # the background KV audit; off by default
 
     def security_config(self) -> SecurityConfig:
         """What the worker serves with (TLS, the cluster secret) and dials decode workers with."""
-        tls = (TLSConfig(self.tls_cert, self.tls_key, self.tls_ca, self.tls_require_client_cert)
-               if self.tls_cert is not None else None)
-        return SecurityConfig(tls=tls, client_cert=self.tls_client_cert, client_key=self.tls_client_key,
-                              cluster_secret=self.cluster_secret)
+        return SecurityConfig.of_files(self.tls, cluster_secret=self.cluster_secret)
 
 
 class WorkerActor:
@@ -102,8 +93,7 @@ class WorkerActor:
         config = WorkerConfig(spec.role, spec.engine, worker_id=spec.worker_id, host=spec.host,
                               advertise_host=_advertise_host(spec.host), node=_node_name(),
                               metrics_port=spec.metrics_port, security=spec.security_config(),
-                              audit_interval_s=spec.audit_interval_s,
-                              audit_max_fraction=spec.audit_max_fraction)
+                              audit=spec.audit)
         self.server = WorkerServer(config, self.role(), publisher=self.publisher, epoch=self.epoch,
                                    on_failing=self._leave)
         address = self.server.start()

@@ -10,7 +10,8 @@ own duration (the recompute, the copies, waiting for the engine's lock), never a
 size. The audit holds the engine's lock only to plan, copy the blocks and evict; the recompute
 runs beside the engine loop, on the same cores, which is the time f bounds.
 
-Off by default (WorkerConfig.audit_interval_s None): the worker then has a NullScrubber.
+Off by default (AuditSchedule.interval_s None): the worker then has a NullScrubber. AuditSchedule is
+the one declaration of these settings; ClusterSpec and WorkerSpec carry it as it is.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from pdserve.field_error import FieldError
 
 if TYPE_CHECKING:  # NOTE: only for the type: deploy/config.py reads the settings' check without torch
     from pdserve.engine.audit import KVAuditor
@@ -28,10 +32,24 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_FRACTION = 0.05
 
 
+@dataclass(frozen=True)
+class AuditSchedule:
+    """The background KV audit: every interval_s seconds (None = off), within max_fraction of wall time."""
+
+    interval_s: float | None = None
+    max_fraction: float = DEFAULT_MAX_FRACTION
+
+    def __post_init__(self) -> None:
+        if self.interval_s is not None and not self.interval_s > 0:
+            raise FieldError("interval_s", "must be > 0 seconds (None: no background audit)", self.interval_s)
+        if not 0 < self.max_fraction <= 1:
+            raise FieldError("max_fraction", "must be in (0, 1]", self.max_fraction)
+
+
 class AuditScrubber:
     def __init__(self, auditor: KVAuditor, interval_s: float, max_fraction: float = DEFAULT_MAX_FRACTION,
                  targets_per_round: int = 1) -> None:
-        check_scrubber_settings(interval_s, max_fraction)
+        AuditSchedule(interval_s, max_fraction)  # checks them
         self.auditor = auditor
         self.interval_s, self.max_fraction = interval_s, max_fraction
         self.targets_per_round = targets_per_round
@@ -76,16 +94,7 @@ class NullScrubber:
         return None
 
 
-def check_scrubber_settings(interval_s: float | None, max_fraction: float) -> None:
-    if interval_s is not None and not interval_s > 0:
-        raise ValueError(f"audit_interval_s must be > 0 seconds (None: no background audit), "
-                         f"got {interval_s}")
-    if not 0 < max_fraction <= 1:
-        raise ValueError(f"audit_max_fraction must be in (0, 1], got {max_fraction}")
-
-
-def scrubber_for(auditor: KVAuditor, interval_s: float | None,
-                 max_fraction: float = DEFAULT_MAX_FRACTION) -> AuditScrubber | NullScrubber:
-    if interval_s is None:
+def scrubber_for(auditor: KVAuditor, schedule: AuditSchedule) -> AuditScrubber | NullScrubber:
+    if schedule.interval_s is None:
         return NullScrubber()
-    return AuditScrubber(auditor, interval_s, max_fraction)
+    return AuditScrubber(auditor, schedule.interval_s, schedule.max_fraction)

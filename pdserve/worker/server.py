@@ -52,7 +52,7 @@ from pdserve.roles import ROLES
 from pdserve.security import SecurityConfig
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.metrics import WorkerMetrics
-from pdserve.worker.scrubber import DEFAULT_MAX_FRACTION, check_scrubber_settings, scrubber_for
+from pdserve.worker.scrubber import AuditSchedule, scrubber_for
 from pdserve.worker.service import ServingState, TokenTotals, WorkerParts, WorkerServicer
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -63,8 +63,8 @@ SPARE_THREADS = 16  # beyond the limited calls: Status, Abort, Health.Check, and
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """What every worker has, whatever its role (each role's own settings: prefill_worker/config.py,
-    decode_worker/config.py)."""
+    """What every worker has, whatever its role (each role's own settings: PrefillConfig in
+    prefill_worker/role.py, DecodeConfig in decode_worker/role.py)."""
 
     role: str
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -84,13 +84,11 @@ class WorkerConfig:
     connections: ConnectionPolicy = field(default_factory=ConnectionPolicy)
     metrics_port: int | None = 0  # Prometheus /metrics on host:port; 0 = any free port, None = off
     security: SecurityConfig | None = None  # None: plaintext, no cluster secret
-    audit_interval_s: float | None = None  # background KV audit every so often; None: off (scrubber.py)
-    audit_max_fraction: float = DEFAULT_MAX_FRACTION  # of wall time the background audit may take
+    audit: AuditSchedule = field(default_factory=AuditSchedule)  # the background KV audit (scrubber.py)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        check_scrubber_settings(self.audit_interval_s, self.audit_max_fraction)
         if self.max_failed_steps < 1:
             raise ValueError(f"max_failed_steps must be >= 1, got {self.max_failed_steps}")
         for name in ("max_concurrent_calls", "max_health_watches"):
@@ -138,7 +136,7 @@ class WorkerServer:
                                on_failing=self._out_of_service,
                                observe_step=self.metrics.step_seconds.observe)
         self.auditor = KVAuditor(self.engine)
-        self.scrubber = scrubber_for(self.auditor, config.audit_interval_s, config.audit_max_fraction)
+        self.scrubber = scrubber_for(self.auditor, config.audit)
         self.state = ServingState(config.worker_id)
         self.epoch = epoch
         self.address = ""

@@ -16,6 +16,7 @@ import pytest
 
 from pdserve.client import PdserveError
 from pdserve.engine.sequence import SamplingParams
+from pdserve.worker.scrubber import AuditSchedule
 from tests.conftest import make_engine
 from tests.helpers.kv_audit import audit_failures
 from tests.helpers.ray_cluster import (
@@ -32,7 +33,8 @@ POOL_BLOCKS = 64  # 1,024 tokens a worker
 @pytest.fixture(scope="module")
 def small_pools(ray_session):
     # the background KV audit runs through both storms, at its default share of the time
-    cluster = start_cluster(1, 1, num_blocks=POOL_BLOCKS, routing="least_load", audit_interval_s=0.5)
+    cluster = start_cluster(1, 1, num_blocks=POOL_BLOCKS, routing="least_load",
+                            audit=AuditSchedule(interval_s=0.5))
     yield cluster
     cluster.stop()
 

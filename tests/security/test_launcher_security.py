@@ -13,7 +13,7 @@ from deploy.config import ClusterSpec
 from deploy.launcher import LocalCluster
 from deploy.redis_server import RedisServer
 from deploy.up import client_flags
-from pdserve.security import SecurityConfig, TLSConfig
+from pdserve.security import SecurityConfig, TLSConfig, TLSFiles
 from pdserve.security.redis_auth import RedisAuthFailed
 from router.limits import RequestLimits
 
@@ -24,9 +24,10 @@ TOKENS, SECRET = ("token-one-aaaa", "token-two-bbbb"), "the-cluster-secret-cccc"
 def secured_spec(dev_certs, tmp_path) -> ClusterSpec:
     (tmp_path / "tokens.txt").write_text("# accepted\n" + "\n".join(TOKENS) + "\n")
     (tmp_path / "secret.txt").write_text(SECRET + "\n")
-    return ClusterSpec(tls_cert=dev_certs.server_cert, tls_key=dev_certs.server_key, tls_ca=dev_certs.ca,
-                       tls_require_client_cert=True, tls_client_cert=dev_certs.client_cert,
-                       tls_client_key=dev_certs.client_key, api_token_file=str(tmp_path / "tokens.txt"),
+    tls = TLSFiles(cert=dev_certs.server_cert, key=dev_certs.server_key, ca=dev_certs.ca,
+                   require_client_cert=True, client_cert=dev_certs.client_cert,
+                   client_key=dev_certs.client_key)
+    return ClusterSpec(tls=tls, api_token_file=str(tmp_path / "tokens.txt"),
                        cluster_secret_file=str(tmp_path / "secret.txt"),
                        limits=RequestLimits(max_prompt_tokens=100, max_tokens_limit=50,
                                             max_message_bytes=1 << 16, max_concurrent_streams=8),
@@ -54,7 +55,7 @@ def test_a_worker_spec_carries_plain_values_and_rebuilds_the_workers_config(secu
     cluster.redis_url = "redis://pdserve:redis-password-dddd@10.0.0.1:6379/0"
     spec = cluster._worker_spec("prefill", "prefill-0", threads=None)
     assert pickle.loads(pickle.dumps(spec)) == spec
-    assert (spec.tls_cert, spec.tls_ca, spec.tls_client_cert, spec.cluster_secret) == (
+    assert (spec.tls.cert, spec.tls.ca, spec.tls.client_cert, spec.cluster_secret) == (
         dev_certs.server_cert, dev_certs.ca, dev_certs.client_cert, SECRET)
     worker = spec.security_config()
     assert worker == SecurityConfig(tls=cluster.security.tls, client_cert=dev_certs.client_cert,
@@ -83,7 +84,8 @@ def test_an_open_cluster_reads_nothing():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"tls_cert": "/nonexistent/server.pem"}, "--tls-cert /nonexistent/server.pem: no such file"),
+    ({"tls": TLSFiles(cert="/nonexistent/server.pem", key="/nonexistent/server-key.pem")},
+     "--tls-cert /nonexistent/server.pem: no such file"),
     ({"api_token_file": "/nonexistent/tokens.txt"}, "API token file /nonexistent/tokens.txt: no such file"),
 ])
 def test_a_missing_file_fails_before_anything_starts(secured_spec, change, message):

@@ -12,7 +12,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.hashing import hash_blocks
 from pdserve.engine.sequence import SamplingParams
 from pdserve.worker.convert import sampling_to_proto
-from pdserve.worker.scrubber import AuditScrubber, NullScrubber
+from pdserve.worker.scrubber import AuditSchedule, AuditScrubber, NullScrubber
 from pdserve.worker.server import WorkerConfig
 from protos.pdserve.v1 import worker_pb2
 from tests.conftest import assert_no_leaks, make_engine
@@ -57,8 +57,8 @@ def test_the_scrubber_spends_at_most_its_fraction_of_wall_time(tiny_loaded, frac
 
 def test_a_worker_with_a_scrubber_finds_a_corrupt_block_on_its_own(tiny_loaded):
     config = EngineConfig(cache=CacheConfig(num_blocks=32), device="cpu")
-    worker = worker_server(WorkerConfig("decode", config, audit_interval_s=0.01, audit_max_fraction=0.5),
-                          tiny_loaded)
+    schedule = AuditSchedule(interval_s=0.01, max_fraction=0.5)
+    worker = worker_server(WorkerConfig("decode", config, audit=schedule), tiny_loaded)
     assert isinstance(worker.scrubber, AuditScrubber)
     worker.start()
     try:
@@ -84,8 +84,8 @@ def test_a_worker_with_a_scrubber_finds_a_corrupt_block_on_its_own(tiny_loaded):
 def test_the_scrubber_is_off_by_default_and_its_settings_are_checked(tiny_loaded):
     assert isinstance(worker_server(WorkerConfig("decode", EngineConfig(device="cpu", cache=CacheConfig(
         num_blocks=8))), tiny_loaded).scrubber, NullScrubber)
-    with pytest.raises(ValueError, match="audit_interval_s must be > 0 seconds"):
-        WorkerConfig("decode", audit_interval_s=0)
+    with pytest.raises(ValueError, match="interval_s must be > 0 seconds"):
+        AuditSchedule(interval_s=0)
     for bad in (0.0, 1.5):
-        with pytest.raises(ValueError, match=r"audit_max_fraction must be in \(0, 1\]"):
-            WorkerConfig("decode", audit_interval_s=1.0, audit_max_fraction=bad)
+        with pytest.raises(ValueError, match=r"max_fraction must be in \(0, 1\]"):
+            AuditSchedule(interval_s=1.0, max_fraction=bad)
