@@ -7,6 +7,7 @@ small and noisy, so absolute figures from different runs do not compare.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -120,6 +121,26 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def bench_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """A benchmark's command line: its module docstring as --help (the summary, then the details
+    as written) and --json, which every benchmark takes."""
+    summary, _, details = doc.partition("\n\n")
+    p = argparse.ArgumentParser(prog=prog, description=summary, epilog=details,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true",
+                   help="print the results as one JSON object on the last line of stdout "
+                        "(the tables then go to stderr)")
+    return p
+
+
 def emit_json(result: dict[str, Any]) -> None:
     """The result as one JSON object on the last line of stdout."""
     print(json.dumps(result, sort_keys=False), flush=True)
+
+
+def publish(table: str, result: dict[str, Any], as_json: bool) -> None:
+    """The table for people, and with --json the result for machines: the table then goes to stderr
+    and the JSON object is stdout's last line."""
+    print(table, file=sys.stderr if as_json else sys.stdout, flush=True)
+    if as_json:
+        emit_json(result)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,12 +34,13 @@ from typing import Any
 import torch
 
 from bench.common import (
-    emit_json,
+    bench_parser,
     environment,
     format_table,
     median,
     peak_matmul_flops,
     progress,
+    publish,
     ratio,
     set_threads,
     timed,
@@ -418,12 +418,7 @@ def report(r: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    summary, _, details = __doc__.partition("\n\n")
-    p = argparse.ArgumentParser(prog="python -m bench.engine", description=summary, epilog=details,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", action="store_true",
-                   help="print the results as one JSON object on the last line of stdout "
-                        "(the table then goes to stderr)")
+    p = bench_parser("python -m bench.engine", __doc__)
     p.add_argument("--quick", action="store_true",
                    help="smoke run (under ~2 minutes): shorter prompts (prefill 128/512, warm TTFT 512), "
                         "8 concurrent requests, 16 decode tokens, 1 rep; size-named keys follow the sizes "
@@ -445,9 +440,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     result = run(args)
     result["wall_s"] = time.perf_counter() - started
-    print(report(result), file=sys.stderr if args.json else sys.stdout, flush=True)
-    if args.json:
-        emit_json(result)
+    publish(report(result), result, args.json)
 
 
 if __name__ == "__main__":

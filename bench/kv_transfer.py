@@ -47,11 +47,12 @@ from typing import Any
 import grpc
 
 from bench.common import (
-    emit_json,
+    bench_parser,
     environment,
     format_table,
     median,
     progress,
+    publish,
     ratio,
     set_threads,
     warn_if_busy,
@@ -332,12 +333,7 @@ def report(r: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    summary, _, details = __doc__.partition("\n\n")
-    p = argparse.ArgumentParser(prog="python -m bench.kv_transfer", description=summary, epilog=details,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", action="store_true",
-                   help="print the results as one JSON object on the last line of stdout "
-                        "(the tables then go to stderr)")
+    p = bench_parser("python -m bench.kv_transfer", __doc__)
     p.add_argument("--quick", action="store_true",
                    help="smoke run: wire at 16 and 64 MiB, a 512-token prompt, 1 rep of each")
     p.add_argument("--reps", type=int, default=None,
@@ -367,9 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.serve_worker:
         return serve_worker(args.serve_worker, args.threads, args.kv_dtype, args.num_blocks)
     result = run(args)
-    print(report(result), file=sys.stderr if args.json else sys.stdout)
-    if args.json:
-        emit_json(result)
+    publish(report(result), result, args.json)
 
 
 if __name__ == "__main__":

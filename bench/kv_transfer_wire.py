@@ -44,7 +44,7 @@ from typing import Any
 import grpc
 import torch
 
-from bench.common import emit_json, environment, format_table, median, progress, ratio, timed
+from bench.common import bench_parser, environment, format_table, median, progress, publish, ratio, timed
 from pdserve.engine.model_runner import TORCH_DTYPES
 from pdserve.kvwire import (
     ChecksumError,
@@ -443,22 +443,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     headline = rows[-1]
     keys = ("mib", "kv_dtype", "grpc_gbps", "tcp_gbps", "ratio", "checksum_overhead")
     table = format_table(keys, [[r[k] for k in keys] for r in rows])
-    print(table, file=sys.stderr if args.json else sys.stdout)
-    if args.json:
-        emit_json({**{k: headline[k] for k in ("grpc_gbps", "tcp_gbps", "ratio", "checksum_overhead")},
-                   "unit": "GB/s", "codec": args.codec, "chunk_mib": args.chunk_mib, "cases": rows,
-                   "environment": environment(torch.get_num_threads())})
+    publish(table, {**{k: headline[k] for k in ("grpc_gbps", "tcp_gbps", "ratio", "checksum_overhead")},
+                    "unit": "GB/s", "codec": args.codec, "chunk_mib": args.chunk_mib, "cases": rows,
+                    "environment": environment(torch.get_num_threads())}, args.json)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.kv_transfer_wire", description=__doc__.split("\n")[0])
-    p.add_argument("--json", action="store_true", help="print the result as JSON on the last line")
+    p = bench_parser("python -m bench.kv_transfer_wire", __doc__)
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[64, 512],
                    help="MiB of KV per transfer, comma-separated (default 64,512)")
-    p.add_argument("--dtype", choices=list(TORCH_DTYPES), default="float16")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--dtype", choices=list(TORCH_DTYPES), default="float16",
+                   help="element type of the synthetic KV pool (default: %(default)s)")
+    p.add_argument("--reps", type=int, default=3, help="timed transfers per size and peer; the median is "
+                                                       "reported (default: %(default)s)")
     p.add_argument("--chunk-mib", type=float, default=2.0, help="max_chunk_bytes of encode_layer, in MiB")
-    p.add_argument("--codec", choices=["raw", "proto"], default="raw")
+    p.add_argument("--codec", choices=["raw", "proto"], default="raw",
+                   help="how KVChunk messages are written and read (same bytes on the wire): raw = by "
+                        "hand, zero-copy on the receiver; proto = the generated stubs (default: "
+                        "%(default)s)")
     p.add_argument("--grpc-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra gRPC channel/server option on both ends (int values as ints); repeatable")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)

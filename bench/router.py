@@ -42,14 +42,22 @@ import argparse
 import logging
 import os
 import random
-import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bench.common import emit_json, environment, format_table, median, progress, ratio, warn_if_busy
+from bench.common import (
+    bench_parser,
+    environment,
+    format_table,
+    median,
+    progress,
+    publish,
+    ratio,
+    warn_if_busy,
+)
 from loadtest.stats import percentile
 from pdserve.engine.hashing import engine_salt, hash_blocks
 from pdserve.index.base import WorkerKey
@@ -500,12 +508,7 @@ def report(r: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    summary, _, details = __doc__.partition("\n\n")
-    p = argparse.ArgumentParser(prog="python -m bench.router", description=summary, epilog=details,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", action="store_true",
-                   help="print the results as one JSON object on the last line of stdout "
-                        "(the table then goes to stderr)")
+    p = bench_parser("python -m bench.router", __doc__)
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 300 decisions; chat with 4 conversations x 3 turns of 8-token replies, "
                         "1 rep")
@@ -523,9 +526,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     result = run(args)
-    print(report(result), file=sys.stderr if args.json else sys.stdout)
-    if args.json:
-        emit_json(result)
+    publish(report(result), result, args.json)
 
 
 if __name__ == "__main__":

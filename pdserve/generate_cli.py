@@ -16,6 +16,7 @@ from typing import Any
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import InvalidRequestError, LLMEngine, RequestResult
 from pdserve.engine.sequence import SamplingParams
+from pdserve.jsonl_input import lines_of, object_of_line
 
 
 @dataclass(frozen=True)
@@ -101,13 +102,7 @@ def result_json(result: RequestResult) -> str:
 
 
 def spec_from_json_line(line: str, lineno: int, args: argparse.Namespace) -> tuple[PromptSpec, dict]:
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise InvalidRequestError(f"--input line {lineno}: not JSON ({e.msg})") from None
-    if not isinstance(obj, dict):
-        raise InvalidRequestError(
-            f"--input line {lineno}: expected an object with prompt, messages or token_ids")
+    obj = object_of_line(line, lineno)
     messages = obj.get("messages")
     token_ids = obj.get("token_ids")
     spec = PromptSpec(text=obj.get("prompt"), raw=bool(obj.get("raw", args.raw)), system=args.system,
@@ -118,16 +113,13 @@ def spec_from_json_line(line: str, lineno: int, args: argparse.Namespace) -> tup
 
 def run_jsonl(engine: LLMEngine, path: str, args: argparse.Namespace) -> int:
     failures = 0
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                spec, obj = spec_from_json_line(line, lineno, args)
-                print(result_json(run_one(engine, spec, sampling_from(args, obj), echo=False)), flush=True)
-            except (InvalidRequestError, ValueError) as e:
-                failures += 1
-                print(json.dumps({"error": str(e), "line": lineno}), flush=True)
+    for lineno, line in lines_of(path):
+        try:
+            spec, obj = spec_from_json_line(line, lineno, args)
+            print(result_json(run_one(engine, spec, sampling_from(args, obj), echo=False)), flush=True)
+        except (InvalidRequestError, ValueError) as e:
+            failures += 1
+            print(json.dumps({"error": str(e), "line": lineno}), flush=True)
     return 1 if failures else 0
 
 

@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 from pdserve.client import DEFAULT_TIMEOUT_S, Completion, PdserveClient, PdserveError, RouterUnreachable
 from pdserve.client_security import client_kwargs, security_from_args
+from pdserve.jsonl_input import lines_of, object_of_line
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "stop_token_ids",
                  "ignore_eos")
@@ -107,32 +108,23 @@ def _run_jsonl(client: PdserveClient, path: str, args: argparse.Namespace,
                sampling: dict[str, Any]) -> int:
     """One JSON result (or {"error", "code", "line"}) per input line; exit 1 if any failed."""
     failures = 0
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                request = {**sampling, **request_from_json_line(line, lineno, args)}
-                print(json.dumps(client.generate(**request).as_json()), flush=True)
-            except RouterUnreachable:
-                raise  # every further line would fail the same way
-            except PdserveError as exc:
-                failures += 1
-                print(json.dumps({"error": str(exc), "code": exc.code, "line": lineno}), flush=True)
-            except (ValueError, TypeError) as exc:  # TypeError: a field of the wrong JSON type
-                failures += 1
-                print(json.dumps({"error": str(exc), "code": "INVALID_ARGUMENT", "line": lineno}),
-                      flush=True)
+    for lineno, line in lines_of(path):
+        try:
+            request = {**sampling, **request_from_json_line(line, lineno, args)}
+            print(json.dumps(client.generate(**request).as_json()), flush=True)
+        except RouterUnreachable:
+            raise  # every further line would fail the same way
+        except PdserveError as exc:
+            failures += 1
+            print(json.dumps({"error": str(exc), "code": exc.code, "line": lineno}), flush=True)
+        except (ValueError, TypeError) as exc:  # TypeError: a field of the wrong JSON type
+            failures += 1
+            print(json.dumps({"error": str(exc), "code": "INVALID_ARGUMENT", "line": lineno}), flush=True)
     return 1 if failures else 0
 
 
 def request_from_json_line(line: str, lineno: int, args: argparse.Namespace) -> dict[str, Any]:
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--input line {lineno}: not JSON ({exc.msg})") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"--input line {lineno}: expected an object with prompt, messages or token_ids")
+    obj = object_of_line(line, lineno)
     unknown = sorted(set(obj) - set(JSONL_KEYS))
     if unknown:
         raise ValueError(f"--input line {lineno}: unknown field(s) {', '.join(unknown)}; "

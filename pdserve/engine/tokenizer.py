@@ -128,8 +128,8 @@ class Tokenizer:
                 f"{path} not found: pdserve needs the fast-tokenizer file tokenizer.json next to config.json "
                 "(save the tokenizer with transformers' save_pretrained to produce it)")
         backend = BackendTokenizer.from_file(str(path))
-        config = _read_json(directory / "tokenizer_config.json")
-        token_map = _read_json(directory / "special_tokens_map.json")
+        config = read_json_file(directory / "tokenizer_config.json")
+        token_map = read_json_file(directory / "special_tokens_map.json")
         names = {name: _token_text(config.get(f"{name}_token", token_map.get(f"{name}_token")))
                  for name in ("bos", "eos", "unk", "pad")}
         return cls(backend, chat_template=_hf_chat_template(directory, config),
@@ -345,7 +345,8 @@ def _respell(token: str) -> str:
 
 
 # --- Hugging Face files ------------------------------------------------------------------
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json_file(path: Path) -> dict[str, Any]:
+    """A Hugging Face JSON file as a dict; {} when it is absent (every one of them is optional)."""
     if not path.is_file():
         return {}
     try:
@@ -366,7 +367,8 @@ def _hf_chat_template(directory: Path, config: Mapping[str, Any]) -> str | None:
     jinja_file = directory / "chat_template.jinja"
     if jinja_file.is_file():
         return jinja_file.read_text(encoding="utf-8")
-    template = config.get("chat_template", _read_json(directory / "chat_template.json").get("chat_template"))
+    separate = read_json_file(directory / "chat_template.json")
+    template = config.get("chat_template", separate.get("chat_template"))
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
         named = {entry.get("name"): entry.get("template") for entry in template}
         if "default" not in named:

@@ -37,7 +37,7 @@ import torch
 from tqdm import tqdm
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.tokenizer import Tokenizer, read_gguf_metadata
+from pdserve.engine.tokenizer import Tokenizer, read_gguf_metadata, read_json_file
 
 log = logging.getLogger(__name__)
 
@@ -267,8 +267,8 @@ def _hf_name(gguf_name: str, source: Path) -> str:
 def load_hf_directory(directory: Path, progress: bool = True) -> LoadedModel:
     from safetensors import safe_open
 
-    raw = _read_json(directory / "config.json")
-    generation = _read_json(directory / "generation_config.json")
+    raw = read_json_file(directory / "config.json")
+    generation = read_json_file(directory / "generation_config.json")
     tokenizer = Tokenizer.from_files(directory)
     config = hf_model_config(raw, tokenizer, source=directory, generation_eos=generation.get("eos_token_id"))
     files = sorted(directory.glob("*.safetensors"))
@@ -330,15 +330,6 @@ def _eos_ids(*values: int | list[int] | None, tokenizer: Tokenizer) -> tuple[int
     """The eos id(s) of config.json and generation_config.json, then the tokenizer's, without repeats."""
     ids = [i for value in values for i in ([value] if isinstance(value, int) else value or [])]
     return tuple(dict.fromkeys([*ids, *tokenizer.eos_token_ids]))
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON ({error}); fix or re-save it") from error
 
 
 # --- shared ----------------------------------------------------------------------------------
