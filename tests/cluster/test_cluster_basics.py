@@ -11,7 +11,7 @@ from pdserve.engine.hashing import hash_blocks
 from pdserve.engine.sequence import SamplingParams
 from tests.conftest import make_engine
 from tests.helpers.kv_audit import audit_failures
-from tests.helpers.ray_cluster import client_of, wait_until_clean, worker_addresses, worker_status
+from tests.helpers.ray_cluster import client_of, wait_until_cluster_clean, worker_addresses, worker_status
 
 PROMPTS = [
     "What is the capital of France?",
@@ -46,7 +46,7 @@ def test_greedy_output_matches_the_single_process_engine(cluster_1p1d, smollm_lo
             assert done.text == smollm_loaded.tokenizer.decode(done.token_ids)
             remote = len(ids) >= cluster_1p1d.spec.placement.min_remote_prefill_tokens
             assert done.prefill_worker == ("prefill-0" if remote else None)
-    wait_until_clean(cluster_1p1d)
+    wait_until_cluster_clean(cluster_1p1d)
 
 
 def test_short_prompts_prefill_on_the_decode_worker(cluster_1p1d, reference):
@@ -116,7 +116,7 @@ def test_index_holds_the_prompt_blocks_until_the_workers_evict_them(cluster_1p1d
     while time.monotonic() < deadline and any(hashes & index.worker_hashes(w) for w in workers):
         time.sleep(0.1)
     assert {w: len(hashes & index.worker_hashes(w)) for w in workers} == {"prefill-0": 0, "decode-0": 0}
-    wait_until_clean(cluster_1p1d)
+    wait_until_cluster_clean(cluster_1p1d)
 
 
 def test_cancel_and_deadline_free_blocks_on_both_workers(cluster_1p1d):
@@ -125,11 +125,11 @@ def test_cancel_and_deadline_free_blocks_on_both_workers(cluster_1p1d):
         stream = client.stream(long_text, temperature=0, max_tokens=400, ignore_eos=True)
         next(iter(stream))
         stream.cancel()
-        wait_until_clean(cluster_1p1d, 10)  # the cancelled request left no block behind
+        wait_until_cluster_clean(cluster_1p1d, 10)  # the cancelled request left no block behind
         with pytest.raises(PdserveError) as err:
             client.generate(long_text, temperature=0, max_tokens=400, ignore_eos=True, timeout_s=1.5)
         assert err.value.code == "DEADLINE_EXCEEDED"
-        wait_until_clean(cluster_1p1d, 10)  # the expired request left no block behind
+        wait_until_cluster_clean(cluster_1p1d, 10)  # the expired request left no block behind
     assert not audit_failures(worker_addresses(cluster_1p1d))
 
 
@@ -145,7 +145,7 @@ def test_bad_requests_get_invalid_argument_naming_the_field(cluster_1p1d, kwargs
         with pytest.raises(PdserveError) as err:
             client.generate(**kwargs)
     assert err.value.code == "INVALID_ARGUMENT" and message in err.value.message
-    wait_until_clean(cluster_1p1d)
+    wait_until_cluster_clean(cluster_1p1d)
 
 
 def _salt(loaded):

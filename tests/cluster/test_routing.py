@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tests.helpers.kv_audit import audit_failures
-from tests.helpers.ray_cluster import client_of, start_cluster, wait_until_clean, worker_addresses
+from tests.helpers.ray_cluster import client_of, start_cluster, wait_until_cluster_clean, worker_addresses
 
 SYSTEM = " ".join(f"Rule {i}: answer briefly, cite no sources, and stay polite." for i in range(64))
 
@@ -32,7 +32,7 @@ def test_shared_system_prompt_is_cached_after_the_first_request(cluster_2p2d, sm
     assert results[0].usage["cached_tokens"] < results[0].usage["prompt_tokens"] * 0.5
     for r in results[1:]:
         assert r.usage["cached_tokens"] >= 0.9 * r.usage["prompt_tokens"], r.usage
-    wait_until_clean(cluster_2p2d)
+    wait_until_cluster_clean(cluster_2p2d)
 
 
 def test_chat_turns_stay_on_their_decode_worker_without_transfer(cluster_2p2d):
@@ -82,5 +82,5 @@ def test_redis_down_30_s_under_load_then_back(cluster_2p2d):
             time.sleep(0.5)
     assert again.decode_worker == warm.decode_worker and again.prefill_worker is None, "affinity lost"
     assert again.usage["cached_tokens"] >= 0.9 * again.usage["prompt_tokens"]
-    wait_until_clean(cluster_2p2d)
+    wait_until_cluster_clean(cluster_2p2d)
     assert not audit_failures(worker_addresses(cluster_2p2d))

@@ -22,7 +22,7 @@ from tests.helpers.kv_audit import audit_failures
 from tests.helpers.ray_cluster import (
     client_of,
     start_cluster,
-    wait_until_clean,
+    wait_until_cluster_clean,
     worker_addresses,
     worker_status,
 )
@@ -70,7 +70,7 @@ def test_cancellation_storm_leaks_no_block(small_pools):
         outcomes = list(pool.map(lambda s: cancel_at_random(client, random.Random(s)), seeds))
     assert len(outcomes) == 200 and set(outcomes) <= {"finished", "cancelled", "DEADLINE_EXCEEDED"}
     assert outcomes.count("DEADLINE_EXCEEDED") > 0 and outcomes.count("cancelled") > 100
-    wait_until_clean(small_pools, timeout_s=30.0)
+    wait_until_cluster_clean(small_pools, timeout_s=30.0)
     for status in worker_status(small_pools).values():
         assert status.free_blocks == status.num_blocks == POOL_BLOCKS
     assert small_pools.router.servicer.requests_in_flight == 0
@@ -93,5 +93,5 @@ def test_pool_exhaustion_preempts_and_stays_exact(small_pools, smollm_loaded):
     assert sum(s.preemptions_total for s in statuses) > 0
     assert all(s.kv_audited_blocks_total > 0 for s in statuses)  # the background scrubber ran
     assert all(s.kv_audit_mismatches_total == 0 for s in statuses)
-    wait_until_clean(small_pools)
+    wait_until_cluster_clean(small_pools)
     assert not audit_failures(worker_addresses(small_pools))

@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.engine.sequence import SamplingParams
 from tests.conftest import make_engine
-from tests.helpers.ray_cluster import client_of, start_cluster, wait_until_clean
+from tests.helpers.ray_cluster import client_of, start_cluster, wait_until_cluster_clean
 
 TOPICS = ["rivers", "owls", "bread", "trains", "glaciers", "violins", "tea", "comets"]
 
@@ -39,6 +39,6 @@ def test_16_concurrent_requests_complete_exactly(ray_session, expected, num_pref
         assert [d.token_ids for d in done] == tokens
         assert {d.decode_worker for d in done} == {f"decode-{i}" for i in range(num_decode)}
         assert {d.prefill_worker for d in done} == {f"prefill-{i}" for i in range(num_prefill)}
-        wait_until_clean(cluster)
+        wait_until_cluster_clean(cluster)
     finally:
         cluster.stop()

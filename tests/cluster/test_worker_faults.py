@@ -23,7 +23,7 @@ from pdserve.engine.sequence import SamplingParams
 from pdserve.index.redis_index import RedisPrefixIndex
 from tests.conftest import make_engine
 from tests.helpers.kv_audit import audit_failures
-from tests.helpers.ray_cluster import client_of, start_cluster, wait_until_clean, worker_addresses
+from tests.helpers.ray_cluster import client_of, start_cluster, wait_until_cluster_clean, worker_addresses
 
 TOPICS = ["rivers", "owls", "bread", "trains", "glaciers", "violins"]
 
@@ -85,7 +85,7 @@ def test_killed_decode_worker_requests_retry_elsewhere_and_it_restarts_under_a_n
     after = wait_for_epoch(cluster_1p2d, victim, above=before["epoch"])
     assert after["pid"] != before["pid"]
     assert held_by(cluster_1p2d, prompts[0]).get(victim, 0) == 0  # the old epoch's entries do not count
-    wait_until_clean(cluster_1p2d)
+    wait_until_cluster_clean(cluster_1p2d)
     assert not audit_failures(worker_addresses(cluster_1p2d))
 
 
@@ -114,7 +114,7 @@ def test_streams_under_way_on_a_killed_decode_worker_end_unavailable_within_10_s
         if code == "ok":
             assert done.decode_worker != victim and done.token_ids == tokens[i]
     wait_for_epoch(cluster_1p2d, victim, above=before["epoch"])
-    wait_until_clean(cluster_1p2d)
+    wait_until_cluster_clean(cluster_1p2d)
     assert not audit_failures(worker_addresses(cluster_1p2d))
 
 
@@ -136,5 +136,5 @@ def test_sigterm_drains_in_flight_streams_and_routes_new_work_elsewhere(cluster_
         assert {f.result().decode_worker for f in late} == {"decode-1"}
     after = wait_for_epoch(cluster_1p2d, victim, above=before["epoch"])
     assert after["pid"] != before["pid"]
-    wait_until_clean(cluster_1p2d)
+    wait_until_cluster_clean(cluster_1p2d)
     assert not audit_failures(worker_addresses(cluster_1p2d))

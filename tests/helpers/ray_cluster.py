@@ -5,7 +5,6 @@ cluster gets its own Redis and its own actor names on it.
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import grpc
@@ -15,6 +14,7 @@ from pdserve.client import PdserveClient
 from pdserve.engine.config import CacheConfig
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from router.config import PlacementConfig
+from tests.helpers.waiting import until_clean
 from tests.helpers.workers import leftovers
 
 
@@ -48,15 +48,8 @@ def worker_addresses(cluster: LocalCluster) -> list[str]:
     return [info.address for info in cluster.registry.live_workers()]
 
 
-def wait_until_clean(cluster: LocalCluster, timeout_s: float = 10.0) -> None:
-    """Wait until every live worker (the registry read again each time: a restarted worker's new
-    incarnation) is clean by its Status: no block referenced, nothing parked or held, no request left
-    (tests/helpers/workers.py leftovers). AssertionError naming what is left after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        dirty = {w: left for w, s in worker_status(cluster).items() if (left := leftovers(s))}
-        if not dirty:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"workers not clean after {timeout_s} s: {dirty}")
-        time.sleep(0.05)
+def wait_until_cluster_clean(cluster: LocalCluster, timeout_s: float = 10.0) -> None:
+    """wait_until_clean (tests/helpers/workers.py) for a cluster's workers, through Status alone: every
+    live one (the registry read again each time: a restarted worker's new incarnation)."""
+    until_clean(lambda: {w: left for w, s in worker_status(cluster).items() if (left := leftovers(s))},
+                timeout_s, poll_s=0.05)

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Protocol
 
 import grpc
@@ -22,6 +21,7 @@ from pdserve.index.registry import WorkerInfo
 from pdserve.worker.server import Role, WorkerConfig, WorkerServer
 from prefill_worker.role import PrefillRole
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from tests.helpers.waiting import until_clean
 
 
 def role_for(name: str) -> Role:
@@ -102,11 +102,5 @@ def wait_until_clean(*workers: RunningWorker, timeout_s: float = 5.0) -> None:
     push left. A call-end callback may still be releasing just after a reply (the prefill worker lets
     go of its held blocks just after it answers), hence the wait; timeout_s=0 checks once, at once.
     AssertionError naming each worker and what it still has after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        dirty = {f"{w.status().role} {w.address}": left for w in workers if (left := _leftovers_of(w))}
-        if not dirty:
-            return
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"workers not clean after {timeout_s} s: {dirty}")
-        time.sleep(0.02)
+    until_clean(lambda: {f"{w.status().role} {w.address}": left for w in workers
+                         if (left := _leftovers_of(w))}, timeout_s)
