@@ -90,6 +90,11 @@ def sdpa_4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return out.squeeze(0).transpose(0, 1)
 
 
+def _transposed(weight: torch.Tensor) -> torch.Tensor:
+    """A Linear weight [out, in] as a contiguous [in, out] matrix, for x @ w."""
+    return weight.t().contiguous()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     variance = x.pow(2).mean(-1, keepdim=True)
     return weight * (x * torch.rsqrt(variance + eps))
@@ -108,7 +113,10 @@ class LlamaModel:
         self.scale = c.head_dim ** -0.5
         sd = {k: v.to(device=device, dtype=torch.float32) for k, v in state_dict.items()}
         self.embed = sd["model.embed_tokens.weight"]
-        self.lm_head = self.embed if c.tie_word_embeddings else sd["lm_head.weight"]
+        # NOTE: every matmul weight is kept transposed, [in, out] and contiguous, and applied as
+        # x @ w: at batch 1 (a GEMV that streams the weight) this layout ran the 113 MB lm_head at
+        # about twice the bandwidth of F.linear's [out, in] here (docs/benchmarks.md, profile).
+        self.lm_head_t = _transposed(self.embed if c.tie_word_embeddings else sd["lm_head.weight"])
         self.final_norm = sd["model.norm.weight"]
         self.layers = [self._layer_weights(sd, i) for i in range(c.num_layers)]
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, device)
@@ -119,10 +127,11 @@ class LlamaModel:
         a, m = p + "self_attn.", p + "mlp."
         return {
             # NOTE: fused projections: one GEMM for q/k/v and one for gate/up.
-            "qkv": torch.cat([sd[a + "q_proj.weight"], sd[a + "k_proj.weight"], sd[a + "v_proj.weight"]]),
-            "o": sd[a + "o_proj.weight"],
-            "gate_up": torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]]),
-            "down": sd[m + "down_proj.weight"],
+            "qkv": _transposed(torch.cat([sd[a + "q_proj.weight"], sd[a + "k_proj.weight"],
+                                          sd[a + "v_proj.weight"]])),
+            "o": _transposed(sd[a + "o_proj.weight"]),
+            "gate_up": _transposed(torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]])),
+            "down": _transposed(sd[m + "down_proj.weight"]),
             "ln1": sd[p + "input_layernorm.weight"],
             "ln2": sd[p + "post_attention_layernorm.weight"],
         }
@@ -144,18 +153,20 @@ class LlamaModel:
             if on_layer_done is not None:
                 on_layer_done(i)
         h = rms_norm(h[logit_rows], self.final_norm, self.config.rms_norm_eps)
-        return F.linear(h, self.lm_head)
+        return h @ self.lm_head_t
 
     def _mlp(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
-        gate, up = F.linear(x, w["gate_up"]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, w["down"])
+        gate, up = (x @ w["gate_up"]).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ w["down"]
 
     def _qkv(self, x: torch.Tensor, rot, w: dict[str, torch.Tensor]):
+        """q [T, H, D] and k [T, KVH, D] rotated, v [T, KVH, D]; q and k rotate as one tensor."""
         c = self.config
-        q, k, v = F.linear(x, w["qkv"]).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.rope.apply(q.view(-1, c.num_heads, c.head_dim), rot)
-        k = self.rope.apply(k.view(-1, c.num_kv_heads, c.head_dim), rot)
-        return q, k, v.view(-1, c.num_kv_heads, c.head_dim)
+        qkv = x @ w["qkv"]
+        qk = self.rope.apply(qkv[:, :self.q_size + self.kv_size].view(-1, c.num_heads + c.num_kv_heads,
+                                                                      c.head_dim), rot)
+        q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
+        return q, k, qkv[:, self.q_size + self.kv_size:].view(-1, c.num_kv_heads, c.head_dim)
 
     def _attention(self, x, rot, w, layer_cache: torch.Tensor, meta: AttentionMetadata,
                    decode_mask: torch.Tensor | None):
@@ -174,7 +185,7 @@ class LlamaModel:
         for seg in meta.prefills:
             rows = slice(seg.q_start, seg.q_start + seg.q_len)
             out[rows] = self._prefill_attention(q[rows], k[rows], v[rows], seg, layer_cache)
-        return F.linear(out.view(-1, self.q_size), w["o"])
+        return out.view(-1, self.q_size) @ w["o"]
 
     @staticmethod
     def _decode_mask(meta: AttentionMetadata, block_size: int) -> torch.Tensor:
@@ -187,7 +198,9 @@ class LlamaModel:
                           meta: AttentionMetadata, mask: torch.Tensor) -> torch.Tensor:
         """q: [B, H, D], one query per sequence, keys gathered from padded block tables."""
         b = q.shape[0]
-        kv = layer_cache[:, meta.decode_block_tables]  # one gather: [2, B, blocks, bs, kvh, hd]
+        # NOTE: index_select, not layer_cache[:, tables]: the same gather, but advanced indexing
+        # costs milliseconds per layer on 2 busy threads (docs/benchmarks.md, profile).
+        kv = layer_cache.index_select(1, meta.decode_block_tables.view(-1))  # [2, B*blocks, bs, kvh, hd]
         kv = kv.view(2, b, -1, self.config.num_kv_heads, self.config.head_dim).transpose(2, 3).float()
         out = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], attn_mask=mask,
                                              scale=self.scale, enable_gqa=True)
@@ -199,8 +212,8 @@ class LlamaModel:
             keys, values, mask, causal = k, v, None, True
         else:
             ctx = seg.start + seg.q_len
-            keys = layer_cache[0][seg.block_table].flatten(0, 1)[:ctx].float()
-            values = layer_cache[1][seg.block_table].flatten(0, 1)[:ctx].float()
+            kv = layer_cache.index_select(1, seg.block_table).flatten(1, 2)[:, :ctx].float()
+            keys, values = kv[0], kv[1]
             q_pos = torch.arange(seg.start, ctx, device=q.device)
             mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
             causal = False
@@ -217,6 +230,6 @@ class LlamaModel:
             x = rms_norm(h, w["ln1"], self.config.rms_norm_eps)
             q, k, v = self._qkv(x, rot, w)
             attn = sdpa_4d(q, k, v, None, True, self.scale)
-            h = h + F.linear(attn.reshape(-1, self.q_size), w["o"])
+            h = h + attn.reshape(-1, self.q_size) @ w["o"]
             h = h + self._mlp(rms_norm(h, w["ln2"], self.config.rms_norm_eps), w)
-        return F.linear(rms_norm(h, self.final_norm, self.config.rms_norm_eps), self.lm_head)
+        return rms_norm(h, self.final_norm, self.config.rms_norm_eps) @ self.lm_head_t
