@@ -69,6 +69,16 @@ def peak_matmul_flops(sizes: Sequence[int] = (1024, 1536, 2048), reps: int = 5) 
     return {"peak_flops": max(per_size.values()), "flops_by_size": per_size, "reps": reps}
 
 
+def copy_bandwidth(mib: int = 512, reps: int = 5) -> dict[str, Any]:
+    """Memory bandwidth of a large fp32 tensor copy, STREAM's convention (bytes read + bytes
+    written per second), median of reps: the ceiling for a step that streams its weights."""
+    src = torch.ones(mib * 1024 * 1024 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: first touch of dst's pages
+    seconds = [timed(lambda: dst.copy_(src))[0] for _ in range(reps)]
+    return {"copy_bytes_per_s": 2 * src.numel() * 4 / median(seconds), "copy_mib": mib, "reps": reps}
+
+
 def environment(num_threads: int) -> dict[str, Any]:
     return {
         "threads": num_threads,
