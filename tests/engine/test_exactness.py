@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model import DECODE_GROUP_ROWS, AttentionMetadata, LlamaModel
 from pdserve.engine.sequence import SamplingParams
 from tests.conftest import assert_no_leaks, make_engine
 
@@ -129,3 +130,28 @@ def test_smollm2_paths_match_reference(smollm_loaded):
     check_against_reference(engine, prompts)
     results = check_against_reference(engine, prompts)
     assert sum(r.usage.cached_tokens for r in results) > 0
+
+
+def test_many_decode_rows_of_mixed_lengths_match_reference(tiny_loaded):
+    """More than DECODE_GROUP_ROWS sequences decode together at once, of lengths spread over
+    several blocks, so decode attention runs group by group (each gathering only its own
+    longest row's blocks) and must still give the reference's tokens and logits."""
+    g = torch.Generator().manual_seed(99)
+    lengths = [1, 70, 5, 33, 17, 64, 2, 48, 9, 81, 16, 40, 3, 57, 25, 12, 90, 7, 31, 44]
+    assert len(lengths) > 2 * DECODE_GROUP_ROWS
+    prompts = [torch.randint(0, tiny_loaded.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    check_against_reference(make_engine(tiny_loaded), prompts)
+
+
+def test_decode_groups_sort_by_length_and_trim_padding():
+    block_size = 4
+    lens = torch.tensor([9, 1, 30, 2, 17, 5, 3, 8, 4, 6, 7, 2])  # 12 rows: a group of 8, then 4
+    tables = torch.arange(12 * 8).view(12, 8)  # 8 blocks each: padded to the longest (30 tokens)
+    meta = AttentionMetadata(torch.zeros(12, dtype=torch.long), torch.zeros(12, dtype=torch.long), 12,
+                             tables, lens, ())
+    groups = LlamaModel._decode_groups(meta, block_size)
+    assert [g.rows.tolist() for g in groups] == [[1, 3, 11, 6, 8, 5, 9, 10], [7, 0, 4, 2]]
+    assert [g.block_tables.shape[1] for g in groups] == [2, 8]  # 7 tokens need 2 blocks, 30 need 8
+    assert torch.equal(groups[0].block_tables, tables[groups[0].rows, :2])
+    assert groups[0].mask.shape == (8, 1, 1, 8)
+    assert groups[0].mask[0, 0, 0].tolist() == [True] + [False] * 7  # row 1: one token of context
