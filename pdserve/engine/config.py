@@ -95,6 +95,9 @@ class SchedulerConfig:
                 raise FieldError(name, "must be >= 1", getattr(self, name))
 
 
+LINEAR_KERNELS = ("matmul", "onednn")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
@@ -102,3 +105,12 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str | None = None  # None: cuda when present, else cpu
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    # The matmul kernel (pdserve/engine/linear.py): matmul is torch's own (bit-identical to
+    # transformers); onednn is 2-3x faster for prefill and batched decode on x86 CPUs but sums in
+    # another order (logits within 5e-3 of transformers', greedy tokens equal in the tests).
+    linear_kernel: str = "matmul"
+
+    def __post_init__(self) -> None:
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise FieldError("linear_kernel", f"must be one of {', '.join(LINEAR_KERNELS)}",
+                             self.linear_kernel)

@@ -51,6 +51,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.events import KVEventPublisher, NullPublisher
 from pdserve.engine.handoff import KVHandoff, Reservation
 from pdserve.engine.hashing import BlockHash, engine_salt
+from pdserve.engine.linear import select_linear
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
 from pdserve.engine.sampler import sample
@@ -123,7 +124,8 @@ class LLMEngine:
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.fingerprint = loaded.fingerprint
         self.device = select_device(config.device)
-        self.model = LlamaModel(loaded.config, loaded.state_dict, self.device)
+        self.model = LlamaModel(loaded.config, loaded.state_dict, self.device,
+                                select_linear(self.device, config.linear_kernel))
         cache = config.cache
         self.block_size = cache.block_size
         num_blocks = cache.resolve_num_blocks(loaded.config)

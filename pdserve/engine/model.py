@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.linear import Linear, MatmulLinear
 from pdserve.units import ceil_div
 
 
@@ -102,11 +103,6 @@ def sdpa_4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return out.squeeze(0).transpose(0, 1)
 
 
-def _transposed(weight: torch.Tensor) -> torch.Tensor:
-    """A Linear weight [out, in] as a contiguous [in, out] matrix, for x @ w."""
-    return weight.t().contiguous()
-
-
 def _context_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
     """[B, 1, 1, width] True where a decode query may attend (its own context, not padding)."""
     return (torch.arange(width, device=lens.device)[None, :] < lens[:, None])[:, None, None, :]
@@ -121,34 +117,33 @@ class LlamaModel:
     """Weights plus the forward pass. Stateless apart from the weights."""
 
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor],
-                 device: torch.device) -> None:
+                 device: torch.device, linear: Linear | None = None) -> None:
         self.config = config
         self.device = device
+        self.linear = linear or MatmulLinear()
         c = config
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
         self.scale = c.head_dim ** -0.5
         sd = {k: v.to(device=device, dtype=torch.float32) for k, v in state_dict.items()}
         self.embed = sd["model.embed_tokens.weight"]
-        # NOTE: every matmul weight is kept transposed, [in, out] and contiguous, and applied as
-        # x @ w: at batch 1 (a GEMV that streams the weight) this layout ran the 113 MB lm_head at
-        # about twice the bandwidth of F.linear's [out, in] here (docs/benchmarks.md, profile).
-        self.lm_head_t = _transposed(self.embed if c.tie_word_embeddings else sd["lm_head.weight"])
+        # NOTE: every matmul weight is stored as self.linear wants it (pdserve/engine/linear.py).
+        self.lm_head = self.linear.prepare(self.embed if c.tie_word_embeddings else sd["lm_head.weight"])
         self.final_norm = sd["model.norm.weight"]
         self.layers = [self._layer_weights(sd, i) for i in range(c.num_layers)]
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, device)
 
-    @staticmethod
-    def _layer_weights(sd: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+    def _layer_weights(self, sd: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
+        prepare = self.linear.prepare
         return {
             # NOTE: fused projections: one GEMM for q/k/v and one for gate/up.
-            "qkv": _transposed(torch.cat([sd[a + "q_proj.weight"], sd[a + "k_proj.weight"],
-                                          sd[a + "v_proj.weight"]])),
-            "o": _transposed(sd[a + "o_proj.weight"]),
-            "gate_up": _transposed(torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]])),
-            "down": _transposed(sd[m + "down_proj.weight"]),
+            "qkv": prepare(torch.cat([sd[a + "q_proj.weight"], sd[a + "k_proj.weight"],
+                                      sd[a + "v_proj.weight"]])),
+            "o": prepare(sd[a + "o_proj.weight"]),
+            "gate_up": prepare(torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]])),
+            "down": prepare(sd[m + "down_proj.weight"]),
             "ln1": sd[p + "input_layernorm.weight"],
             "ln2": sd[p + "post_attention_layernorm.weight"],
         }
@@ -170,16 +165,16 @@ class LlamaModel:
             if on_layer_done is not None:
                 on_layer_done(i)
         h = rms_norm(h[logit_rows], self.final_norm, self.config.rms_norm_eps)
-        return h @ self.lm_head_t
+        return self.linear(h, self.lm_head)
 
     def _mlp(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
-        gate, up = (x @ w["gate_up"]).chunk(2, dim=-1)
-        return (F.silu(gate) * up) @ w["down"]
+        gate, up = self.linear(x, w["gate_up"]).chunk(2, dim=-1)
+        return self.linear(F.silu(gate) * up, w["down"])
 
     def _qkv(self, x: torch.Tensor, rot, w: dict[str, torch.Tensor]):
         """q [T, H, D] and k [T, KVH, D] rotated, v [T, KVH, D]; q and k rotate as one tensor."""
         c = self.config
-        qkv = x @ w["qkv"]
+        qkv = self.linear(x, w["qkv"])
         qk = self.rope.apply(qkv[:, :self.q_size + self.kv_size].view(-1, c.num_heads + c.num_kv_heads,
                                                                       c.head_dim), rot)
         q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
@@ -202,7 +197,7 @@ class LlamaModel:
         for seg in meta.prefills:
             rows = slice(seg.q_start, seg.q_start + seg.q_len)
             out[rows] = self._prefill_attention(q[rows], k[rows], v[rows], seg, layer_cache)
-        return out.view(-1, self.q_size) @ w["o"]
+        return self.linear(out.view(-1, self.q_size), w["o"])
 
     @staticmethod
     def _decode_groups(meta: AttentionMetadata, block_size: int) -> list[DecodeGroup]:
@@ -268,6 +263,6 @@ class LlamaModel:
             x = rms_norm(h, w["ln1"], self.config.rms_norm_eps)
             q, k, v = self._qkv(x, rot, w)
             attn = sdpa_4d(q, k, v, None, True, self.scale)
-            h = h + attn.reshape(-1, self.q_size) @ w["o"]
+            h = h + self.linear(attn.reshape(-1, self.q_size), w["o"])
             h = h + self._mlp(rms_norm(h, w["ln2"], self.config.rms_norm_eps), w)
-        return rms_norm(h, self.final_norm, self.config.rms_norm_eps) @ self.lm_head_t
+        return self.linear(rms_norm(h, self.final_norm, self.config.rms_norm_eps), self.lm_head)

@@ -1,0 +1,85 @@
+"""The model's matmuls: y = x @ W.T for a Linear weight W [out, in], by a chosen kernel.
+
+    select_linear(device, kernel) -> Linear       (EngineConfig.linear_kernel)
+        matmul  MatmulLinear: torch.matmul over W.T kept contiguous; any device. The default.
+        onednn  OneDNNLinear: torch.ops.mkldnn._linear_pointwise; x86 CPU builds of torch only
+    linear.prepare(W) once when the weights load; linear(x, prepared) every step
+
+NOTE: why two. torch's fp32 matmul on an x86 CPU goes to MKL's sgemm, which on the AMD EPYC
+machines this project runs on reached 38-55 GFLOP/s on one thread against oneDNN's 80-160 for
+the same products (M of 14 to 2,048 rows by SmolLM2's 576x3072 and 1536x576 weights), and about
+the same bandwidth at M = 1 (docs/benchmarks.md, "matmul kernels"). vLLM's CPU backend calls
+oneDNN. But MKL is what transformers runs, and our matmul path is bit-identical to it (0.0
+max-abs logit difference, tests/engine/test_oracle.py allows 1e-4); oneDNN sums in another order
+and its logits differ by up to 5e-3 on SmolLM2 (tests/engine/test_linear_kernels.py), so it is
+opt-in and the exactness suite runs on both.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class Linear(Protocol):
+    name: str
+
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight [out, in] as this kernel wants it stored."""
+        ...
+
+    def __call__(self, x: torch.Tensor, prepared: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, out]."""
+        ...
+
+
+class MatmulLinear:
+    """x @ W.T with W kept transposed, [in, out] and contiguous.
+
+    NOTE: at batch 1 (a GEMV that streams the weight) this layout ran the 113 MB lm_head at about
+    twice the bandwidth of F.linear's [out, in] under MKL (docs/benchmarks.md, profile).
+    """
+
+    name = "matmul"
+
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.t().contiguous()
+
+    def __call__(self, x: torch.Tensor, prepared: torch.Tensor) -> torch.Tensor:
+        return x @ prepared
+
+
+class OneDNNLinear:
+    """oneDNN's fp32 inner product over W as Linear stores it, [out, in] and contiguous."""
+
+    name = "onednn"
+
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.contiguous()
+
+    def __call__(self, x: torch.Tensor, prepared: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, prepared, None, "none", [], "")
+
+
+def onednn_available(device: torch.device) -> bool:
+    """oneDNN's linear works here: an x86 CPU build of torch with mkldnn, checked by one call."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        x, w = torch.ones(2, 3), torch.ones(4, 3)
+        return bool(torch.equal(OneDNNLinear()(x, w), torch.full((2, 4), 3.0)))
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def select_linear(device: torch.device, kernel: str = "matmul") -> Linear:
+    """The kernel named by EngineConfig.linear_kernel; onednn only where it works."""
+    if kernel == "matmul":
+        return MatmulLinear()
+    if kernel != "onednn":
+        raise ValueError(f"linear kernel {kernel!r}: use matmul or onednn")
+    if not onednn_available(device):
+        raise ValueError(f"linear_kernel 'onednn' is not available on {device} with this torch build; "
+                         "use matmul")
+    return OneDNNLinear()
