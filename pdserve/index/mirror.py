@@ -5,15 +5,16 @@ appends one entry to the namespace's feed, a Redis stream, with the next value o
 (redis_layout.py PUBLISH_FEED_LUA). A mirror reads the feed; every router replica runs its own,
 over the same stream. match() then runs here, over dicts and sets, with no round trip.
 
-    EMPTY ──snapshot──▶ FOLLOWING ◀──────────────────────────────┐
-                        │  feed thread, in order:                 │
-                        │    XREAD BLOCK after our position       │ Redis answers again
-                        │    every check_s: leases + the store's  │
-                        │      counter and newest stream entry    │
-                        │    a gap, a junk entry, a counter that  │
-                        │      moved without an event, or         │
-                        │      resnapshot_s gone by ──▶ snapshot  │
-                        └──Redis does not answer──▶ UNREACHABLE ──┘
+    EMPTY ──start(): snapshot──▶ FOLLOWING ◀──────────────────────────────┐
+                                 │  feed thread, in order:                │
+                                 │    XREAD BLOCK after our position      │ Redis answers
+                                 │    every check_s: leases, the store's  │ again
+                                 │      counter and newest stream entry   │
+                                 │    a gap, a junk entry, a counter that │
+                                 │      moved with no event, or           │
+                                 │      resnapshot_s gone by ──▶ snapshot │
+                                 └──Redis does not answer──▶ UNREACHABLE ─┘
+    stop() ends the feed thread; start() again follows on from the position it stopped at.
 
     snapshot: the feed's position (counter, newest stream id) and the leases in one script, then
               the entries set and every entry's hash set (pipelined); the events after that
@@ -143,12 +144,16 @@ class IndexMirror:
         self._snapshot_at = self._next_check = float("-inf")
         self.snapshots = 0  # how many times the index was read whole (start, gaps, resnapshot_s)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._follow_loop, name="index-mirror", daemon=True)
+        self._thread: threading.Thread | None = None
 
     # --- lifecycle ------------------------------------------------------------------------
     def start(self, sync_timeout_s: float = 10.0) -> None:
         """Read the index, start following the feed, and wait until caught up; with Redis down, start
-        EMPTY (the feed thread keeps trying)."""
+        EMPTY (the feed thread keeps trying). After stop(), start() follows on from where it stopped."""
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("the index mirror is already running; stop() it first")
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._follow_loop, name="index-mirror", daemon=True)
         self._thread.start()
         try:
             self.sync(sync_timeout_s)
@@ -158,7 +163,7 @@ class IndexMirror:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread.is_alive():
+        if self._thread is not None:
             self._thread.join(timeout=self.config.block_s + 5)
 
     @property
