@@ -74,11 +74,14 @@ log = logging.getLogger(__name__)
 
 # KEYS: the feed's counter, the feed, the workers set. ARGV: lease key prefix, RETAIN ms.
 # Returns {counter, newest stream id or "", then worker_id, epoch, lease PTTL ms for each lease}.
-# NOTE: a missing counter is seeded here too (and the reader renews its life), so a position always
-# has a number: one read later, the first event must carry exactly that number + 1.
+# NOTE: a missing counter is seeded here too, so a position always has a number: one read later, the
+# first event must carry exactly that number + 1. Only then does it write: on a read-only replica it
+# still answers.
 FEED_STATE_LUA = SEED_FROM_CLOCK_LUA + """
-seed_from_clock(KEYS[1])
-redis.call("PEXPIRE", KEYS[1], ARGV[2])
+if redis.call("EXISTS", KEYS[1]) == 0 then
+  seed_from_clock(KEYS[1])
+  redis.call("PEXPIRE", KEYS[1], ARGV[2])
+end
 local out = {redis.call("GET", KEYS[1]), ""}
 local newest = redis.call("XREVRANGE", KEYS[2], "+", "-", "COUNT", 1)
 if #newest > 0 then out[2] = newest[1][1] end
