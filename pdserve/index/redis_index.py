@@ -1,7 +1,9 @@
 """RedisPrefixIndex: the prefix index in Redis, written by every worker, read by the router.
 
 apply() is one EVALSHA of APPLY_LUA; match() is one EVALSHA of MATCH_LUA. The key
-layout is in pdserve/index/__init__.py.
+layout is in pdserve/index/__init__.py. Both scripts that change entries (APPLY_LUA, DROP_LUA)
+also append what they changed to the index's feed (redis_layout.py PUBLISH_FEED_LUA), which the
+router's mirror follows (mirror.py); the router matches there, not with MATCH_LUA.
 
 How match walks a prompt h0..h(n-1) in one EVALSHA of MATCH_LUA:
 
