@@ -23,6 +23,7 @@ import random
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -46,6 +47,14 @@ from router.workers import WorkerDirectory, WorkerRecord
 log = logging.getLogger(__name__)
 
 SPARE_THREADS = 16  # beyond the limited calls: Admin, Health.Check, and refusing extra calls
+
+
+class Companion(Protocol):
+    """Something that runs beside the router for its lifetime (the prefix index's mirror)."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -80,8 +89,10 @@ class RouterServer:
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer,
                  live_workers: Callable[[], Sequence[WorkerRecord]], *, match: MatchFn | None = None,
                  load_of: Callable[[str], dict[str, int]] | None = None,
-                 sweep: Callable[[], object] | None = None, rng: random.Random | None = None) -> None:
+                 sweep: Callable[[], object] | None = None, rng: random.Random | None = None,
+                 companions: Sequence[Companion] = ()) -> None:
         self.config = config
+        self.companions = list(companions)  # started before the port opens, stopped after it closes
         self.security = config.security or SecurityConfig()
         if config.cache_isolation == "token" and not self.security.api_tokens:
             raise ValueError("cache isolation 'token' needs API tokens (--api-token-file): without them "
@@ -132,6 +143,8 @@ class RouterServer:
         if port == 0:
             raise OSError(f"router: cannot bind {self.config.host}:{self.config.port}; "
                           "is another pdserve running? choose another --port")
+        for companion in self.companions:
+            companion.start()
         self.directory.start()
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.start()
@@ -154,6 +167,8 @@ class RouterServer:
         if self._server is not None:
             self._server.stop(grace_s).wait()
         self.directory.stop()
+        for companion in reversed(self.companions):
+            companion.stop()
         self.admin.close()
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.stop()

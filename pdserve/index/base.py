@@ -19,11 +19,14 @@ pool, and recomputes whatever it does not hold.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from pdserve.engine.hashing import BlockHash
+
+_ENTRY = re.compile(r"^(.+)@(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,19 @@ class WorkerKey:
         if self.epoch < 0:
             raise ValueError(f"epoch {self.epoch} of worker {self.worker_id!r} is negative; "
                              "take epochs from WorkerRegistry.next_epoch()")
+
+
+def entry_member(worker: WorkerKey) -> str:
+    """How a worker-epoch is named in the store and its feed: 'worker_id@epoch'."""
+    return f"{worker.worker_id}@{worker.epoch}"
+
+
+def parse_entry_member(member: bytes | str) -> WorkerKey:
+    text = member.decode() if isinstance(member, bytes) else member
+    found = _ENTRY.match(text)
+    if found is None:
+        raise ValueError(f"{text!r} is not a 'worker_id@epoch' index entry; was the namespace shared?")
+    return WorkerKey(found.group(1), int(found.group(2)))
 
 
 class Lease(enum.Enum):

@@ -1,7 +1,9 @@
 """RedisPrefixIndex: the prefix index in Redis, written by every worker, read by the router.
 
 apply() is one EVALSHA of APPLY_LUA; match() is one EVALSHA of MATCH_LUA. The key
-layout is in pdserve/index/__init__.py.
+layout is in pdserve/index/__init__.py. Both scripts that change entries (APPLY_LUA, DROP_LUA)
+also append what they changed to the index's feed (redis_layout.py PUBLISH_FEED_LUA), which the
+router's mirror follows (mirror.py); the router matches there, not with MATCH_LUA.
 
 How match walks a prompt h0..h(n-1) in one EVALSHA of MATCH_LUA:
 
@@ -27,9 +29,10 @@ from collections.abc import Iterable, Sequence
 
 import redis
 
-from pdserve.engine.hashing import BlockHash
+from pdserve.engine.hashing import HASH_BYTES, BlockHash
 from pdserve.index.base import Lease, WorkerKey
 from pdserve.index.redis_layout import (
+    PUBLISH_FEED_LUA,
     RETAIN_S,
     LeaseScripts,
     MalformedKeys,
@@ -41,14 +44,15 @@ from pdserve.index.redis_layout import (
     store_errors,
 )
 
-# KEYS: the entry's hash set, the entries set, the worker's epoch counter.
+# KEYS: the entry's hash set, the entries set, the worker's epoch counter, the feed, the feed's counter.
 # ARGV: member 'w@e', epoch, block key prefix, number of stored hashes, RETAIN ms, the stored hashes,
-# then the removed hashes. Returns 0 (and writes nothing) when a newer epoch exists.
+# then the removed hashes. Returns 0 (and writes nothing) when a newer epoch exists; otherwise writes
+# the sets and one feed entry (redis_layout.py PUBLISH_FEED_LUA) naming the same hashes.
 # NOTE: a script, not a pipeline of SADDs: it is atomic, so a block set and the entry's
 # hash set (which match reads) never disagree, and it costs the worker's publisher one
 # command to encode instead of one per block (~20 us each in redis-py). Every set it writes
 # gets RETAIN_S of life (redis_layout.py says why).
-APPLY_LUA = """
+APPLY_LUA = PUBLISH_FEED_LUA + """
 if tonumber(ARGV[2]) < tonumber(redis.call("GET", KEYS[3]) or "0") then return 0 end
 local member, prefix, retain = ARGV[1], ARGV[3], ARGV[5]
 local first_removed = 6 + tonumber(ARGV[4])
@@ -67,6 +71,8 @@ each_chunk("SADD", KEYS[1], 6, first_removed - 1)
 for i = first_removed, #ARGV do redis.call("SREM", prefix .. ARGV[i], member) end
 each_chunk("SREM", KEYS[1], first_removed, #ARGV)
 redis.call("PEXPIRE", KEYS[1], retain)
+publish_feed(KEYS[4], KEYS[5], retain, "apply", member, table.concat(ARGV, "", 6, first_removed - 1),
+             table.concat(ARGV, "", first_removed, #ARGV))
 return 1
 """
 
@@ -129,20 +135,31 @@ end
 return out
 """
 
-# KEYS: the entry's hash set, the entries set, the worker's lease.
-# ARGV: member 'w@e', epoch, chunk size, block key prefix, "1" to drop even a live entry.
+# KEYS: the entry's hash set, the entries set, the worker's lease, the feed, the feed's counter.
+# ARGV: member 'w@e', epoch, chunk size, block key prefix, "1" to drop even a live entry, RETAIN ms.
 # Pops up to a chunk of hashes and unlinks each from its block set, atomically, so a
-# concurrent apply() can never leave a block set naming an entry nobody tracks.
+# concurrent apply() can never leave a block set naming an entry nobody tracks; the feed gets
+# one "drop" entry naming the hashes popped.
 # Returns -1 when the entry is live again (kept), else how many hashes it dropped.
-DROP_LUA = """
+DROP_LUA = PUBLISH_FEED_LUA + """
 if ARGV[5] ~= "1" and redis.call("GET", KEYS[3]) == ARGV[2] then return -1 end
 local hashes = redis.call("SPOP", KEYS[1], ARGV[3])
 for _, h in ipairs(hashes) do redis.call("SREM", ARGV[4] .. h, ARGV[1]) end
 if redis.call("SCARD", KEYS[1]) == 0 then redis.call("SREM", KEYS[2], ARGV[1]) end
+if #hashes > 0 then publish_feed(KEYS[4], KEYS[5], ARGV[6], "drop", ARGV[1], "", table.concat(hashes)) end
 return #hashes
 """
 
 DROP_CHUNK = 512
+
+
+def check_hash_sizes(*batches: Sequence[BlockHash]) -> None:
+    """NOTE: the feed carries hashes concatenated, so each must be HASH_BYTES long to be split again."""
+    for batch in batches:
+        bad = next((h for h in batch if len(h) != HASH_BYTES), None)
+        if bad is not None:
+            raise ValueError(f"block hash {bad!r} has {len(bad)} bytes; the index takes hashes of "
+                             f"{HASH_BYTES} (pdserve/engine/hashing.py)")
 
 
 class RedisPrefixIndex:
@@ -161,8 +178,9 @@ class RedisPrefixIndex:
     def apply(self, worker: WorkerKey, stored: Sequence[BlockHash], removed: Sequence[BlockHash]) -> None:
         if not stored and not removed:
             return
+        check_hash_sizes(stored, removed)
         k, member = self._keys, entry_member(worker)
-        keys = [k.entry_hashes(member), k.entries, k.epoch(worker.worker_id)]
+        keys = [k.entry_hashes(member), k.entries, k.epoch(worker.worker_id), k.feed, k.feed_seq]
         args = [member, worker.epoch, k.block_prefix, len(stored), milliseconds(RETAIN_S), *stored, *removed]
         with store_errors(f"apply() for {member}"):
             self._apply(keys=keys, args=args)
@@ -255,8 +273,9 @@ class RedisPrefixIndex:
     def _drop_entry(self, entry: WorkerKey, *, force: bool) -> int:
         member = entry_member(entry)
         k = self._keys
-        keys = [k.entry_hashes(member), k.entries, k.live(entry.worker_id)]
-        args = [member, entry.epoch, DROP_CHUNK, k.block_prefix, "1" if force else "0"]
+        keys = [k.entry_hashes(member), k.entries, k.live(entry.worker_id), k.feed, k.feed_seq]
+        args = [member, entry.epoch, DROP_CHUNK, k.block_prefix, "1" if force else "0",
+                milliseconds(RETAIN_S)]
         dropped = 0
         with store_errors(f"dropping the entries of {member}"):
             while (n := int(self._drop(keys=keys, args=args))) > 0:

@@ -9,18 +9,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import redis
 
 from pdserve.engine.hashing import BlockHash
-from pdserve.index.base import Lease, StoreUnavailable, WorkerKey, check_ttl
+from pdserve.index.base import (  # noqa: F401 (entry names: re-exported for the Redis users)
+    Lease,
+    StoreUnavailable,
+    WorkerKey,
+    check_ttl,
+    entry_member,
+    parse_entry_member,
+)
+from pdserve.index.feed import FEED_VERSION
 
 log = logging.getLogger(__name__)
-
-_ENTRY = re.compile(r"^(.+)@(\d+)$")
 
 # How long what a worker leaves in Redis survives it (its entry's hash set, the block sets it is in,
 # the namespace's `workers` and `entries` sets): every write of the worker renews it, and so does
@@ -66,17 +71,47 @@ if renewed then return 1 end
 return 2
 """
 
+# Lua: if the counter KEYS[n] is missing, seed it from the server's clock in microseconds, so that a
+# counter that expired or was lost only ever comes back higher (see EPOCH_RETAIN_S).
+SEED_FROM_CLOCK_LUA = """
+local function seed_from_clock(key)
+  if redis.call("EXISTS", key) == 0 then
+    local now = redis.call("TIME")
+    redis.call("SET", key, now[1] .. string.format("%06d", tonumber(now[2])))
+  end
+end
+"""
+
 # KEYS: epoch counter, lease. ARGV: EPOCH_RETAIN ms. A new epoch ends the previous incarnation's
 # lease at once. A missing counter is seeded from the server's clock (see EPOCH_RETAIN_S).
-NEXT_EPOCH_LUA = """
-if redis.call("EXISTS", KEYS[1]) == 0 then
-  local now = redis.call("TIME")
-  redis.call("SET", KEYS[1], now[1] .. string.format("%06d", tonumber(now[2])))
-end
+NEXT_EPOCH_LUA = SEED_FROM_CLOCK_LUA + """
+seed_from_clock(KEYS[1])
 local epoch = redis.call("INCR", KEYS[1])
 redis.call("PEXPIRE", KEYS[1], ARGV[1])
 redis.call("DEL", KEYS[2])
 return epoch
+"""
+
+# The index's change feed (what the router's mirror follows: pdserve/index/mirror.py). Every script
+# that changes an entry's hashes (APPLY_LUA, DROP_LUA) ends with publish_feed(), in the same script,
+# so the feed and the sets never disagree. Each stream entry carries the next value of the feed's
+# sequence counter: a reader that sees a number other than its last + 1 knows it lost events.
+# Stream fields: v (feed.py FEED_VERSION), seq, op ("apply" or "drop"), entry ('worker_id@epoch'), stored and
+# removed (the raw hashes, HASH_BYTES each, concatenated; removed after stored, as apply() does).
+# NOTE: MAXLEN ~ keeps the stream near FEED_MAXLEN entries (about a minute of a busy cluster's
+# batches): a reader further behind than that sees a gap and re-reads the index instead.
+# The counter is seeded from the clock, like an epoch: if it expires (RETAIN_S without a write) or
+# Redis loses it, it comes back higher than any value it had, and every reader sees a gap.
+FEED_MAXLEN = 10_000
+PUBLISH_FEED_LUA = SEED_FROM_CLOCK_LUA + f"""
+local function publish_feed(feed, counter, retain, op, member, stored, removed)
+  seed_from_clock(counter)
+  local seq = redis.call("INCR", counter)
+  redis.call("PEXPIRE", counter, retain)
+  redis.call("XADD", feed, "MAXLEN", "~", "{FEED_MAXLEN}", "*", "v", "{FEED_VERSION.decode()}",
+             "seq", string.format("%d", seq), "op", op, "entry", member, "stored", stored, "removed", removed)
+  redis.call("PEXPIRE", feed, retain)
+end
 """
 
 _LEASE_RESULT = {0: Lease.SUPERSEDED, 1: Lease.RENEWED, 2: Lease.STARTED}
@@ -124,18 +159,13 @@ class RedisKeys:
     def load(self, worker_id: str) -> str:
         return f"{self.namespace}:load:{worker_id}"
 
+    @property
+    def feed(self) -> str:
+        return f"{self.namespace}:feed"
 
-def entry_member(worker: WorkerKey) -> str:
-    """How a worker-epoch is named inside block sets: 'worker_id@epoch'."""
-    return f"{worker.worker_id}@{worker.epoch}"
-
-
-def parse_entry_member(member: bytes | str) -> WorkerKey:
-    text = member.decode() if isinstance(member, bytes) else member
-    found = _ENTRY.match(text)
-    if found is None:
-        raise ValueError(f"{text!r} is not a 'worker_id@epoch' index entry; was the namespace shared?")
-    return WorkerKey(found.group(1), int(found.group(2)))
+    @property
+    def feed_seq(self) -> str:
+        return f"{self.namespace}:feed:seq"
 
 
 def require_bytes_client(client: redis.Redis) -> None:

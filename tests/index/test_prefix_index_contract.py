@@ -1,4 +1,6 @@
-"""One contract, two implementations: InMemoryPrefixIndex (fake clock) and RedisPrefixIndex (real server)."""
+"""One contract, three implementations: InMemoryPrefixIndex (fake clock), RedisPrefixIndex (real server),
+and the router's IndexMirror over a real server (writes through RedisPrefixIndex, reads through the
+mirror once it has caught up with the feed: IndexMirror.sync, as the router's start does)."""
 
 from __future__ import annotations
 
@@ -6,13 +8,14 @@ import hashlib
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import pytest
 
 from pdserve.index.base import Lease, PrefixIndex, WorkerKey
 from pdserve.index.memory import InMemoryPrefixIndex
+from pdserve.index.mirror import IndexMirror
 from pdserve.index.redis_index import RedisPrefixIndex
 from pdserve.index.redis_layout import RETAIN_S, RedisKeys
 
@@ -40,14 +43,63 @@ class Harness:
         self.let_pass(self.short_ttl + 0.15)
 
 
-@pytest.fixture(params=["memory", "redis"])
+class MirrorReads:
+    """Writes go to Redis, reads to the mirror after it caught up with everything written so far."""
+
+    def __init__(self, writer: RedisPrefixIndex, mirror: IndexMirror) -> None:
+        self.writer, self.mirror = writer, mirror
+
+    def apply(self, worker: WorkerKey, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
+        self.writer.apply(worker, stored, removed)
+
+    def replace(self, worker: WorkerKey, hashes: Iterable[bytes]) -> None:
+        self.writer.replace(worker, hashes)
+
+    def remove_worker(self, worker_id: str) -> None:
+        self.writer.remove_worker(worker_id)
+
+    def set_live(self, worker: WorkerKey, ttl_s: float) -> Lease:
+        return self.writer.set_live(worker, ttl_s)
+
+    def sweep(self) -> int:
+        return self.writer.sweep()
+
+    def drop_older_epochs(self, worker: WorkerKey) -> int:
+        return self.writer.drop_older_epochs(worker)
+
+    def touch(self, worker: WorkerKey, every_s: float) -> None:
+        self.writer.touch(worker, every_s)
+
+    def match(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
+        self.mirror.sync()
+        return self.mirror.match(block_hashes)
+
+    def worker_hashes(self, worker_id: str) -> set[bytes]:
+        self.mirror.sync()
+        return self.mirror.worker_hashes(worker_id)
+
+    def live_workers(self) -> dict[str, int]:
+        self.mirror.sync()
+        return self.mirror.live_workers()
+
+
+@pytest.fixture(params=["memory", "redis", "mirror"])
 def h(request) -> Harness:
     if request.param == "memory":
         clock = FakeClock()
-        return Harness(InMemoryPrefixIndex(clock), short_ttl=1.0, let_pass=clock.advance)
-    client = request.getfixturevalue("redis_client")
-    index = RedisPrefixIndex(client, namespace=request.getfixturevalue("namespace"))
-    return Harness(index, short_ttl=0.3, let_pass=time.sleep)
+        yield Harness(InMemoryPrefixIndex(clock), short_ttl=1.0, let_pass=clock.advance)
+        return
+    client, namespace = request.getfixturevalue("redis_client"), request.getfixturevalue("namespace")
+    index = RedisPrefixIndex(client, namespace=namespace)
+    if request.param == "redis":
+        yield Harness(index, short_ttl=0.3, let_pass=time.sleep)
+        return
+    mirror = IndexMirror(client, namespace)
+    mirror.start()
+    try:
+        yield Harness(MirrorReads(index, mirror), short_ttl=0.3, let_pass=time.sleep)
+    finally:
+        mirror.stop()
 
 
 def blk(i: int) -> bytes:
@@ -262,7 +314,8 @@ def test_every_index_key_expires_and_a_touch_renews_the_block_sets(redis_index, 
     redis_index.set_live(a, LONG_TTL)
     redis_index.apply(a, blocks(*range(600)), [])
     names = redis_client.keys(f"{namespace}:*")
-    assert len(names) == 600 + 5  # blocks, the entry's hash set, entries, live, epoch, workers
+    # blocks, the entry's hash set, entries, live, epoch, workers, the feed and its counter
+    assert len(names) == 600 + 7
     keys = RedisKeys(namespace)
     assert all(0 < redis_client.pttl(k) <= RETAIN_S * 1000 for k in names if k != keys.epoch("a").encode())
     assert redis_client.pttl(keys.epoch("a")) > 0

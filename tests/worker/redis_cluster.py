@@ -18,14 +18,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
-import redis
 
 from decode_worker.actor import DecodeWorker
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.hashing import hash_blocks
 from pdserve.engine.sequence import SamplingParams
 from pdserve.engine.weights import LoadedModel
-from pdserve.index.redis_index import RedisPrefixIndex
+from pdserve.index.base import StoreUnavailable
 from pdserve.worker.actor import WorkerActor, WorkerSpec
 from pdserve.worker.server import WorkerServer
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
@@ -192,9 +191,10 @@ class RedisCluster:
         return hash_blocks(prompt, engine.block_size, engine.salt)
 
     def holders(self, prompt: list[int]) -> dict[str, int]:
-        """worker_id -> leading blocks of prompt it holds, by the router's Redis index (one match)."""
-        client = redis.Redis.from_url(self.redis_url, socket_timeout=1.0)
+        """worker_id -> leading blocks of prompt it holds, as the router will route by: its placer's
+        match (the index's mirror, pdserve/index/mirror.py); {} while that is unavailable."""
+        assert self.router is not None
         try:
-            return RedisPrefixIndex(client, self.namespace).match(self.hashes(prompt))
-        finally:
-            client.close()
+            return dict(self.router.placer.match(self.hashes(prompt)))
+        except StoreUnavailable:
+            return {}

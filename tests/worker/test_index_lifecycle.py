@@ -30,8 +30,9 @@ pytestmark = pytest.mark.slow
 RESTARTS = 20
 SHARED = list(range(300, 340))  # 2 full blocks + 8 tokens: the same blocks in every incarnation
 # A live worker's own keys: its lease, epoch counter, info and load hashes, its entry's hash set, and
-# the namespace's `workers` and `entries` sets. Everything else is one block key per hash it holds.
-FIXED_KEYS = 7
+# the namespace's `workers` and `entries` sets, its change feed and the feed's counter. Everything else
+# is one block key per hash it holds.
+FIXED_KEYS = 9
 
 
 def serve(actor: WorkerActor, prompt: list[int], request_id: str) -> None:
