@@ -20,11 +20,11 @@ The headline keys on the JSON's last line are those of the largest size.
 
 Codecs (same method, same protobuf bytes on the wire, so either end may use either):
   proto  the generated stubs: KVChunk messages, SerializeToString / FromString
-  raw    serialize_kv_chunk / parse_kv_chunk write and read KVChunk's two length-delimited
-         fields by hand: one copy on the sender, zero-copy memoryviews on the receiver
+  raw    pdserve/transfer/kvchunk.py, what production uses: KVChunk's two length-delimited
+         fields written and read by hand, one copy on the sender, zero-copy on the receiver
 
 Pieces for bench/kv_transfer.py: GRPC_OPTIONS, make_pool, PoolReceiver, add_pool_receiver,
-transfer_frames, push_pool, serialize_kv_chunk, parse_kv_chunk.
+transfer_frames, push_pool.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from pdserve.kvwire import (
     encode_layer,
     write_layer,
 )
+from pdserve.transfer.kvchunk import parse_kv_chunk, serialize_kv_chunk
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 from protos.pdserve.v1 import kv_transfer_pb2_grpc as pb_grpc
 
@@ -222,63 +223,6 @@ def push_pool(channel: grpc.Channel, frames: Iterator[Frame], codec: str = "raw"
         return push(frames)
     stub = pb_grpc.KVTransferStub(channel)
     return stub.Push(pb.KVChunk(header=h, payload=p) for h, p in frames)
-
-
-# -- KVChunk by hand ------------------------------------------------------------------------
-# KVChunk is `bytes header = 1; bytes payload = 2;`: on the wire, tag 0x0A, varint length,
-# header bytes, tag 0x12, varint length, payload bytes. Writing that directly copies the
-# payload once; the generated class copies it into the message, then again to serialise.
-
-
-def serialize_kv_chunk(frame: Frame) -> bytes:
-    header, payload = frame
-    parts = [b"\x0a", _varint(len(header)), header] if header else []
-    if payload:
-        parts += [b"\x12", _varint(len(payload)), payload]
-    return b"".join(parts)
-
-
-def parse_kv_chunk(data: bytes) -> tuple[memoryview, memoryview]:
-    """(header, payload) as views of `data`; unknown fields skipped, the last of a repeat wins."""
-    view, pos = memoryview(data), 0
-    fields: dict[int, memoryview] = {1: view[:0], 2: view[:0]}
-    while pos < len(view):
-        key, pos = _read_varint(view, pos)
-        number, wire_type = key >> 3, key & 7
-        if wire_type == 0:
-            _, pos = _read_varint(view, pos)
-            continue
-        if wire_type in (1, 5):
-            pos += 8 if wire_type == 1 else 4
-            continue
-        if wire_type != 2:
-            raise ValueError(f"KVChunk: wire type {wire_type} of field {number} is not protobuf 3")
-        size, pos = _read_varint(view, pos)
-        if pos + size > len(view):
-            raise ValueError(f"KVChunk: field {number} claims {size} bytes, {len(view) - pos} left")
-        fields[number], pos = view[pos:pos + size], pos + size
-    if pos > len(view):
-        raise ValueError(f"KVChunk: the last field runs {pos - len(view)} bytes past the message")
-    return fields[1], fields[2]
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while pos < len(view):
-        byte = view[pos]
-        value, pos, shift = value | (byte & 0x7F) << shift, pos + 1, shift + 7
-        if not byte & 0x80:
-            return value, pos
-    raise ValueError("KVChunk: truncated varint")
 
 
 # -- raw TCP peer ---------------------------------------------------------------------------

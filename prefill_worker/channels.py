@@ -3,7 +3,9 @@ each carrying one KVTransfer.Push per transfer.
 
 GrpcKVChannel dials as an internal client of the worker's SecurityConfig (TLS and the cluster
 secret), with the keepalive of its ConnectionPolicy (pdserve/grpc_options.py), and message
-limits far above the codec's chunk size. A failure is the FailureKind its status names
+limits far above the codec's chunk size. Frames go out as KVChunk messages written by hand
+(pdserve/transfer/kvchunk.py: one copy of the payload, not the generated class's three).
+A failure is the FailureKind its status names
 (pdserve/transfer/status.py), except that a sender which gives up itself (its frames raise
 TransferFailed) reports its own kind: gRPC would only say UNKNOWN "Exception iterating
 requests!". A decode worker that refuses the secret fails the push as INTERNAL, with its
@@ -25,9 +27,10 @@ from pdserve.grpc_options import ConnectionPolicy, channel_options
 from pdserve.security import SecurityConfig
 from pdserve.transfer.channel import Frame, KVChannel, PushResult
 from pdserve.transfer.errors import TransferFailed
+from pdserve.transfer.kvchunk import PUSH_METHOD, serialize_kv_chunk
 from pdserve.transfer.status import failure_of
 from prefill_worker.faults import FaultInjector
-from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from protos.pdserve.v1 import kv_transfer_pb2
 
 # NOTE: one channel per decode worker address. A decode worker that restarts comes back on a new
 # port, so without a bound this would grow by one channel per restart for the life of the process.
@@ -42,7 +45,8 @@ class GrpcKVChannel:
         self.target = target
         self._channel = (security or SecurityConfig()).open_channel(target, channel_options(connections),
                                                                     internal=True)
-        self._stub = kv_transfer_pb2_grpc.KVTransferStub(self._channel)
+        self._push = self._channel.stream_unary(PUSH_METHOD, request_serializer=serialize_kv_chunk,
+                                                response_deserializer=kv_transfer_pb2.PushReply.FromString)
 
     def push(self, frames: Iterator[Frame], timeout_s: float) -> PushResult:
         sent = 0
@@ -51,15 +55,15 @@ class GrpcKVChannel:
         def chunks():
             nonlocal sent, gave_up
             try:
-                for header, payload in frames:
-                    sent += len(payload)
-                    yield kv_transfer_pb2.KVChunk(header=header, payload=payload)
+                for frame in frames:
+                    sent += len(frame[1])
+                    yield frame
             except TransferFailed as e:  # recorded before gRPC cancels the call with it
                 gave_up = e
                 raise
 
         try:
-            reply = self._stub.Push(chunks(), timeout=timeout_s)
+            reply = self._push(chunks(), timeout=timeout_s)
         except grpc.RpcError as e:
             if gave_up is not None:
                 raise gave_up from e
