@@ -222,7 +222,7 @@ def push_pool(channel: grpc.Channel, frames: Iterator[Frame], codec: str = "raw"
                                     response_deserializer=pb.PushReply.FromString)
         return push(frames)
     stub = pb_grpc.KVTransferStub(channel)
-    return stub.Push(pb.KVChunk(header=h, payload=p) for h, p in frames)
+    return stub.Push(pb.KVChunk(header=h, payload=bytes(p)) for h, p in frames)  # it takes no views
 
 
 # -- raw TCP peer ---------------------------------------------------------------------------

@@ -41,7 +41,8 @@ def test_pool_receiver_over_grpc_is_bit_exact(codec):
 def test_pool_receiver_fails_closed_on_a_missing_chunk():
     sender, receiver = make_pool(1, "float16", layers=4), make_pool(1, "float16", layers=4, fill=False)
     layout = KVLayout.of_cache(sender, FINGERPRINT)
-    frames = list(transfer_frames(sender, layout, "t1", range(4), range(4), layout.block_bytes))
+    frames = [(h, bytes(p)) for h, p in transfer_frames(sender, layout, "t1", range(4), range(4),
+                                                         layout.block_bytes)]
     assert len(frames) == 1 + 4 * 4 + 1  # BEGIN, one block per chunk, END
     del frames[2]
     with pytest.raises(WireError, match="END says 16 blocks / 1048576 bytes, got 15 / 983040"):
