@@ -2,6 +2,7 @@
 
     python -m bench.kv_transfer_wire [--json] [--sizes 64,512] [--dtype float16] [--reps 3]
                                      [--chunk-mib 2] [--codec raw|proto]
+                                     [--chunk-sizes 64K,256K,1M,2M,4M,8M [--plot PNG]]
 
 The sender is this process, holding a synthetic pool kv[layer, K|V, block, ...] of N MiB.
 The receiver is a subprocess (`--serve`) holding a zeroed pool of the same layout; it
@@ -39,6 +40,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -60,6 +62,7 @@ from pdserve.kvwire import (
     write_layer,
 )
 from pdserve.transfer.kvchunk import parse_kv_chunk, serialize_kv_chunk
+from prefill_worker.channels import GrpcKVChannel
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 from protos.pdserve.v1 import kv_transfer_pb2_grpc as pb_grpc
 
@@ -74,6 +77,7 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 FINGERPRINT = "bench-kv-transfer-wire"
+PUSH_TIMEOUT_S = 600.0
 Frame = tuple[bytes, bytes]  # (msgpack header, payload)
 
 
@@ -335,28 +339,52 @@ def measure(case: Case) -> dict[str, Any]:
     layout = KVLayout.of_cache(pool, FINGERPRINT)
     num_blocks = pool.shape[2]
     block_ids = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
-    chunks = payload_chunks(pool, case.chunk_bytes // layout.block_bytes * layout.block_bytes)
+    chunks = payload_chunks(pool, max(1, case.chunk_bytes // layout.block_bytes) * layout.block_bytes)
     receiver = ReceiverProcess.start(case.mib, case.kv_dtype, case.codec, case.grpc_args)
-    options = grpc_options(case.grpc_args)
+    push = Pusher.open(f"127.0.0.1:{receiver.grpc_port}", case)
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{receiver.grpc_port}", options=options) as channel:
-            def grpc_once() -> None:
-                positions = range(num_blocks)
-                frames = transfer_frames(pool, layout, "bench", block_ids, positions, case.chunk_bytes)
-                reply = push_pool(channel, frames, case.codec)
-                if reply.bytes_received != case.mib * MIB:
-                    raise RuntimeError(f"receiver got {reply.bytes_received} bytes of {case.mib * MIB}")
+        def grpc_once() -> None:
+            frames = transfer_frames(pool, layout, "bench", block_ids, range(num_blocks), case.chunk_bytes)
+            written = push(frames)
+            if written != layout.num_layers * num_blocks:
+                raise RuntimeError(f"receiver wrote {written} blocks of {layout.num_layers * num_blocks}")
 
-            grpc_s, tcp_s = alternate(grpc_once, lambda: send_tcp(receiver.tcp_port, chunks), case.reps)
+        grpc_s, tcp_s = alternate(grpc_once, lambda: send_tcp(receiver.tcp_port, chunks), case.reps)
     finally:
+        push.close()
         receiver.stop()
     checksum_s = median([timed(lambda: checksum_all(chunks, layout.block_bytes))[0]
                          for _ in range(case.reps)])
     nbytes = case.mib * MIB
     grpc_gbps, tcp_gbps = nbytes / grpc_s / 1e9, nbytes / tcp_s / 1e9
-    return {"mib": case.mib, "kv_dtype": case.kv_dtype, "grpc_gbps": grpc_gbps, "tcp_gbps": tcp_gbps,
+    return {"mib": case.mib, "kv_dtype": case.kv_dtype, "chunk_kib": case.chunk_bytes // 1024,
+            "grpc_gbps": grpc_gbps, "tcp_gbps": tcp_gbps,
             "ratio": ratio(grpc_gbps, tcp_gbps), "checksum_overhead": 2 * checksum_s / grpc_s,
             "grpc_s": grpc_s, "tcp_s": tcp_s, "checksum_s": checksum_s}
+
+
+@dataclass
+class Pusher:
+    """Pushes one transfer's frames; returns the blocks the receiver wrote.
+
+    raw: production's own GrpcKVChannel (prefill_worker/channels.py: hand-written KVChunk,
+    frames made ahead on this thread, production's channel options; --grpc-arg reaches only
+    the receiver). proto: the generated stub on a plain channel with GRPC_OPTIONS + --grpc-arg."""
+
+    push: Callable[[Iterator[Frame]], int]
+    close: Callable[[], None]
+
+    @classmethod
+    def open(cls, target: str, case: Case) -> Pusher:
+        if case.codec == "raw":
+            kv_channel = GrpcKVChannel(target)
+            return cls(lambda frames: kv_channel.push(frames, PUSH_TIMEOUT_S).blocks_written,
+                       kv_channel.close)
+        channel = grpc.insecure_channel(target, options=grpc_options(case.grpc_args))
+        return cls(lambda frames: push_pool(channel, frames, "proto").blocks_written, channel.close)
+
+    def __call__(self, frames: Iterator[Frame]) -> int:
+        return self.push(frames)
 
 
 def alternate(a: Callable[[], None], b: Callable[[], None], reps: int) -> tuple[float, float]:
@@ -378,18 +406,57 @@ def main(argv: Sequence[str] | None = None) -> None:
         return serve_main(args)
     torch.set_num_threads(1)  # the copies here are memory-bound; intra-op threads only contend
     keep_freed_memory()
-    cases = [Case(mib, args.dtype, args.reps, int(args.chunk_mib * MIB), args.codec, tuple(args.grpc_arg))
-             for mib in args.sizes]
+    default_chunk = int(args.chunk_mib * MIB)
+    sweep = args.chunk_sizes or [default_chunk]
+    sizes = [max(args.sizes)] if args.chunk_sizes else args.sizes
+    cases = [Case(mib, args.dtype, args.reps, chunk, args.codec, tuple(args.grpc_arg))
+             for mib in sizes for chunk in sweep]
     rows = []
     for case in cases:
-        progress(f"{case.mib} MiB {case.kv_dtype}, {case.reps} reps, codec {case.codec}")
+        progress(f"{case.mib} MiB {case.kv_dtype}, chunk {case.chunk_bytes // 1024} KiB, {case.reps} reps, "
+                 f"codec {case.codec}")
         rows.append(measure(case))
-    headline = rows[-1]
-    keys = ("mib", "kv_dtype", "grpc_gbps", "tcp_gbps", "ratio", "checksum_overhead")
+    headline = next((r for r in rows if r["chunk_kib"] * 1024 == default_chunk and r["mib"] == max(sizes)),
+                    rows[-1])
+    keys = ("mib", "kv_dtype", "chunk_kib", "grpc_gbps", "tcp_gbps", "ratio", "checksum_overhead")
     table = format_table(keys, [[r[k] for k in keys] for r in rows])
-    publish(table, {**{k: headline[k] for k in ("grpc_gbps", "tcp_gbps", "ratio", "checksum_overhead")},
-                    "unit": "GB/s", "codec": args.codec, "chunk_mib": args.chunk_mib, "cases": rows,
-                    "environment": environment(torch.get_num_threads())}, args.json)
+    result = {**{k: headline[k] for k in ("grpc_gbps", "tcp_gbps", "ratio", "checksum_overhead")},
+              "unit": "GB/s", "codec": args.codec, "chunk_mib": headline["chunk_kib"] / 1024, "cases": rows,
+              "environment": environment(torch.get_num_threads())}
+    if args.chunk_sizes:
+        result["chunk_curve_png"] = plot_chunk_curve(rows, args.plot)
+    publish(table, result, args.json)
+
+
+def plot_chunk_curve(rows: Sequence[dict[str, Any]], path: str) -> str:
+    """gRPC and TCP GB/s against frame size, as a PNG at `path`; returns the path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kib = [r["chunk_kib"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(kib, [r["grpc_gbps"] for r in rows], "o-", label="gRPC KVTransfer.Push")
+    ax.plot(kib, [r["tcp_gbps"] for r in rows], "s--", label="raw TCP, same chunks")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("max_chunk_bytes (KiB)")
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"{rows[0]['mib']} MiB {rows[0]['kv_dtype']} KV over loopback")
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def parse_bytes(text: str) -> int:
+    """'64K', '2M', '1.5M' or a plain byte count -> bytes."""
+    units = {"K": 1 << 10, "M": MIB}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -401,6 +468,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="timed transfers per size and peer; the median is "
                                                        "reported (default: %(default)s)")
     p.add_argument("--chunk-mib", type=float, default=2.0, help="max_chunk_bytes of encode_layer, in MiB")
+    p.add_argument("--chunk-sizes", type=lambda s: [parse_bytes(x) for x in s.split(",")], default=None,
+                   metavar="64K,256K,...", help="sweep max_chunk_bytes at the largest --sizes and print the "
+                                               "curve (e.g. 64K,256K,1M,2M,4M,8M)")
+    p.add_argument("--plot", default="bench/out/kv_chunk_curve.png",
+                   help="where --chunk-sizes writes its PNG (default: %(default)s)")
     p.add_argument("--codec", choices=["raw", "proto"], default="raw",
                    help="how KVChunk messages are written and read (same bytes on the wire): raw = by "
                         "hand, zero-copy on the receiver; proto = the generated stubs (default: "
