@@ -15,8 +15,9 @@ serves both peers on loopback:
         buffer: no codec, no checksum, no gather. Timed from the first byte to a 1-byte ack.
 
 Reported per size, medians over reps after one warm-up each, the two peers alternating rep by
-rep: grpc_gbps and tcp_gbps (GB/s, 1e9 bytes), ratio = grpc / tcp, and checksum_overhead =
-the time to checksum the same bytes twice (sender and receiver) / the gRPC transfer time.
+rep: grpc_gbps and tcp_gbps (GB/s, 1e9 bytes), ratio = grpc / tcp, checksum_overhead =
+the time to checksum the same bytes twice (sender and receiver) / the gRPC transfer time, and
+{grpc,tcp}_{sender,receiver}_cpu_s_per_gb: CPU seconds each end spent per GB (CPUMeter).
 The headline keys on the JSON's last line are those of the largest size.
 
 Codecs (same method, same protobuf bytes on the wire, so either end may use either):
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import socket
 import struct
 import subprocess
@@ -349,7 +351,9 @@ def measure(case: Case) -> dict[str, Any]:
             if written != layout.num_layers * num_blocks:
                 raise RuntimeError(f"receiver wrote {written} blocks of {layout.num_layers * num_blocks}")
 
-        grpc_s, tcp_s = alternate(grpc_once, lambda: send_tcp(receiver.tcp_port, chunks), case.reps)
+        cpu = CPUMeter(receiver.proc.pid)
+        grpc_s, tcp_s = alternate(cpu.wrap("grpc", grpc_once),
+                                  cpu.wrap("tcp", lambda: send_tcp(receiver.tcp_port, chunks)), case.reps)
     finally:
         push.close()
         receiver.stop()
@@ -360,7 +364,48 @@ def measure(case: Case) -> dict[str, Any]:
     return {"mib": case.mib, "kv_dtype": case.kv_dtype, "chunk_kib": case.chunk_bytes // 1024,
             "grpc_gbps": grpc_gbps, "tcp_gbps": tcp_gbps,
             "ratio": ratio(grpc_gbps, tcp_gbps), "checksum_overhead": 2 * checksum_s / grpc_s,
-            "grpc_s": grpc_s, "tcp_s": tcp_s, "checksum_s": checksum_s}
+            "grpc_s": grpc_s, "tcp_s": tcp_s, "checksum_s": checksum_s, **cpu.per_gb(nbytes)}
+
+
+class CPUMeter:
+    """CPU seconds each end spent per timed run: this process (the sender, all its threads) and
+    the receiver process (from /proc; Linux only, else nothing is reported).
+
+    NOTE: on a machine shared with other work, wall-clock GB/s swings with the load (TCP
+    itself moved 1.3-3.4 GB/s between runs on 2 busy vCPUs); CPU seconds per GB moved far
+    less, so they are what shows a change in either end's own cost."""
+
+    def __init__(self, receiver_pid: int) -> None:
+        self.stat = Path(f"/proc/{receiver_pid}/stat")
+        self.available = self.stat.exists()
+        self.samples: dict[str, list[tuple[float, float]]] = {}
+
+    def wrap(self, name: str, fn: Callable[[], None]) -> Callable[[], None]:
+        def measured() -> None:
+            sender, receiver = _own_cpu_s(), self._receiver_cpu_s()
+            fn()
+            spent = (_own_cpu_s() - sender, self._receiver_cpu_s() - receiver)
+            self.samples.setdefault(name, []).append(spent)
+        return measured
+
+    def per_gb(self, nbytes: int) -> dict[str, float]:
+        """{peer}_{end}_cpu_s_per_gb, medians over the runs (warm-up included)."""
+        if not self.available:
+            return {}
+        gb = nbytes / 1e9
+        return {f"{name}_{end}_cpu_s_per_gb": median([s[i] for s in runs]) / gb
+                for name, runs in self.samples.items() for i, end in enumerate(("sender", "receiver"))}
+
+    def _receiver_cpu_s(self) -> float:
+        if not self.available:
+            return 0.0
+        fields = self.stat.read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 @dataclass
@@ -418,7 +463,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         rows.append(measure(case))
     headline = next((r for r in rows if r["chunk_kib"] * 1024 == default_chunk and r["mib"] == max(sizes)),
                     rows[-1])
-    keys = ("mib", "kv_dtype", "chunk_kib", "grpc_gbps", "tcp_gbps", "ratio", "checksum_overhead")
+    keys = ("mib", "kv_dtype", "chunk_kib", "grpc_gbps", "tcp_gbps", "ratio", "checksum_overhead",
+            *(k for k in rows[0] if k.endswith("_cpu_s_per_gb")))
     table = format_table(keys, [[r[k] for k in keys] for r in rows])
     result = {**{k: headline[k] for k in ("grpc_gbps", "tcp_gbps", "ratio", "checksum_overhead")},
               "unit": "GB/s", "codec": args.codec, "chunk_mib": headline["chunk_kib"] / 1024, "cases": rows,
