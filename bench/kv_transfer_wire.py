@@ -1,7 +1,7 @@
 """KV blocks through gRPC KVTransfer.Push against a raw TCP socket: two processes, one run.
 
     python -m bench.kv_transfer_wire [--json] [--sizes 64,512] [--dtype float16] [--reps 3]
-                                     [--chunk-mib 2] [--codec raw|proto]
+                                     [--chunk-mib 4] [--codec raw|proto]
                                      [--chunk-sizes 64K,256K,1M,2M,4M,8M [--plot PNG]]
 
 The sender is this process, holding a synthetic pool kv[layer, K|V, block, ...] of N MiB.
@@ -63,6 +63,7 @@ from pdserve.kvwire import (
     encode_layer,
     write_layer,
 )
+from pdserve.transfer.frames import DEFAULT_MAX_CHUNK_BYTES
 from pdserve.transfer.kvchunk import parse_kv_chunk, serialize_kv_chunk
 from prefill_worker.channels import GrpcKVChannel
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
@@ -513,7 +514,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="element type of the synthetic KV pool (default: %(default)s)")
     p.add_argument("--reps", type=int, default=3, help="timed transfers per size and peer; the median is "
                                                        "reported (default: %(default)s)")
-    p.add_argument("--chunk-mib", type=float, default=2.0, help="max_chunk_bytes of encode_layer, in MiB")
+    p.add_argument("--chunk-mib", type=float, default=DEFAULT_MAX_CHUNK_BYTES / MIB,
+                   help="max_chunk_bytes of encode_layer, in MiB (default: production's, %(default)g)")
     p.add_argument("--chunk-sizes", type=lambda s: [parse_bytes(x) for x in s.split(",")], default=None,
                    metavar="64K,256K,...", help="sweep max_chunk_bytes at the largest --sizes and print the "
                                                "curve (e.g. 64K,256K,1M,2M,4M,8M)")

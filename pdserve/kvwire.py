@@ -38,6 +38,7 @@ import torch
 import xxhash
 
 from pdserve.engine.model_runner import TORCH_DTYPES
+from pdserve.transfer.frames import DEFAULT_MAX_CHUNK_BYTES
 from pdserve.units import ceil_div
 
 WIRE_VERSION = 2  # 2: BEGIN carries the request's cache_salt
@@ -272,7 +273,8 @@ def decode_header(data: bytes | memoryview) -> Frame:
 
 
 def encode_layer(kv_cache: torch.Tensor, layer: int, block_ids: Sequence[int], positions: Sequence[int],
-                 transfer_id: str, max_chunk_bytes: int = 2 << 20) -> Iterator[tuple[bytes, memoryview]]:
+                 transfer_id: str, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+                 ) -> Iterator[tuple[bytes, memoryview]]:
     """Yield (header, payload) LAYER frames carrying pool blocks `block_ids` of `layer` as
     sequence blocks `positions`, as many whole blocks per frame as fit in max_chunk_bytes
     (at least one).
