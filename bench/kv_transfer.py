@@ -61,6 +61,7 @@ from bench.kv_transfer_wire import MIB, Case, keep_freed_memory, measure
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.sequence import SamplingParams
 from pdserve.grpc_options import message_options
+from pdserve.transfer.frames import DEFAULT_MAX_CHUNK_BYTES
 from pdserve.units import ceil_div
 from pdserve.worker.convert import sampling_to_proto
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -304,7 +305,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     notes = [f"the prefill and decode workers are two processes sharing {cores} cores "
              f"({args.threads} torch thread(s) each), with the client and anything else running",
              "wire: bench.kv_transfer_wire, float16 pools of Llama-3-8B-like blocks, codec raw, "
-             f"2 MiB chunks; ttft: SmolLM2-135M, KV in {args.kv_dtype}"]
+             f"{DEFAULT_MAX_CHUNK_BYTES >> 20} MiB chunks; ttft: SmolLM2-135M, KV in {args.kv_dtype}"]
     env = {**environment(threads), "loadavg_at_start": load_at_start}
     return {**result, "prompt_tokens": sizes.prompt_tokens, "kv_dtype": args.kv_dtype,
             "threads_per_process": args.threads, "reps": sizes.reps, "quick": args.quick,

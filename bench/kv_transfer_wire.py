@@ -1,7 +1,8 @@
 """KV blocks through gRPC KVTransfer.Push against a raw TCP socket: two processes, one run.
 
     python -m bench.kv_transfer_wire [--json] [--sizes 64,512] [--dtype float16] [--reps 3]
-                                     [--chunk-mib 2] [--codec raw|proto]
+                                     [--chunk-mib 4] [--codec raw|proto]
+                                     [--chunk-sizes 64K,256K,1M,2M,4M,8M [--plot PNG]]
 
 The sender is this process, holding a synthetic pool kv[layer, K|V, block, ...] of N MiB.
 The receiver is a subprocess (`--serve`) holding a zeroed pool of the same layout; it
@@ -14,23 +15,25 @@ serves both peers on loopback:
         buffer: no codec, no checksum, no gather. Timed from the first byte to a 1-byte ack.
 
 Reported per size, medians over reps after one warm-up each, the two peers alternating rep by
-rep: grpc_gbps and tcp_gbps (GB/s, 1e9 bytes), ratio = grpc / tcp, and checksum_overhead =
-the time to checksum the same bytes twice (sender and receiver) / the gRPC transfer time.
+rep: grpc_gbps and tcp_gbps (GB/s, 1e9 bytes), ratio = grpc / tcp, checksum_overhead =
+the time to checksum the same bytes twice (sender and receiver) / the gRPC transfer time, and
+{grpc,tcp}_{sender,receiver}_cpu_s_per_gb: CPU seconds each end spent per GB (CPUMeter).
 The headline keys on the JSON's last line are those of the largest size.
 
 Codecs (same method, same protobuf bytes on the wire, so either end may use either):
   proto  the generated stubs: KVChunk messages, SerializeToString / FromString
-  raw    serialize_kv_chunk / parse_kv_chunk write and read KVChunk's two length-delimited
-         fields by hand: one copy on the sender, zero-copy memoryviews on the receiver
+  raw    pdserve/transfer/kvchunk.py, what production uses: KVChunk's two length-delimited
+         fields written and read by hand, one copy on the sender, zero-copy on the receiver
 
 Pieces for bench/kv_transfer.py: GRPC_OPTIONS, make_pool, PoolReceiver, add_pool_receiver,
-transfer_frames, push_pool, serialize_kv_chunk, parse_kv_chunk.
+transfer_frames, push_pool.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import socket
 import struct
 import subprocess
@@ -39,6 +42,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -59,6 +63,9 @@ from pdserve.kvwire import (
     encode_layer,
     write_layer,
 )
+from pdserve.transfer.frames import DEFAULT_MAX_CHUNK_BYTES
+from pdserve.transfer.kvchunk import parse_kv_chunk, serialize_kv_chunk
+from prefill_worker.channels import GrpcKVChannel
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 from protos.pdserve.v1 import kv_transfer_pb2_grpc as pb_grpc
 
@@ -73,6 +80,7 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 FINGERPRINT = "bench-kv-transfer-wire"
+PUSH_TIMEOUT_S = 600.0
 Frame = tuple[bytes, bytes]  # (msgpack header, payload)
 
 
@@ -221,64 +229,7 @@ def push_pool(channel: grpc.Channel, frames: Iterator[Frame], codec: str = "raw"
                                     response_deserializer=pb.PushReply.FromString)
         return push(frames)
     stub = pb_grpc.KVTransferStub(channel)
-    return stub.Push(pb.KVChunk(header=h, payload=p) for h, p in frames)
-
-
-# -- KVChunk by hand ------------------------------------------------------------------------
-# KVChunk is `bytes header = 1; bytes payload = 2;`: on the wire, tag 0x0A, varint length,
-# header bytes, tag 0x12, varint length, payload bytes. Writing that directly copies the
-# payload once; the generated class copies it into the message, then again to serialise.
-
-
-def serialize_kv_chunk(frame: Frame) -> bytes:
-    header, payload = frame
-    parts = [b"\x0a", _varint(len(header)), header] if header else []
-    if payload:
-        parts += [b"\x12", _varint(len(payload)), payload]
-    return b"".join(parts)
-
-
-def parse_kv_chunk(data: bytes) -> tuple[memoryview, memoryview]:
-    """(header, payload) as views of `data`; unknown fields skipped, the last of a repeat wins."""
-    view, pos = memoryview(data), 0
-    fields: dict[int, memoryview] = {1: view[:0], 2: view[:0]}
-    while pos < len(view):
-        key, pos = _read_varint(view, pos)
-        number, wire_type = key >> 3, key & 7
-        if wire_type == 0:
-            _, pos = _read_varint(view, pos)
-            continue
-        if wire_type in (1, 5):
-            pos += 8 if wire_type == 1 else 4
-            continue
-        if wire_type != 2:
-            raise ValueError(f"KVChunk: wire type {wire_type} of field {number} is not protobuf 3")
-        size, pos = _read_varint(view, pos)
-        if pos + size > len(view):
-            raise ValueError(f"KVChunk: field {number} claims {size} bytes, {len(view) - pos} left")
-        fields[number], pos = view[pos:pos + size], pos + size
-    if pos > len(view):
-        raise ValueError(f"KVChunk: the last field runs {pos - len(view)} bytes past the message")
-    return fields[1], fields[2]
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while pos < len(view):
-        byte = view[pos]
-        value, pos, shift = value | (byte & 0x7F) << shift, pos + 1, shift + 7
-        if not byte & 0x80:
-            return value, pos
-    raise ValueError("KVChunk: truncated varint")
+    return stub.Push(pb.KVChunk(header=h, payload=bytes(p)) for h, p in frames)  # it takes no views
 
 
 # -- raw TCP peer ---------------------------------------------------------------------------
@@ -391,28 +342,95 @@ def measure(case: Case) -> dict[str, Any]:
     layout = KVLayout.of_cache(pool, FINGERPRINT)
     num_blocks = pool.shape[2]
     block_ids = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
-    chunks = payload_chunks(pool, case.chunk_bytes // layout.block_bytes * layout.block_bytes)
+    chunks = payload_chunks(pool, max(1, case.chunk_bytes // layout.block_bytes) * layout.block_bytes)
     receiver = ReceiverProcess.start(case.mib, case.kv_dtype, case.codec, case.grpc_args)
-    options = grpc_options(case.grpc_args)
+    push = Pusher.open(f"127.0.0.1:{receiver.grpc_port}", case)
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{receiver.grpc_port}", options=options) as channel:
-            def grpc_once() -> None:
-                positions = range(num_blocks)
-                frames = transfer_frames(pool, layout, "bench", block_ids, positions, case.chunk_bytes)
-                reply = push_pool(channel, frames, case.codec)
-                if reply.bytes_received != case.mib * MIB:
-                    raise RuntimeError(f"receiver got {reply.bytes_received} bytes of {case.mib * MIB}")
+        def grpc_once() -> None:
+            frames = transfer_frames(pool, layout, "bench", block_ids, range(num_blocks), case.chunk_bytes)
+            written = push(frames)
+            if written != layout.num_layers * num_blocks:
+                raise RuntimeError(f"receiver wrote {written} blocks of {layout.num_layers * num_blocks}")
 
-            grpc_s, tcp_s = alternate(grpc_once, lambda: send_tcp(receiver.tcp_port, chunks), case.reps)
+        cpu = CPUMeter(receiver.proc.pid)
+        grpc_s, tcp_s = alternate(cpu.wrap("grpc", grpc_once),
+                                  cpu.wrap("tcp", lambda: send_tcp(receiver.tcp_port, chunks)), case.reps)
     finally:
+        push.close()
         receiver.stop()
     checksum_s = median([timed(lambda: checksum_all(chunks, layout.block_bytes))[0]
                          for _ in range(case.reps)])
     nbytes = case.mib * MIB
     grpc_gbps, tcp_gbps = nbytes / grpc_s / 1e9, nbytes / tcp_s / 1e9
-    return {"mib": case.mib, "kv_dtype": case.kv_dtype, "grpc_gbps": grpc_gbps, "tcp_gbps": tcp_gbps,
+    return {"mib": case.mib, "kv_dtype": case.kv_dtype, "chunk_kib": case.chunk_bytes // 1024,
+            "grpc_gbps": grpc_gbps, "tcp_gbps": tcp_gbps,
             "ratio": ratio(grpc_gbps, tcp_gbps), "checksum_overhead": 2 * checksum_s / grpc_s,
-            "grpc_s": grpc_s, "tcp_s": tcp_s, "checksum_s": checksum_s}
+            "grpc_s": grpc_s, "tcp_s": tcp_s, "checksum_s": checksum_s, **cpu.per_gb(nbytes)}
+
+
+class CPUMeter:
+    """CPU seconds each end spent per timed run: this process (the sender, all its threads) and
+    the receiver process (from /proc; Linux only, else nothing is reported).
+
+    NOTE: on a machine shared with other work, wall-clock GB/s swings with the load (TCP
+    itself moved 1.3-3.4 GB/s between runs on 2 busy vCPUs); CPU seconds per GB moved far
+    less, so they are what shows a change in either end's own cost."""
+
+    def __init__(self, receiver_pid: int) -> None:
+        self.stat = Path(f"/proc/{receiver_pid}/stat")
+        self.available = self.stat.exists()
+        self.samples: dict[str, list[tuple[float, float]]] = {}
+
+    def wrap(self, name: str, fn: Callable[[], None]) -> Callable[[], None]:
+        def measured() -> None:
+            sender, receiver = _own_cpu_s(), self._receiver_cpu_s()
+            fn()
+            spent = (_own_cpu_s() - sender, self._receiver_cpu_s() - receiver)
+            self.samples.setdefault(name, []).append(spent)
+        return measured
+
+    def per_gb(self, nbytes: int) -> dict[str, float]:
+        """{peer}_{end}_cpu_s_per_gb, medians over the runs (warm-up included)."""
+        if not self.available:
+            return {}
+        gb = nbytes / 1e9
+        return {f"{name}_{end}_cpu_s_per_gb": median([s[i] for s in runs]) / gb
+                for name, runs in self.samples.items() for i, end in enumerate(("sender", "receiver"))}
+
+    def _receiver_cpu_s(self) -> float:
+        if not self.available:
+            return 0.0
+        fields = self.stat.read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+@dataclass
+class Pusher:
+    """Pushes one transfer's frames; returns the blocks the receiver wrote.
+
+    raw: production's own GrpcKVChannel (prefill_worker/channels.py: hand-written KVChunk,
+    frames made ahead on this thread, production's channel options; --grpc-arg reaches only
+    the receiver). proto: the generated stub on a plain channel with GRPC_OPTIONS + --grpc-arg."""
+
+    push: Callable[[Iterator[Frame]], int]
+    close: Callable[[], None]
+
+    @classmethod
+    def open(cls, target: str, case: Case) -> Pusher:
+        if case.codec == "raw":
+            kv_channel = GrpcKVChannel(target)
+            return cls(lambda frames: kv_channel.push(frames, PUSH_TIMEOUT_S).blocks_written,
+                       kv_channel.close)
+        channel = grpc.insecure_channel(target, options=grpc_options(case.grpc_args))
+        return cls(lambda frames: push_pool(channel, frames, "proto").blocks_written, channel.close)
+
+    def __call__(self, frames: Iterator[Frame]) -> int:
+        return self.push(frames)
 
 
 def alternate(a: Callable[[], None], b: Callable[[], None], reps: int) -> tuple[float, float]:
@@ -434,18 +452,58 @@ def main(argv: Sequence[str] | None = None) -> None:
         return serve_main(args)
     torch.set_num_threads(1)  # the copies here are memory-bound; intra-op threads only contend
     keep_freed_memory()
-    cases = [Case(mib, args.dtype, args.reps, int(args.chunk_mib * MIB), args.codec, tuple(args.grpc_arg))
-             for mib in args.sizes]
+    default_chunk = int(args.chunk_mib * MIB)
+    sweep = args.chunk_sizes or [default_chunk]
+    sizes = [max(args.sizes)] if args.chunk_sizes else args.sizes
+    cases = [Case(mib, args.dtype, args.reps, chunk, args.codec, tuple(args.grpc_arg))
+             for mib in sizes for chunk in sweep]
     rows = []
     for case in cases:
-        progress(f"{case.mib} MiB {case.kv_dtype}, {case.reps} reps, codec {case.codec}")
+        progress(f"{case.mib} MiB {case.kv_dtype}, chunk {case.chunk_bytes // 1024} KiB, {case.reps} reps, "
+                 f"codec {case.codec}")
         rows.append(measure(case))
-    headline = rows[-1]
-    keys = ("mib", "kv_dtype", "grpc_gbps", "tcp_gbps", "ratio", "checksum_overhead")
+    headline = next((r for r in rows if r["chunk_kib"] * 1024 == default_chunk and r["mib"] == max(sizes)),
+                    rows[-1])
+    keys = ("mib", "kv_dtype", "chunk_kib", "grpc_gbps", "tcp_gbps", "ratio", "checksum_overhead",
+            *(k for k in rows[0] if k.endswith("_cpu_s_per_gb")))
     table = format_table(keys, [[r[k] for k in keys] for r in rows])
-    publish(table, {**{k: headline[k] for k in ("grpc_gbps", "tcp_gbps", "ratio", "checksum_overhead")},
-                    "unit": "GB/s", "codec": args.codec, "chunk_mib": args.chunk_mib, "cases": rows,
-                    "environment": environment(torch.get_num_threads())}, args.json)
+    result = {**{k: headline[k] for k in ("grpc_gbps", "tcp_gbps", "ratio", "checksum_overhead")},
+              "unit": "GB/s", "codec": args.codec, "chunk_mib": headline["chunk_kib"] / 1024, "cases": rows,
+              "environment": environment(torch.get_num_threads())}
+    if args.chunk_sizes:
+        result["chunk_curve_png"] = plot_chunk_curve(rows, args.plot)
+    publish(table, result, args.json)
+
+
+def plot_chunk_curve(rows: Sequence[dict[str, Any]], path: str) -> str:
+    """gRPC and TCP GB/s against frame size, as a PNG at `path`; returns the path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kib = [r["chunk_kib"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(kib, [r["grpc_gbps"] for r in rows], "o-", label="gRPC KVTransfer.Push")
+    ax.plot(kib, [r["tcp_gbps"] for r in rows], "s--", label="raw TCP, same chunks")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("max_chunk_bytes (KiB)")
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"{rows[0]['mib']} MiB {rows[0]['kv_dtype']} KV over loopback")
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def parse_bytes(text: str) -> int:
+    """'64K', '2M', '1.5M' or a plain byte count -> bytes."""
+    units = {"K": 1 << 10, "M": MIB}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -456,7 +514,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="element type of the synthetic KV pool (default: %(default)s)")
     p.add_argument("--reps", type=int, default=3, help="timed transfers per size and peer; the median is "
                                                        "reported (default: %(default)s)")
-    p.add_argument("--chunk-mib", type=float, default=2.0, help="max_chunk_bytes of encode_layer, in MiB")
+    p.add_argument("--chunk-mib", type=float, default=DEFAULT_MAX_CHUNK_BYTES / MIB,
+                   help="max_chunk_bytes of encode_layer, in MiB (default: production's, %(default)g)")
+    p.add_argument("--chunk-sizes", type=lambda s: [parse_bytes(x) for x in s.split(",")], default=None,
+                   metavar="64K,256K,...", help="sweep max_chunk_bytes at the largest --sizes and print the "
+                                               "curve (e.g. 64K,256K,1M,2M,4M,8M)")
+    p.add_argument("--plot", default="bench/out/kv_chunk_curve.png",
+                   help="where --chunk-sizes writes its PNG (default: %(default)s)")
     p.add_argument("--codec", choices=["raw", "proto"], default="raw",
                    help="how KVChunk messages are written and read (same bytes on the wire): raw = by "
                         "hand, zero-copy on the receiver; proto = the generated stubs (default: "

@@ -1,6 +1,8 @@
 """The KVTransfer service: a decode worker's end of KV transfers over gRPC (the prefill worker's
 is prefill_worker/channels.py). Each Push is one transfer, handed to the KVReceiver; a failure
-is the gRPC status its FailureKind names (pdserve/transfer/status.py).
+is the gRPC status its FailureKind names (pdserve/transfer/status.py). add_kv_transfer_service
+registers it with the hand-written KVChunk parser (pdserve/transfer/kvchunk.py): the receiver
+reads each frame's header and payload as views of gRPC's bytes, without a copy.
 
 What the servicer allows one incoming push, before and while the receiver runs:
 
@@ -31,6 +33,7 @@ from decode_worker.receiver import KVReceiver
 from pdserve.kvwire import TransferEnd, WireError, decode_header
 from pdserve.transfer.channel import Frame
 from pdserve.transfer.errors import FailureKind, TransferFailed
+from pdserve.transfer.kvchunk import PUSH_METHOD, parse_kv_chunk
 from pdserve.transfer.status import status_of
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
@@ -95,6 +98,15 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         return kv_transfer_pb2.PushReply(transfer_id=report.transfer_id,
                                          blocks_written=report.blocks_written,
                                          bytes_received=report.bytes_received)
+
+
+def add_kv_transfer_service(servicer: KVTransferServicer, server: grpc.Server) -> None:
+    """Serve `servicer` as /pdserve.v1.KVTransfer/Push, frames parsed by parse_kv_chunk."""
+    service, _, method = PUSH_METHOD.strip("/").partition("/")
+    handler = grpc.stream_unary_rpc_method_handler(
+        servicer.Push, request_deserializer=parse_kv_chunk,
+        response_serializer=kv_transfer_pb2.PushReply.SerializeToString)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, {method: handler})])
 
 
 def peer_host(peer: str) -> str:
@@ -182,10 +194,12 @@ class _PushClock:
 
 def _frames_of(request_iterator, context, clock: _PushClock) -> Iterator[Frame]:
     try:
-        for chunk in request_iterator:
-            if clock.expired or (_is_end(chunk.header) and not clock.end()):
+        for header, payload in request_iterator:
+            # NOTE: only BEGIN and END have no payload, so a LAYER frame's header is decoded once
+            # (by the receiver), not twice.
+            if clock.expired or (not payload and _is_end(header) and not clock.end()):
                 raise _StreamBroken(_over_time(clock), FailureKind.DEADLINE_EXCEEDED)
-            yield chunk.header, chunk.payload
+            yield header, payload
     except _StreamBroken:
         raise
     except Exception as e:
@@ -199,7 +213,7 @@ def _frames_of(request_iterator, context, clock: _PushClock) -> Iterator[Frame]:
                             _why_broken(context, clock))
 
 
-def _is_end(header: bytes) -> bool:
+def _is_end(header: bytes | memoryview) -> bool:
     try:
         return isinstance(decode_header(header), TransferEnd)
     except WireError:

@@ -16,13 +16,14 @@ from decode_worker.kv_service import (
     DEFAULT_MAX_PUSHES_PER_PEER,
     DEFAULT_PUSH_TIME_LIMIT_S,
     KVTransferServicer,
+    add_kv_transfer_service,
 )
 from decode_worker.receiver import KVReceiver
 from decode_worker.service import DecodeServicer
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kvwire import KVLayout
 from pdserve.worker.service import WorkerParts
-from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
+from protos.pdserve.v1 import kv_transfer_pb2, worker_pb2, worker_pb2_grpc
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class DecodeRole:
 
     def serve(self, server: grpc.Server, parts: WorkerParts) -> None:
         assert self.kv_servicer is not None, "attach() the role to an engine first"
-        kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(self.kv_servicer, server)
+        add_kv_transfer_service(self.kv_servicer, server)
         worker_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(parts), server)
 
     def fill_status(self, status: worker_pb2.WorkerStatus) -> None:

@@ -313,6 +313,10 @@ def _add_up_cache(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
     cache.add_argument("--max-batched-tokens", type=int,
                        help="token budget of one engine step (chunked prefill) "
                             f"(default: {d.scheduler.max_num_batched_tokens})")
+    cache.add_argument("--max-chunk-bytes", type=int, metavar="BYTES",
+                       help="KV payload per frame a prefill worker sends a decode worker, whole blocks, at "
+                            f"least one (default: {d.kv_frames.max_chunk_bytes:,}; docs/benchmarks.md has "
+                            "the curve)")
 
 
 def _add_up_routing(p: argparse.ArgumentParser, d: ClusterSpec) -> None:

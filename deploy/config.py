@@ -32,6 +32,7 @@ from pdserve.engine.hashing import CACHE_ISOLATION
 from pdserve.field_error import FieldError
 from pdserve.roles import ROLES
 from pdserve.security.files import TLSFiles
+from pdserve.transfer.frames import KVFrames
 from pdserve.worker.scrubber import AuditSchedule
 from router.config import PlacementConfig, RequestDeadlines
 from router.limits import RequestLimits
@@ -62,6 +63,7 @@ class ClusterSpec:
     placement: PlacementConfig = field(default_factory=PlacementConfig)  # the router's request placement
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask of the router
     deadlines: RequestDeadlines = field(default_factory=RequestDeadlines)  # the router's request deadlines
+    kv_frames: KVFrames = field(default_factory=KVFrames)  # how prefill workers cut KV transfers
     actor_placement: str = "pack"  # how Ray places the worker actors: ACTOR_PLACEMENTS
     # NOTE: None decides at start: 1 when the cluster has a GPU for every worker, else 0 (CPU). An
     # autoscaling cluster has no GPU node yet at start, so its config says 1 explicitly.
@@ -157,7 +159,8 @@ class ClusterSpec:
 
 
 _PARTS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "placement": PlacementConfig,
-          "limits": RequestLimits, "deadlines": RequestDeadlines, "tls": TLSFiles, "audit": AuditSchedule}
+          "limits": RequestLimits, "deadlines": RequestDeadlines, "tls": TLSFiles, "audit": AuditSchedule,
+          "kv_frames": KVFrames}
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -177,6 +180,7 @@ FILE_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "host": ("host", (str,)),
     "prefill.count": ("num_prefill", (int,)),
     "prefill.resources": ("actor_resources", (dict,)),
+    "prefill.max_chunk_bytes": ("kv_frames.max_chunk_bytes", (int,)),
     "decode.count": ("num_decode", (int,)),
     "decode.resources": ("actor_resources", (dict,)),
     "actor_placement": ("actor_placement", (str,)),
@@ -235,7 +239,7 @@ FLAG_FIELDS: dict[str, str] = {
     "tls_require_client_cert": "tls.require_client_cert", "tls_client_cert": "tls.client_cert",
     "tls_client_key": "tls.client_key", "api_token_file": "api_token_file",
     "cluster_secret_file": "cluster_secret_file", "audit_interval_s": "audit.interval_s",
-    "audit_max_fraction": "audit.max_fraction"}
+    "audit_max_fraction": "audit.max_fraction", "max_chunk_bytes": "kv_frames.max_chunk_bytes"}
 # Fields that name a file: a relative path in the file is relative to the file.
 PATH_FIELDS = ("model_path", "tls.cert", "tls.key", "tls.ca", "tls.client_cert", "tls.client_key",
                "api_token_file", "cluster_secret_file")

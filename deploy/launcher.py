@@ -193,7 +193,8 @@ class LocalCluster:
                               num_threads=threads)
         return WorkerSpec(role=role, worker_id=worker_id, redis_url=self.redis_url, engine=engine,
                           host=s.host, namespace=s.namespace,
-                          tls=s.tls, cluster_secret=self.security.cluster_secret, audit=s.audit)
+                          tls=s.tls, cluster_secret=self.security.cluster_secret, audit=s.audit,
+                          kv_frames=s.kv_frames)
 
     def _wait_until_live(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -38,6 +38,7 @@ import torch
 import xxhash
 
 from pdserve.engine.model_runner import TORCH_DTYPES
+from pdserve.transfer.frames import DEFAULT_MAX_CHUNK_BYTES
 from pdserve.units import ceil_div
 
 WIRE_VERSION = 2  # 2: BEGIN carries the request's cache_salt
@@ -272,10 +273,16 @@ def decode_header(data: bytes | memoryview) -> Frame:
 
 
 def encode_layer(kv_cache: torch.Tensor, layer: int, block_ids: Sequence[int], positions: Sequence[int],
-                 transfer_id: str, max_chunk_bytes: int = 2 << 20) -> Iterator[tuple[bytes, bytes]]:
+                 transfer_id: str, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+                 ) -> Iterator[tuple[bytes, memoryview]]:
     """Yield (header, payload) LAYER frames carrying pool blocks `block_ids` of `layer` as
     sequence blocks `positions`, as many whole blocks per frame as fit in max_chunk_bytes
-    (at least one)."""
+    (at least one).
+
+    The payload is a read-only view of one staging buffer that the next frame's gather
+    overwrites: use or copy it (serialise it, write it) before pulling the next frame. A
+    payload kept past that no longer matches its header's checksums, so a receiver rejects
+    it (ChecksumError) rather than use it (tests/test_kvwire.py pins both)."""
     if len(block_ids) != len(positions):
         raise ValueError(f"{len(block_ids)} block ids but {len(positions)} positions")
     by_block = kv_cache[layer].transpose(0, 1)  # view: [num_blocks, 2, block_size, kv_heads, head_dim]
@@ -284,7 +291,9 @@ def encode_layer(kv_cache: torch.Tensor, layer: int, block_ids: Sequence[int], p
     ids = torch.as_tensor(block_ids, dtype=torch.long, device=kv_cache.device)
     # NOTE: one host staging buffer per call, reused by every chunk: the gather writes into
     # memory that is already mapped (a fresh 2 MiB tensor per chunk costs more in page faults
-    # than the copy itself), and bytes() below copies out before the next gather.
+    # than the copy itself), and the payload is a view of it, not a copy: the channel's
+    # serialiser copies it once, into the message (on 2 shared cores every pass over the bytes
+    # costs throughput; `python -m bench.kv_transfer_wire` times it).
     with torch.inference_mode():  # the engine may call this inside inference mode, or not
         staging = torch.empty((per_chunk, *by_block.shape[1:]), dtype=kv_cache.dtype)
     for start in range(0, len(block_ids), per_chunk):
@@ -301,13 +310,13 @@ def _gather(by_block: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> tor
 
 
 def _encode_chunk(blocks: torch.Tensor, layer: int, positions: Sequence[int],
-                  transfer_id: str) -> tuple[bytes, bytes]:
-    raw = memoryview(blocks.view(torch.uint8).reshape(-1).numpy())  # bfloat16 has no numpy dtype
+                  transfer_id: str) -> tuple[bytes, memoryview]:
+    raw = memoryview(blocks.view(torch.uint8).reshape(-1).numpy()).toreadonly()  # bfloat16: no numpy dtype
     block_bytes = len(raw) // len(positions)
     sums = [block_checksum(raw[i * block_bytes:(i + 1) * block_bytes]) for i in range(len(positions))]
     header = LayerChunkHeader(transfer_id, layer, tuple(positions), _DTYPE_NAMES[blocks.dtype],
                               tuple(blocks.shape), tuple(sums))
-    return header.encode(), bytes(raw)
+    return header.encode(), raw
 
 
 def decode_layer(header: LayerChunkHeader, payload: bytes | memoryview, layout: KVLayout) -> torch.Tensor:

@@ -3,7 +3,7 @@ prefill role, which pushes KV only to the decode workers the registry lists as l
 
 from pdserve.worker.actor import WorkerActor, WorkerSpec
 from prefill_worker.peers import RegisteredDecodeTargets
-from prefill_worker.role import PrefillRole
+from prefill_worker.role import PrefillConfig, PrefillRole
 
 
 class PrefillWorker(WorkerActor):
@@ -13,4 +13,5 @@ class PrefillWorker(WorkerActor):
         super().__init__(spec)
 
     def role(self) -> PrefillRole:
-        return PrefillRole(decode_targets=RegisteredDecodeTargets(self.registry.live_workers))
+        return PrefillRole(PrefillConfig(self.spec.kv_frames),
+                           decode_targets=RegisteredDecodeTargets(self.registry.live_workers))

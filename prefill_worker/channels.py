@@ -3,11 +3,13 @@ each carrying one KVTransfer.Push per transfer.
 
 GrpcKVChannel dials as an internal client of the worker's SecurityConfig (TLS and the cluster
 secret), with the keepalive of its ConnectionPolicy (pdserve/grpc_options.py), and message
-limits far above the codec's chunk size. A failure is the FailureKind its status names
-(pdserve/transfer/status.py), except that a sender which gives up itself (its frames raise
-TransferFailed) reports its own kind: gRPC would only say UNKNOWN "Exception iterating
-requests!". A decode worker that refuses the secret fails the push as INTERNAL, with its
-message saying why.
+limits far above the codec's chunk size. Frames go out as KVChunk messages written by hand
+(pdserve/transfer/kvchunk.py: one copy of the payload, not the generated class's three), made
+on the caller's thread a few ahead of gRPC's sends (frame_pump.py). A failure is the
+FailureKind its status names (pdserve/transfer/status.py), except that a sender which gives
+up itself (its frames raise TransferFailed) reports its own kind, and the call is cancelled.
+A decode worker that refuses the secret fails the push as INTERNAL, with its message saying
+why.
 
 DecodeChannels keeps at most MAX_DECODE_CHANNELS of them, least recently used closed first,
 each wrapped in the worker's FaultInjectingChannel when it has a fault plan (faults.py).
@@ -24,10 +26,12 @@ import grpc
 from pdserve.grpc_options import ConnectionPolicy, channel_options
 from pdserve.security import SecurityConfig
 from pdserve.transfer.channel import Frame, KVChannel, PushResult
-from pdserve.transfer.errors import TransferFailed
+from pdserve.transfer.errors import FailureKind, TransferFailed
+from pdserve.transfer.kvchunk import PUSH_METHOD
 from pdserve.transfer.status import failure_of
 from prefill_worker.faults import FaultInjector
-from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from prefill_worker.frame_pump import DEFAULT_FRAMES_AHEAD, FramePump
+from protos.pdserve.v1 import kv_transfer_pb2
 
 # NOTE: one channel per decode worker address. A decode worker that restarts comes back on a new
 # port, so without a bound this would grow by one channel per restart for the life of the process.
@@ -38,33 +42,30 @@ class GrpcKVChannel:
     """Client end: pushes one transfer's frames per call over a shared gRPC channel."""
 
     def __init__(self, target: str, security: SecurityConfig | None = None,
-                 connections: ConnectionPolicy | None = None) -> None:
-        self.target = target
+                 connections: ConnectionPolicy | None = None,
+                 frames_ahead: int = DEFAULT_FRAMES_AHEAD) -> None:
+        self.target, self.frames_ahead = target, frames_ahead
         self._channel = (security or SecurityConfig()).open_channel(target, channel_options(connections),
                                                                     internal=True)
-        self._stub = kv_transfer_pb2_grpc.KVTransferStub(self._channel)
+        # NOTE: no request_serializer: the pump hands gRPC messages it has serialised already.
+        self._push = self._channel.stream_unary(PUSH_METHOD,
+                                                response_deserializer=kv_transfer_pb2.PushReply.FromString)
 
     def push(self, frames: Iterator[Frame], timeout_s: float) -> PushResult:
-        sent = 0
-        gave_up: TransferFailed | None = None
-
-        def chunks():
-            nonlocal sent, gave_up
-            try:
-                for header, payload in frames:
-                    sent += len(payload)
-                    yield kv_transfer_pb2.KVChunk(header=header, payload=payload)
-            except TransferFailed as e:  # recorded before gRPC cancels the call with it
-                gave_up = e
-                raise
-
+        """Send the frames from this thread, `frames_ahead` at most queued (frame_pump.py)."""
+        pump = FramePump(self.frames_ahead)
+        call = self._push.future(pump.messages(), timeout=timeout_s)
         try:
-            reply = self._stub.Push(chunks(), timeout=timeout_s)
+            pump.fill(frames, call.done, call.cancel)
+        except TransferFailed:  # the sender gave up: its own kind, not gRPC's CANCELLED
+            raise
+        except Exception as e:
+            raise TransferFailed(FailureKind.INTERNAL, f"KV frames failed: {type(e).__name__}: {e}") from e
+        try:
+            reply = call.result()
         except grpc.RpcError as e:
-            if gave_up is not None:
-                raise gave_up from e
             raise TransferFailed(failure_of(e.code()), e.details() or str(e.code())) from e
-        return PushResult(reply.transfer_id, reply.blocks_written, sent)
+        return PushResult(reply.transfer_id, reply.blocks_written, pump.payload_bytes)
 
     def close(self) -> None:
         self._channel.close()

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kvwire import KVLayout
 from pdserve.transfer.channel import KVChannel
+from pdserve.transfer.frames import KVFrames
 from pdserve.worker.service import WorkerParts
 from prefill_worker.channels import DecodeChannels, GrpcKVChannel
 from prefill_worker.faults import FaultInjector, FaultPlan
@@ -29,7 +30,7 @@ from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    max_chunk_bytes: int = 2 << 20  # KV payload per LAYER frame at most (whole blocks, at least one)
+    frames: KVFrames = field(default_factory=KVFrames)  # how transfers are cut into LAYER frames
     transfer_timeout_s: float | None = None  # cap on one KV push; None: the Prefill call's remaining time
     # Debug only: inject faults into this worker's outgoing KV transfers (faults.py). Set only by
     # code that builds the config; nothing reads it from the environment.
@@ -39,8 +40,6 @@ class PrefillConfig:
         if self.transfer_timeout_s is not None and self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be > 0 seconds (None: the Prefill call's deadline), "
                              f"got {self.transfer_timeout_s}")
-        if self.max_chunk_bytes < 1:
-            raise ValueError(f"max_chunk_bytes must be >= 1, got {self.max_chunk_bytes}")
 
 
 class PrefillRole:
@@ -66,7 +65,7 @@ class PrefillRole:
         self.servicer: PrefillServicer | None = None
 
     def attach(self, engine: LLMEngine, layout: KVLayout) -> None:
-        self.sender = self.observer = LayerwiseSender(engine, layout, self.config.max_chunk_bytes)
+        self.sender = self.observer = LayerwiseSender(engine, layout, self.config.frames.max_chunk_bytes)
 
     def serve(self, server: grpc.Server, parts: WorkerParts) -> None:
         assert self.sender is not None, "attach() the role to an engine first"

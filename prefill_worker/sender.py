@@ -41,6 +41,7 @@ from pdserve.engine.sequence import Sequence
 from pdserve.kvwire import KVLayout, TransferBegin, TransferEnd, encode_layer
 from pdserve.transfer.channel import Frame, KVChannel, PushResult, TransferState
 from pdserve.transfer.errors import FailureKind, TransferFailed
+from pdserve.transfer.frames import DEFAULT_MAX_CHUNK_BYTES
 from pdserve.units import ceil_div
 
 
@@ -178,7 +179,8 @@ class LayerwiseSender:
     """The prefill engine's step observer: routes each written layer to the transfers it feeds,
     and aborts a transfer whose request is preempted."""
 
-    def __init__(self, engine: LLMEngine, layout: KVLayout, max_chunk_bytes: int = 2 << 20) -> None:
+    def __init__(self, engine: LLMEngine, layout: KVLayout,
+                 max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> None:
         self.engine, self.layout, self.max_chunk_bytes = engine, layout, max_chunk_bytes
         self._transfers: dict[str, OutgoingTransfer] = {}
         self._lock = threading.Lock()

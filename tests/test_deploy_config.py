@@ -403,3 +403,16 @@ def test_cache_isolation_and_the_prefill_deadline_reach_the_spec_from_file_and_f
         ClusterSpec(cache_isolation="token")
     with pytest.raises(ValueError, match=r"prefill_deadline_fraction .* must be in \(0, 1\)"):
         spec_from_mapping({"router": {"prefill_deadline_fraction": 1.0}})
+
+
+def test_the_kv_frame_size_reaches_the_prefill_workers_from_file_and_flag(tmp_path, capsys):
+    from deploy.cli import main
+    from pdserve.transfer.frames import KVFrames
+
+    config = write(tmp_path, "prefill: {max_chunk_bytes: 1048576}\n")
+    assert up_spec("--config", str(config)).kv_frames == KVFrames(max_chunk_bytes=1 << 20)
+    assert up_spec("--config", str(config), "--max-chunk-bytes", "4194304").kv_frames == KVFrames(4 << 20)
+    assert ClusterSpec().kv_frames == KVFrames()
+    assert main(["up", "--max-chunk-bytes", "0"]) == 2
+    assert capsys.readouterr().err.startswith("error: prefill.max_chunk_bytes (--max-chunk-bytes) must be "
+                                              "between 1 and ")

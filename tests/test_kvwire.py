@@ -1,6 +1,7 @@
 """KV wire codec: bit-exact round trips, fail-closed checks, header validation, layout checks."""
 
 import dataclasses
+import itertools
 
 import msgpack
 import pytest
@@ -41,8 +42,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def layer_frames(pool, layer, block_ids, positions, max_chunk_bytes=2 << 20):
-    return [(decode_header(h), p) for h, p in encode_layer(pool, layer, block_ids, positions, "t1",
-                                                           max_chunk_bytes)]
+    """Decoded frames with their payloads copied out (encode_layer's views are reused)."""
+    return [(decode_header(h), bytes(p)) for h, p in encode_layer(pool, layer, block_ids, positions, "t1",
+                                                                  max_chunk_bytes)]
 
 
 @pytest.mark.parametrize("kv_dtype", DTYPES)
@@ -134,11 +136,22 @@ def test_codec_works_inside_and_outside_inference_mode(pool_in_inference_mode):
     layout = KVLayout.of_cache(sender, "fp")
     with torch.inference_mode():  # the engine's layer hook starts the generator...
         chunks = encode_layer(sender, 1, [3, 4, 5], [0, 1, 2], "t1", max_chunk_bytes=1)
-        first = next(chunks)
-    for h, p in [first, *chunks]:  # ...a sender thread outside inference mode finishes it
+        h, p = next(chunks)
+        first = (h, bytes(p))  # kept past the next frame: copied out of the reused staging buffer
+    for h, p in itertools.chain([first], chunks):  # ...a sender thread outside inference mode finishes it
         header = decode_header(h)
         write_layer(receiver, 1, [pos + 10 for pos in header.positions], decode_layer(header, p, layout))
     assert torch.equal(bits(receiver[1, :, 10:13]), bits(sender[1, :, 3:6]))
+
+
+def test_a_payload_kept_past_the_next_frame_is_rejected_not_used():
+    sender = make_pool("float16")
+    layout = KVLayout.of_cache(sender, "fp")
+    frames = list(encode_layer(sender, 0, [1, 2], [0, 1], "t1", max_chunk_bytes=layout.block_bytes))
+    header = decode_header(frames[0][0])  # its payload view now holds block 2, sent as frame 1
+    with pytest.raises(ChecksumError, match="block position 0"):
+        decode_layer(header, frames[0][1], layout)
+    assert frames[0][1].readonly  # and nobody can write into the sender's staging buffer through it
 
 
 def test_write_layer_refuses_wrong_shape_dtype_and_repeated_ids():

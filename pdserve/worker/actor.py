@@ -36,6 +36,7 @@ from pdserve.index.redis_index import RedisPrefixIndex
 from pdserve.index.registry import WorkerInfo, WorkerRegistry
 from pdserve.security import SecurityConfig, TLSFiles
 from pdserve.security.redis_auth import redis_exposure_warning
+from pdserve.transfer.frames import KVFrames
 from pdserve.worker.presence import Presence
 from pdserve.worker.scrubber import AuditSchedule
 from pdserve.worker.server import Role, WorkerConfig, WorkerServer
@@ -67,6 +68,7 @@ class WorkerSpec:
     tls: TLSFiles = field(default_factory=TLSFiles)  # plaintext unless it names a certificate
     cluster_secret: str | None = field(default=None, repr=False)  # None: no check
     audit: AuditSchedule = field(default_factory=AuditSchedule)  # the background KV audit; off by default
+    kv_frames: KVFrames = field(default_factory=KVFrames)  # a prefill worker's LAYER frame size
 
     def security_config(self) -> SecurityConfig:
         """What the worker serves with (TLS, the cluster secret) and dials decode workers with."""

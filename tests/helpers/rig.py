@@ -28,6 +28,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.hashing import hash_blocks
 from pdserve.engine.sequence import SamplingParams
 from pdserve.engine.weights import LoadedModel
+from pdserve.transfer.frames import KVFrames
 from pdserve.worker.convert import sampling_to_proto
 from pdserve.worker.server import WorkerConfig, WorkerServer
 from prefill_worker.faults import FaultKind, FaultPlan, FaultRule, RequestIds
@@ -134,8 +135,8 @@ def start_rig(loaded: LoadedModel, kind: str, *, rules: tuple[FaultRule, ...] = 
     dial: Callable | None = None
     if kind == "loopback":
         dial = lambda target: LoopbackKVChannel(decode.role.receiver)  # noqa: ARG005
-    role = PrefillRole(PrefillConfig(max_chunk_bytes, transfer_timeout_s, fault_plan=plan), dial=dial,
-                       fault_sleep=fault_sleep or gate)
+    prefill_config = PrefillConfig(KVFrames(max_chunk_bytes), transfer_timeout_s, fault_plan=plan)
+    role = PrefillRole(prefill_config, dial=dial, fault_sleep=fault_sleep or gate)
     config = WorkerConfig("prefill", prefill_engine or engine_config(), metrics_port=None)
     prefill = WorkerServer(config, role, loaded)
     prefill.start()

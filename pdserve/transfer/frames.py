@@ -1,0 +1,34 @@
+"""KVFrames: how a prefill worker cuts a transfer into LAYER frames (one setting, declared once).
+
+Composed into PrefillConfig (prefill_worker/role.py), WorkerSpec (pdserve/worker/actor.py) and
+ClusterSpec (deploy/config.py: file key `prefill.max_chunk_bytes`, flag `pdserve up
+--max-chunk-bytes`). The default comes from the frame-size curve in docs/benchmarks.md
+(`python -m bench.kv_transfer_wire --chunk-sizes 64K,256K,1M,2M,4M,8M`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.field_error import FieldError
+from pdserve.grpc_options import MAX_MESSAGE_BYTES
+
+# NOTE: 4 MiB: on the frame-size curve (docs/benchmarks.md, 512 MiB over loopback) CPU per GB
+# falls steeply up to 2 MiB (64 KiB frames cost 4x as much) and is lowest at 4 MiB on both
+# ends in three sweeps; 8 MiB gained nothing more and doubles the staging buffer. A frame
+# never spans layers, so a larger cap does not delay the layer-wise overlap.
+DEFAULT_MAX_CHUNK_BYTES = 4 << 20
+# NOTE: a frame is its payload plus a msgpack header (a checksum per block: a few KiB at most);
+# this much headroom keeps every frame under the gRPC message limit of both ends.
+HEADER_ROOM_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class KVFrames:
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES  # KV payload per LAYER frame at most (whole blocks, >= 1)
+
+    def __post_init__(self) -> None:
+        limit = MAX_MESSAGE_BYTES - HEADER_ROOM_BYTES
+        if not 1 <= self.max_chunk_bytes <= limit:
+            raise FieldError("max_chunk_bytes", f"must be between 1 and {limit:,} (the gRPC message limit "
+                             "less room for the header)", self.max_chunk_bytes)
