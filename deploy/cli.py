@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from pdserve import __version__
 from pdserve.client_security import add_client_security_arguments, given_flags
-from pdserve.engine.config import KV_DTYPES, CacheConfig, SchedulerConfig
+from pdserve.engine.config import KV_DTYPES, LINEAR_KERNELS, CacheConfig, SchedulerConfig
 from pdserve.engine.hashing import CACHE_ISOLATION
 from pdserve.units import human_bytes
 
@@ -313,6 +313,10 @@ def _add_up_cache(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
     cache.add_argument("--max-batched-tokens", type=int,
                        help="token budget of one engine step (chunked prefill) "
                             f"(default: {d.scheduler.max_num_batched_tokens})")
+    cache.add_argument("--linear-kernel", choices=LINEAR_KERNELS,
+                       help="every worker's matmul kernel: matmul = torch's own, bit-identical to "
+                            "transformers; onednn = oneDNN, 2-3x faster prefill and batched decode on x86 "
+                            f"CPUs, logits within 1e-3 (default: {d.linear_kernel}; docs/benchmarks.md)")
     cache.add_argument("--max-chunk-bytes", type=int, metavar="BYTES",
                        help="KV payload per frame a prefill worker sends a decode worker, whole blocks, at "
                             f"least one (default: {d.kv_frames.max_chunk_bytes:,}; docs/benchmarks.md has "

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from pdserve.engine.config import CacheConfig, SchedulerConfig
+from pdserve.engine.config import LINEAR_KERNELS, CacheConfig, SchedulerConfig
 from pdserve.engine.hashing import CACHE_ISOLATION
 from pdserve.field_error import FieldError
 from pdserve.roles import ROLES
@@ -65,6 +65,7 @@ class ClusterSpec:
     deadlines: RequestDeadlines = field(default_factory=RequestDeadlines)  # the router's request deadlines
     kv_frames: KVFrames = field(default_factory=KVFrames)  # how prefill workers cut KV transfers
     actor_placement: str = "pack"  # how Ray places the worker actors: ACTOR_PLACEMENTS
+    linear_kernel: str = "matmul"  # every worker's matmul kernel: LINEAR_KERNELS (pdserve/engine/linear.py)
     # NOTE: None decides at start: 1 when the cluster has a GPU for every worker, else 0 (CPU). An
     # autoscaling cluster has no GPU node yet at start, so its config says 1 explicitly.
     gpus_per_worker: float | None = None
@@ -95,6 +96,7 @@ class ClusterSpec:
                 raise ValueError(f"{name} must be in [0, 65535], got {port}")
         self._check_parts()
         _check_choice("actor_placement (--actor-placement)", self.actor_placement, tuple(ACTOR_PLACEMENTS))
+        _check_choice("linear_kernel (--linear-kernel)", self.linear_kernel, LINEAR_KERNELS)
         _check_choice("router.cache_isolation (--cache-isolation)", self.cache_isolation, CACHE_ISOLATION)
         if self.cache_isolation == "token" and self.api_token_file is None:
             raise ValueError("router.cache_isolation (--cache-isolation) token keeps each API token's cache "
@@ -184,6 +186,7 @@ FILE_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "decode.count": ("num_decode", (int,)),
     "decode.resources": ("actor_resources", (dict,)),
     "actor_placement": ("actor_placement", (str,)),
+    "linear_kernel": ("linear_kernel", (str,)),
     "gpus_per_worker": ("gpus_per_worker", (int, float, _NONE)),
     "cache.block_size": ("cache.block_size", (int,)),
     "cache.kv_dtype": ("cache.kv_dtype", (str,)),
@@ -225,6 +228,7 @@ RENAMED_KEYS = {"placement": ("actor_placement", "pack or spread: how Ray places
 FLAG_FIELDS: dict[str, str] = {
     "model": "model_path", "prefill": "num_prefill", "decode": "num_decode",
     "actor_placement": "actor_placement", "gpus_per_worker": "gpus_per_worker",
+    "linear_kernel": "linear_kernel",
     "host": "host", "port": "port", "metrics_port": "metrics_port", "redis_url": "redis_url",
     "address": "ray_address", "namespace": "namespace",
     "block_size": "cache.block_size", "kv_dtype": "cache.kv_dtype", "num_blocks": "cache.num_blocks",

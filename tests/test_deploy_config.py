@@ -96,8 +96,8 @@ def test_a_relative_model_path_is_relative_to_the_file(tmp_path):
     ("router: {prot: 1}", "unknown key 'router.prot' (did you mean 'router.port'?)"),
     ("cache: {blocks: 8}", "unknown key 'cache.blocks' (did you mean 'cache.num_blocks'?)"),
     ("gpus: 4", "unknown key 'gpus' (known keys: model, host, prefill, decode, actor_placement, "
-                "gpus_per_worker, cache, scheduler, router, redis_url, ray_address, namespace, max_restarts, "
-                "worker_env, tls, auth, audit)"),
+                "linear_kernel, gpus_per_worker, cache, scheduler, router, redis_url, ray_address, "
+                "namespace, max_restarts, worker_env, tls, auth, audit)"),
     ("tls: {certificate: a.pem}", "unknown key 'tls.certificate' (did you mean 'tls.cert'?)"),
 ])
 def test_an_unknown_key_is_named_with_the_file_and_a_suggestion(tmp_path, text, message):
@@ -121,8 +121,8 @@ def test_an_unknown_key_is_named_with_the_file_and_a_suggestion(tmp_path, text, 
                       "max_concurrent_streams, cache_isolation, prefill_deadline_fraction, "
                       "prefill_timeout_s, got 50051"),
     ("- model: x", "expected a mapping of keys (model, host, prefill, decode, actor_placement, "
-                   "gpus_per_worker, cache, scheduler, router, redis_url, ray_address, namespace, "
-                   "max_restarts, worker_env, tls, auth, audit), got list"),
+                   "linear_kernel, gpus_per_worker, cache, scheduler, router, redis_url, ray_address, "
+                   "namespace, max_restarts, worker_env, tls, auth, audit), got list"),
     ("tls: {require_client_cert: 1}", "'tls.require_client_cert' must be true or false, got 1 (int)"),
     ("auth: {api_token_file: [a, b]}",
      "'auth.api_token_file' must be a string or null, got ['a', 'b'] (list)"),
@@ -149,6 +149,7 @@ def test_a_wrong_type_is_named_with_the_file(tmp_path, text, message):
     ("prefill: {resources: {GPU: 1}}", "prefill.resources.GPU: Ray takes GPU as an argument of its own, "
                                        "not a custom resource; use gpus_per_worker for GPUs"),
     ("gpus_per_worker: -1", "gpus_per_worker (--gpus-per-worker) must be >= 0, got -1"),
+    ("linear_kernel: mkl", "linear_kernel (--linear-kernel) must be one of matmul, onednn, got 'mkl'"),
     ("router: {max_concurrent_streams: 0}",
      "router.max_concurrent_streams (--max-concurrent-streams) must be > 0, got 0"),
     ("router: {max_prompt_tokens: -5}",
