@@ -2,7 +2,7 @@
 
     python -m bench.kv_transfer_wire [--json] [--sizes 64,512] [--dtype float16] [--reps 3]
                                      [--chunk-mib 4] [--codec raw|proto]
-                                     [--chunk-sizes 64K,256K,1M,2M,4M,8M [--plot PNG]]
+                                     [--chunk-sizes 64K,256K,1M,2M,4M,8M [--plot PNG]] [--floor]
 
 The sender is this process, holding a synthetic pool kv[layer, K|V, block, ...] of N MiB.
 The receiver is a subprocess (`--serve`) holding a zeroed pool of the same layout; it
@@ -81,6 +81,7 @@ GRPC_OPTIONS = [
 ]
 FINGERPRINT = "bench-kv-transfer-wire"
 PUSH_TIMEOUT_S = 600.0
+DISCARD_METHOD = "/pdserve.bench.Discard/Push"  # --floor: gRPC with no codec on either end
 Frame = tuple[bytes, bytes]  # (msgpack header, payload)
 
 
@@ -204,6 +205,17 @@ def add_pool_receiver(server: grpc.Server, receiver: PoolReceiver, codec: str = 
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {"Push": handler})])
 
 
+def add_discarding_receiver(server: grpc.Server) -> None:
+    """Serve DISCARD_METHOD: count the bytes of every message and drop them (gRPC alone)."""
+
+    def push(requests: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushReply:
+        return pb.PushReply(bytes_received=sum(len(m) for m in requests))
+
+    handler = grpc.stream_unary_rpc_method_handler(push, response_serializer=pb.PushReply.SerializeToString)
+    service, _, method = DISCARD_METHOD.strip("/").partition("/")
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, {method: handler})])
+
+
 # -- sender ---------------------------------------------------------------------------------
 
 
@@ -289,6 +301,7 @@ def serve_main(args: argparse.Namespace) -> None:
     options = grpc_options(args.grpc_arg)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=options)
     add_pool_receiver(server, PoolReceiver(pool, KVLayout.of_cache(pool, FINGERPRINT)), args.codec)
+    add_discarding_receiver(server)
     grpc_port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     listener = socket.create_server(("127.0.0.1", 0))
@@ -335,6 +348,7 @@ class Case:
     chunk_bytes: int
     codec: str
     grpc_args: tuple[str, ...] = ()
+    floor: bool = False
 
 
 def measure(case: Case) -> dict[str, Any]:
@@ -355,6 +369,8 @@ def measure(case: Case) -> dict[str, Any]:
         cpu = CPUMeter(receiver.proc.pid)
         grpc_s, tcp_s = alternate(cpu.wrap("grpc", grpc_once),
                                   cpu.wrap("tcp", lambda: send_tcp(receiver.tcp_port, chunks)), case.reps)
+        floor = measure_floor(f"127.0.0.1:{receiver.grpc_port}", pool, layout, block_ids, case, cpu) \
+            if case.floor else {}
     finally:
         push.close()
         receiver.stop()
@@ -365,7 +381,21 @@ def measure(case: Case) -> dict[str, Any]:
     return {"mib": case.mib, "kv_dtype": case.kv_dtype, "chunk_kib": case.chunk_bytes // 1024,
             "grpc_gbps": grpc_gbps, "tcp_gbps": tcp_gbps,
             "ratio": ratio(grpc_gbps, tcp_gbps), "checksum_overhead": 2 * checksum_s / grpc_s,
-            "grpc_s": grpc_s, "tcp_s": tcp_s, "checksum_s": checksum_s, **cpu.per_gb(nbytes)}
+            "grpc_s": grpc_s, "tcp_s": tcp_s, "checksum_s": checksum_s, **floor, **cpu.per_gb(nbytes)}
+
+
+def measure_floor(target: str, pool: torch.Tensor, layout: KVLayout, block_ids: Sequence[int], case: Case,
+                  cpu: CPUMeter) -> dict[str, float]:
+    """gRPC Python's own cost: the same KVChunk messages, serialised before the clock starts,
+    into a receiver that drops them (no gather, checksum, parse or write on either end)."""
+    messages = [serialize_kv_chunk(f) for f in transfer_frames(pool, layout, "floor", block_ids,
+                                                               range(len(block_ids)), case.chunk_bytes)]
+    with grpc.insecure_channel(target, options=grpc_options(case.grpc_args)) as channel:
+        push = channel.stream_unary(DISCARD_METHOD, response_deserializer=pb.PushReply.FromString)
+        once = cpu.wrap("floor", lambda: push(iter(messages), timeout=PUSH_TIMEOUT_S))
+        once()
+        floor_s = median([timed(once)[0] for _ in range(case.reps)])
+    return {"floor_gbps": case.mib * MIB / floor_s / 1e9, "floor_s": floor_s}
 
 
 class CPUMeter:
@@ -455,7 +485,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     default_chunk = int(args.chunk_mib * MIB)
     sweep = args.chunk_sizes or [default_chunk]
     sizes = [max(args.sizes)] if args.chunk_sizes else args.sizes
-    cases = [Case(mib, args.dtype, args.reps, chunk, args.codec, tuple(args.grpc_arg))
+    cases = [Case(mib, args.dtype, args.reps, chunk, args.codec, tuple(args.grpc_arg), args.floor)
              for mib in sizes for chunk in sweep]
     rows = []
     for case in cases:
@@ -465,6 +495,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     headline = next((r for r in rows if r["chunk_kib"] * 1024 == default_chunk and r["mib"] == max(sizes)),
                     rows[-1])
     keys = ("mib", "kv_dtype", "chunk_kib", "grpc_gbps", "tcp_gbps", "ratio", "checksum_overhead",
+            *(["floor_gbps"] if args.floor else []),
             *(k for k in rows[0] if k.endswith("_cpu_s_per_gb")))
     table = format_table(keys, [[r[k] for k in keys] for r in rows])
     result = {**{k: headline[k] for k in ("grpc_gbps", "tcp_gbps", "ratio", "checksum_overhead")},
@@ -527,6 +558,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "%(default)s)")
     p.add_argument("--grpc-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra gRPC channel/server option on both ends (int values as ints); repeatable")
+    p.add_argument("--floor", action="store_true",
+                   help="also time gRPC alone: pre-serialised messages into a receiver that drops them "
+                        "(floor_gbps, floor_{sender,receiver}_cpu_s_per_gb)")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mib", type=int, help=argparse.SUPPRESS)
     return p.parse_args(argv)

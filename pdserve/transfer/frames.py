@@ -14,8 +14,8 @@ from pdserve.field_error import FieldError
 from pdserve.grpc_options import MAX_MESSAGE_BYTES
 
 # NOTE: 4 MiB: on the frame-size curve (docs/benchmarks.md, 512 MiB over loopback) CPU per GB
-# falls steeply up to 2 MiB (64 KiB frames cost 4x as much) and is lowest at 4 MiB on both
-# ends in three sweeps; 8 MiB gained nothing more and doubles the staging buffer. A frame
+# falls steeply up to 2 MiB (64 KiB frames cost 4x as much); 4 MiB was lowest on the sender in
+# three sweeps, and 8 MiB gained nothing on either end while doubling the staging buffer. A frame
 # never spans layers, so a larger cap does not delay the layer-wise overlap.
 DEFAULT_MAX_CHUNK_BYTES = 4 << 20
 # NOTE: a frame is its payload plus a msgpack header (a checksum per block: a few KiB at most);

@@ -120,6 +120,6 @@ def test_kv_channels_are_bounded_least_recently_used_closed_first(monkeypatch):
     decode_channels("127.0.0.1:3")
 
     assert decode_channels.addresses() == ["127.0.0.1:1", "127.0.0.1:3"]
-    with pytest.raises(ValueError, match="closed channel"):
+    with pytest.raises(ValueError, match="[Cc]losed"):  # gRPC's words differ between call styles
         second.push(iter(()), timeout_s=1)
     decode_channels.close()
