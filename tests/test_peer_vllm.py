@@ -93,14 +93,13 @@ def test_busy_threads_counts_threads_that_used_the_cpu():
 def test_start_figures_reads_vllms_log():
     log = ("(Worker pid=1) INFO 12-02 01:34:25 [cpu_model_runner.py:87] Warming up model for the "
            "compilation...\n"
-           "(Worker pid=1) INFO 12-02 01:35:50 [monitor.py:91] [backbone] Initial profiling/warmup run "
-           "took 2.62 s\n"
+           "(Worker pid=1) INFO 12-02 01:35:50 [cpu_model_runner.py:91] Warming up done.\n"
            "(EngineCore pid=2) INFO 12-02 01:35:52 [kv_cache_utils.py:2327] CPU KV cache size: 46,592 "
            "tokens\n"
            "(EngineCore pid=2) INFO 12-02 01:36:00 [core.py:402] init engine (profile, create kv cache, "
            "warmup model) took 94.21 s\n")
     assert start_figures(log) == {"init_engine_s": 94.21, "compile_warmup_s": 85.0,
-                                  "kv_cache_tokens": 46592.0, "compile_cache": "compiled"}
+                                  "kv_cache_tokens": 46592.0, "compile_cache": "not reported"}
     failed = ("(Worker pid=1) WARNING 12-02 01:37:16 [decorators.py:333] [backbone] Compiling model again "
               "due to a load failure from /x/model, reason: 'function' object has no attribute 'f'\n")
     assert start_figures(failed) == {"compile_cache": "load_failed",
