@@ -189,22 +189,24 @@ class VLLMPeer:
         config = {"model": str(model_dir), "max_model_len": MAX_MODEL_LEN,
                   "max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs}
         self.log_path = log_path
-        self._log = open(log_path, "w")
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.proc = subprocess.Popen([str(venv_python(venv)), str(DRIVER), json.dumps(config)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env, cwd=str(OUT))
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         self.ready = self._wait(START_TIMEOUT_S, "starting vLLM")
 
     def _read(self) -> None:
+        """The one owner of the log file: it is open while the driver's stdout is."""
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(REPLY_MARKER):
-                self._replies.put(json.loads(line[len(REPLY_MARKER):]))
-            else:
-                self._log.write(line)
-                self._log.flush()
+        with open(self.log_path, "w") as log:
+            for line in self.proc.stdout:
+                if line.startswith(REPLY_MARKER):
+                    self._replies.put(json.loads(line[len(REPLY_MARKER):]))
+                else:
+                    log.write(line)
+                    log.flush()
         self._replies.put(None)  # end of output: the driver is gone
 
     def _wait(self, timeout: float, what: str) -> dict[str, Any]:
@@ -244,7 +246,7 @@ class VLLMPeer:
             except (OSError, RuntimeError, TimeoutError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
-        self._log.close()
+        self._reader.join(timeout=60)  # the engine's processes may hold stdout a moment longer
 
 
 def log_tail(path: Path, lines: int = 40) -> str:
