@@ -196,7 +196,12 @@ class VLLMPeer:
                                      text=True, env=env, cwd=str(OUT))
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        self.ready = self._wait(START_TIMEOUT_S, "starting vLLM")
+        try:
+            self.ready = self._wait(START_TIMEOUT_S, "starting vLLM")
+        except BaseException:
+            self.proc.kill()  # its engine processes die with it (vLLM's parent-death watch)
+            self.proc.wait()
+            raise
 
     def _read(self) -> None:
         """The one owner of the log file: it is open while the driver's stdout is."""
