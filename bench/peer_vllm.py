@@ -44,6 +44,7 @@ import os
 import queue
 import random
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -193,15 +194,22 @@ class VLLMPeer:
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.proc = subprocess.Popen([str(venv_python(venv)), str(DRIVER), json.dumps(config)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env, cwd=str(OUT))
+                                     text=True, env=env, cwd=str(OUT), start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         try:
             self.ready = self._wait(START_TIMEOUT_S, "starting vLLM")
         except BaseException:
-            self.proc.kill()  # its engine processes die with it (vLLM's parent-death watch)
-            self.proc.wait()
+            self._kill()
             raise
+
+    def _kill(self) -> None:
+        """The driver and every process vLLM spawned: they share the session the driver leads."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
 
     def _read(self) -> None:
         """The one owner of the log file: it is open while the driver's stdout is."""
@@ -250,8 +258,7 @@ class VLLMPeer:
                 self.call("quit")
                 self.proc.wait(timeout=120)
             except (OSError, RuntimeError, TimeoutError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+                self._kill()
         self._reader.join(timeout=60)  # the engine's processes may hold stdout a moment longer
 
 
