@@ -14,7 +14,7 @@ PROTOS := $(wildcard protos/*.proto protos/pdserve/v1/*.proto)
 BENCH_MODULES := bench.engine bench.kv_transfer bench.router bench.cluster bench.disagg
 
 .DEFAULT_GOAL := help
-.PHONY: help setup protos test test-fast up bench lint clean distclean
+.PHONY: help setup protos test test-fast up bench bench-peer lint clean distclean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -63,6 +63,11 @@ up: setup ## start the local cluster (Redis, Ray, 1 prefill + 1 decode worker, r
 
 bench: setup ## run the benchmarks in BENCH_MODULES, printing JSON
 	@set -e; for m in $(BENCH_MODULES); do echo "== $$m" >&2; $(PY) -m $$m --json; done
+
+# Not in BENCH_MODULES: vLLM needs its own virtualenv (made under bench/out/ on the first run, minutes)
+# and compiles its model at every start (about two minutes here).
+bench-peer: setup ## compare the engine with vLLM's CPU build (bench.peer_vllm; about 25 minutes), printing JSON
+	$(PY) -m bench.peer_vllm --json
 
 lint: setup ## ruff check
 	$(VENV)/bin/ruff check .

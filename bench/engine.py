@@ -305,8 +305,7 @@ def bandwidth_figures(result: dict[str, Any], config: Any, bandwidth: dict[str, 
 
 def bench_concurrent(ours: Ours, theirs: Theirs, sizes: Sizes, rng: random.Random) -> dict[str, Any]:
     n = sizes.concurrent_requests
-    prompts = [random_prompt(rng, rng.randint(*sizes.concurrent_prompt_range)) for _ in range(n)]
-    wants = [rng.randint(*sizes.concurrent_output_range) for _ in range(n)]
+    prompts, wants = concurrent_mix(rng, sizes)
     useful = sum(wants)
     seconds: dict[str, list[float]] = {"ours": [], **{f"theirs_bs{b}": [] for b in sizes.peer_batch_sizes}}
     outputs: dict[str, list[list[int]]] = {}
@@ -354,6 +353,13 @@ def prefill_flops_per_token(config: Any, length: int) -> float:
 
 
 # --- driver ---------------------------------------------------------------------------------
+def concurrent_mix(rng: random.Random, sizes: Sizes) -> tuple[list[list[int]], list[int]]:
+    """The concurrent phase's requests: prompts of random lengths, then how many tokens each wants."""
+    n = sizes.concurrent_requests
+    prompts = [random_prompt(rng, rng.randint(*sizes.concurrent_prompt_range)) for _ in range(n)]
+    return prompts, [rng.randint(*sizes.concurrent_output_range) for _ in range(n)]
+
+
 def random_prompt(rng: random.Random, length: int) -> list[int]:
     """Token ids from the ordinary vocabulary (SmolLM2's specials are ids < 17)."""
     return [rng.randrange(100, 49152) for _ in range(length)]
