@@ -59,13 +59,21 @@ def ratio(ours: float, theirs: float) -> float:
 
 
 def peak_matmul_flops(sizes: Sequence[int] = (1024, 1536, 2048), reps: int = 5) -> dict[str, Any]:
-    """fp32 torch.mm FLOP/s (2·n³ per product) per square size, median of reps; peak = best size."""
+    """fp32 matmul FLOP/s (2·n³ per product) per square size and kernel, median of reps; peak = the
+    best of all: torch.mm (MKL on x86) and, where the build has it, oneDNN, which reaches about twice
+    MKL's figure on AMD CPUs (python -m bench.kernels), so a fraction of peak is not flattered."""
+    from pdserve.engine.linear import OneDNNLinear, onednn_available
+
+    kernels = {"mm": torch.mm}
+    if onednn_available(torch.device("cpu")):
+        kernels["onednn"] = lambda a, b: OneDNNLinear()(a, b)
     per_size: dict[str, float] = {}
     for n in sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
-        torch.mm(a, b)  # warm-up: first call pays for allocation and kernel selection
-        seconds = [timed(lambda a=a, b=b: torch.mm(a, b))[0] for _ in range(reps)]
-        per_size[str(n)] = 2 * n**3 / median(seconds)
+        for name, product in kernels.items():
+            product(a, b)  # warm-up: first call pays for allocation and kernel selection
+            seconds = [timed(lambda a=a, b=b, f=product: f(a, b))[0] for _ in range(reps)]
+            per_size[f"{name}_{n}"] = 2 * n**3 / median(seconds)
     return {"peak_flops": max(per_size.values()), "flops_by_size": per_size, "reps": reps}
 
 
