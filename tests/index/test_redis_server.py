@@ -113,10 +113,14 @@ def test_server_dies_with_the_thread_that_started_it():
         import threading, time
         from deploy.redis_server import RedisServer
         server = RedisServer()
-        t = threading.Thread(target=server.start)
+        started = []
+        # NOTE: the pid is read in the thread, right after start(): once the thread has exited the
+        # death signal may already have killed the server, and server.pid reads None (this test
+        # failed that way once in a full run).
+        t = threading.Thread(target=lambda: (server.start(), started.append(server.pid)))
         t.start(); t.join()
-        assert server.pid is not None, "the server did not start: see the thread's traceback above"
-        print(server.pid)
+        assert started and started[0] is not None, "the server did not start: see the traceback above"
+        print(started[0])
     """))
     deadline = time.monotonic() + 10
     while not process_gone(pid) and time.monotonic() < deadline:
