@@ -61,7 +61,7 @@ def ratio(ours: float, theirs: float) -> float:
 def peak_matmul_flops(sizes: Sequence[int] = (1024, 1536, 2048), reps: int = 5) -> dict[str, Any]:
     """fp32 matmul FLOP/s (2·n³ per product) per square size and kernel, median of reps; peak = the
     best of all: torch.mm (MKL on x86) and, where the build has it, oneDNN, which reaches about twice
-    MKL's figure on AMD CPUs (python -m bench.kernels), so a fraction of peak is not flattered."""
+    MKL's figure on AMD CPUs (python -m bench.matmul_kernels), so a fraction of peak is not flattered."""
     from pdserve.engine.linear import OneDNNLinear, onednn_available
 
     kernels = {"mm": torch.mm}

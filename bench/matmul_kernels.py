@@ -1,6 +1,9 @@
 """The engine's two matmul kernels on SmolLM2's shapes: torch's default (MKL on x86) against oneDNN.
 
-    python -m bench.kernels [--json] [--threads N] [--reps N]
+    python -m bench.matmul_kernels [--json] [--threads N] [--reps N]
+
+NOTE: not kernels.py: bench/vllm_driver.py runs with bench/ on its sys.path, and transformers
+probes `import kernels` (the Hugging Face kernels package) at import time.
 
 For each product [M, in] x [in, out] of a SmolLM2 layer (qkv 576->960, gate_up 576->3072,
 down 1536->576) and M rows (1: batch-1 decode; 14: a short suffix; 256; 2,048: a prefill chunk),
@@ -62,7 +65,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = bench_parser("python -m bench.kernels", __doc__)
+    p = bench_parser("python -m bench.matmul_kernels", __doc__)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: %(default)s)")
     p.add_argument("--reps", type=int, default=7,
                    help="passes per kernel; the best is kept (default: %(default)s)")
