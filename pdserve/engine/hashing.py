@@ -71,11 +71,14 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, salt: bytes,
                 parent: BlockHash = ROOT_PARENT) -> list[BlockHash]:
     """Hashes of every *full* block of token_ids, chained from parent."""
     n_full = len(token_ids) // block_size
-    packed = struct.pack(f"<{n_full * block_size}I", *token_ids[:n_full * block_size])
+    packed = memoryview(struct.pack(f"<{n_full * block_size}I", *token_ids[:n_full * block_size]))
     step = 4 * block_size
+    # NOTE: one keyed state copied per block: keying a blake2b costs a whole compression of the key
+    # block, a copy does not (0.37 -> 0.25 ms for a 4,096-token prompt; bench.router's hash_blocks).
+    keyed = hashlib.blake2b(digest_size=HASH_BYTES, key=salt)
     hashes: list[BlockHash] = []
     for start in range(0, len(packed), step):  # same bytes as hash_block, packed once
-        h = hashlib.blake2b(digest_size=HASH_BYTES, key=salt)
+        h = keyed.copy()
         h.update(parent)
         h.update(packed[start:start + step])
         parent = BlockHash(h.digest())
