@@ -493,7 +493,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch intra-op threads for both sides (default: one per usable CPU core)")
     p.add_argument("--linear-kernel", choices=("matmul", "onednn"), default="matmul",
                    help="pdserve's matmul kernel (EngineConfig.linear_kernel; pdserve/engine/linear.py): "
-                        "matmul is bit-identical to transformers, onednn faster on x86 CPUs "
+                        "matmul is what transformers runs, onednn faster on x86 CPUs "
                         "(default: %(default)s)")
     p.add_argument("--reps", type=int, default=None,
                    help="measured repetitions per phase after one warm-up; medians are reported "

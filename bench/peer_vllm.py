@@ -542,8 +542,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"measured repetitions per workload (decode and prefill after one warm-up); medians "
                         f"are reported (default {FULL.reps}, --quick {QUICK.reps})")
     p.add_argument("--linear-kernel", choices=("matmul", "onednn"), default="matmul",
-                   help="pdserve's matmul kernel (EngineConfig.linear_kernel): matmul is bit-identical to "
-                        "transformers; onednn is the oneDNN library vLLM's CPU build also calls "
+                   help="pdserve's matmul kernel (EngineConfig.linear_kernel): matmul is what "
+                        "transformers runs; onednn is the oneDNN library vLLM's CPU build also calls "
                         "(default: %(default)s)")
     p.add_argument("--venv", type=Path, default=OUT / "vllm-venv",
                    help="vLLM's virtualenv, created there on first use (default bench/out/vllm-venv)")

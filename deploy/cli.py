@@ -314,8 +314,8 @@ def _add_up_cache(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
                        help="token budget of one engine step (chunked prefill) "
                             f"(default: {d.scheduler.max_num_batched_tokens})")
     cache.add_argument("--linear-kernel", choices=LINEAR_KERNELS,
-                       help="every worker's matmul kernel: matmul = torch's own, bit-identical to "
-                            "transformers; onednn = oneDNN, 2-3x faster prefill and batched decode on x86 "
+                       help="every worker's matmul kernel: matmul = torch's own, as transformers runs "
+                            "it; onednn = oneDNN, 2-3x faster prefill and batched decode on x86 "
                             f"CPUs, logits within 1e-3 (default: {d.linear_kernel}; docs/benchmarks.md)")
     cache.add_argument("--max-chunk-bytes", type=int, metavar="BYTES",
                        help="KV payload per frame a prefill worker sends a decode worker, whole blocks, at "

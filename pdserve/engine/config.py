@@ -105,8 +105,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str | None = None  # None: cuda when present, else cpu
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
-    # The matmul kernel (pdserve/engine/linear.py): matmul is torch's own (bit-identical to
-    # transformers); onednn is 2-3x faster for prefill and batched decode on x86 CPUs but sums in
+    # The matmul kernel (pdserve/engine/linear.py): matmul is torch's own (what transformers runs;
+    # test_oracle's 1e-4); onednn is 2-3x faster for prefill and batched decode on x86 CPUs but sums in
     # another order (logits within 5e-3 of transformers', greedy tokens equal in the tests).
     linear_kernel: str = "matmul"
 

@@ -6,13 +6,14 @@
     linear.prepare(W) once when the weights load; linear(x, prepared) every step
 
 NOTE: why two. torch's fp32 matmul on an x86 CPU goes to MKL's sgemm, which on the AMD EPYC
-machines this project runs on reached 38-55 GFLOP/s on one thread against oneDNN's 80-160 for
-the same products (M of 14 to 2,048 rows by SmolLM2's 576x3072 and 1536x576 weights), and about
-the same bandwidth at M = 1 (docs/benchmarks.md, "matmul kernels"). vLLM's CPU backend calls
-oneDNN. But MKL is what transformers runs, and our matmul path is bit-identical to it (0.0
-max-abs logit difference, tests/engine/test_oracle.py allows 1e-4); oneDNN sums in another order
-and its logits differ by up to 5e-3 on SmolLM2 (tests/engine/test_linear_kernels.py), so it is
-opt-in and the exactness suite runs on both.
+machines this project runs on reached 40-108 GFLOP/s on one thread against oneDNN's 59-236 for
+the same products (M of 14 to 2,048 rows by SmolLM2's qkv, gate_up and down weights), and about
+the same bandwidth at M = 1 (`python -m bench.matmul_kernels`; docs/benchmarks.md). vLLM's CPU
+backend calls oneDNN. But MKL is what transformers runs: our matmul path meets
+tests/engine/test_oracle.py's 1e-4 (a one-off check on four SmolLM2 prompts found 0.0 max-abs),
+while oneDNN sums in another order and its logits differed by up to 5e-3 in the same check, which
+that test does not allow. So oneDNN is opt-in, and tests/engine/test_linear_kernels.py runs the
+exactness suite on it (its own no-cache reference at 1e-4; transformers on greedy tokens).
 """
 
 from __future__ import annotations

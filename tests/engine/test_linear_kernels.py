@@ -3,7 +3,7 @@
 Against the no-cache reference on the same kernel: the suite's own assertions and 1e-4 tolerance
 (tests/engine/test_exactness.py), every cache path. Against transformers, which runs MKL: greedy
 tokens identical, and logits within ONEDNN_VS_TRANSFORMERS (oneDNN sums in another order; the
-default matmul kernel meets test_oracle.py's 1e-4, bit-identically in practice).
+default matmul kernel meets test_oracle.py's 1e-4).
 """
 
 from __future__ import annotations
