@@ -30,7 +30,15 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from bench.common import bench_parser, environment, format_table, median, progress, publish, warn_if_busy
+from bench.common import (
+    bench_parser,
+    environment,
+    format_table,
+    median,
+    progress,
+    run_timed,
+    warn_if_busy,
+)
 
 TARGET_OVERHEAD = 1.10
 ITL_PROMPT_TOKENS = 32
@@ -248,11 +256,7 @@ def parse_args(argv: list[str] | None = None) -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    started = time.perf_counter()
-    result = run(args)
-    result["wall_s"] = time.perf_counter() - started
-    publish(report(result), result, args.json)
+    run_timed(run, report, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -162,3 +162,24 @@ def publish(table: str, result: dict[str, Any], as_json: bool) -> None:
     print(table, file=sys.stderr if as_json else sys.stdout, flush=True)
     if as_json:
         emit_json(result)
+
+
+def run_timed(run: Callable[[Any], dict[str, Any]], report: Callable[[dict[str, Any]], str],
+              args: Any) -> None:
+    """Run a benchmark, add its wall time (wall_s) to the result and publish it (table, and JSON
+    with --json)."""
+    started = time.perf_counter()
+    result = run(args)
+    result["wall_s"] = time.perf_counter() - started
+    publish(report(result), result, args.json)
+
+
+LINEAR_KERNEL_HELP = ("pdserve's matmul kernel (EngineConfig.linear_kernel, pdserve/engine/linear.py): "
+                      "matmul is torch's own, as transformers runs it; onednn is oneDNN, as vLLM's CPU build "
+                      "calls it, faster on x86 CPUs (default: %(default)s)")
+
+
+def add_linear_kernel_flag(p: argparse.ArgumentParser) -> None:
+    from pdserve.engine.config import LINEAR_KERNELS
+
+    p.add_argument("--linear-kernel", choices=LINEAR_KERNELS, default="matmul", help=LINEAR_KERNEL_HELP)

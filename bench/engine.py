@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from bench.common import (
+    add_linear_kernel_flag,
     bench_parser,
     copy_bandwidth,
     environment,
@@ -43,8 +44,8 @@ from bench.common import (
     median,
     peak_matmul_flops,
     progress,
-    publish,
     ratio,
+    run_timed,
     set_threads,
     timed,
     warn_if_busy,
@@ -491,10 +492,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(e.g. prefill_ratio_128, concurrent_ratio_8)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads for both sides (default: one per usable CPU core)")
-    p.add_argument("--linear-kernel", choices=("matmul", "onednn"), default="matmul",
-                   help="pdserve's matmul kernel (EngineConfig.linear_kernel; pdserve/engine/linear.py): "
-                        "matmul is what transformers runs, onednn faster on x86 CPUs "
-                        "(default: %(default)s)")
+    add_linear_kernel_flag(p)
     p.add_argument("--reps", type=int, default=None,
                    help="measured repetitions per phase after one warm-up; medians are reported "
                         f"(default {FULL.reps}, concurrent phase {FULL.concurrent_reps}; "
@@ -506,11 +504,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    started = time.perf_counter()
-    result = run(args)
-    result["wall_s"] = time.perf_counter() - started
-    publish(report(result), result, args.json)
+    run_timed(run, report, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -56,13 +56,14 @@ from typing import Any
 import torch
 
 from bench.common import (
+    add_linear_kernel_flag,
     bench_parser,
     environment,
     format_table,
     median,
     progress,
-    publish,
     ratio,
+    run_timed,
     set_threads,
 )
 from bench.engine import DECODE_MESSAGES, Ours, Sizes, concurrent_mix, decode_tokens_per_s, random_prompt
@@ -541,10 +542,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=None,
                    help=f"measured repetitions per workload (decode and prefill after one warm-up); medians "
                         f"are reported (default {FULL.reps}, --quick {QUICK.reps})")
-    p.add_argument("--linear-kernel", choices=("matmul", "onednn"), default="matmul",
-                   help="pdserve's matmul kernel (EngineConfig.linear_kernel): matmul is what "
-                        "transformers runs; onednn is the oneDNN library vLLM's CPU build also calls "
-                        "(default: %(default)s)")
+    add_linear_kernel_flag(p)
     p.add_argument("--venv", type=Path, default=OUT / "vllm-venv",
                    help="vLLM's virtualenv, created there on first use (default bench/out/vllm-venv)")
     args = p.parse_args(argv)
@@ -554,11 +552,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    started = time.perf_counter()
-    result = run(args)
-    result["wall_s"] = time.perf_counter() - started
-    publish(report(result), result, args.json)
+    run_timed(run, report, parse_args(argv))
 
 
 if __name__ == "__main__":
