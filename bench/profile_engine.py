@@ -1,0 +1,104 @@
+"""Where an engine step's time goes: torch.profiler's self CPU time per op, in docs/benchmarks.md's groups.
+
+    python -m bench.profile_engine [--json] [--threads N] [--linear-kernel K] [--only NAME]
+
+Steps SmolLM2's LLMEngine (bench.engine's Ours) through three workloads and profiles them:
+  decode1   16 batch-1 decode steps after a 40-token prompt
+  decode32  10 decode steps of 32 sequences of 32-512 context tokens
+  suffix    one prefill of 14 new tokens after 544 cached ones
+Each op's self CPU time is put in one group: matmuls (aten::mm), KV gather (index_select),
+attention (scaled_dot_product*), KV write (index_put*), everything else. Reported: each
+group's share of the profiled op time.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from bench.common import add_linear_kernel_flag, bench_parser, format_table, publish, set_threads
+from bench.engine import Ours, random_prompt
+
+GROUPS = {"matmuls": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"),
+          "kv_gather": ("aten::index_select",), "attention": ("aten::_scaled_dot_product",),
+          "kv_write": ("aten::index_put", "aten::_index_put")}
+
+
+WORKLOADS = ("decode1", "decode32", "suffix")
+
+
+def group_of(op: str) -> str:
+    return next((g for g, prefixes in GROUPS.items() if op.startswith(prefixes)), "everything_else")
+
+
+def shares(profile: Any) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for event in profile.key_averages():
+        totals[group_of(event.key)] = totals.get(group_of(event.key), 0.0) + event.self_cpu_time_total
+    whole = sum(totals.values()) or 1.0
+    return {g: totals.get(g, 0.0) / whole for g in (*GROUPS, "everything_else")}
+
+
+def profiled(ours: Ours, steps: int) -> dict[str, float]:
+    """The next `steps` engine steps, profiled; then the engine is run dry."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        for _ in range(steps):
+            ours.engine.step()
+    while ours.engine.has_unfinished():
+        ours.engine.step()
+    return shares(p)
+
+
+def prepare(ours: Ours, name: str, rng: random.Random) -> int:
+    """Queue workload `name` on an emptied cache; how many steps to profile."""
+    add = lambda ids, n: ours.engine.add_request(ids, ours.greedy(n), detokenize=False)  # noqa: E731
+    ours.reset()
+    if name == "decode1":
+        add(random_prompt(rng, 40), 40)
+        ours.engine.step()  # the prefill
+        return 16
+    if name == "decode32":
+        for _ in range(32):
+            add(random_prompt(rng, rng.randint(32, 512)), 30)
+        for _ in range(8):  # past the prefills
+            ours.engine.step()
+        return 10
+    cached = random_prompt(rng, 544)
+    ours.ttft(cached + random_prompt(rng, 32))  # 544 tokens cached (34 blocks)
+    add(cached + random_prompt(rng, 14), 1)
+    return 1
+
+
+def run(args: Any) -> dict[str, Any]:
+    from pdserve.engine.weights import load_model
+
+    threads = set_threads(args.threads)
+    ours = Ours(load_model(None, progress=False), 2048, 16, threads, args.linear_kernel)
+    rng = random.Random(0)
+    ours.generate([random_prompt(rng, 64)], [4])  # warm-up
+    result: dict[str, Any] = {"threads": threads, "linear_kernel": args.linear_kernel}
+    for name in [args.only] if args.only else WORKLOADS:
+        result[name] = profiled(ours, prepare(ours, name, rng))
+    return result
+
+
+def report(r: dict[str, Any]) -> str:
+    names = [k for k in WORKLOADS if k in r]
+    rows = [[name, *(f"{100 * r[name][g]:.1f}%" for g in (*GROUPS, "everything_else"))] for name in names]
+    return format_table(["workload", *GROUPS, "everything_else"], rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = bench_parser("python -m bench.profile_engine", __doc__)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: %(default)s)")
+    p.add_argument("--only", choices=WORKLOADS, help="profile one workload only")
+    add_linear_kernel_flag(p)
+    args = p.parse_args(argv)
+    result = run(args)
+    publish(report(result), result, args.json)
+
+
+if __name__ == "__main__":
+    main()
