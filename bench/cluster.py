@@ -39,6 +39,7 @@ from bench.common import (
     run_timed,
     warn_if_busy,
 )
+from bench.engine import random_prompt
 
 TARGET_OVERHEAD = 1.10
 ITL_PROMPT_TOKENS = 32
@@ -53,11 +54,6 @@ class Sizes:
 
 
 QUICK = Sizes(prompt_tokens=128, new_tokens=12, batch=2, reps=1)
-
-
-def random_prompt(rng: random.Random, length: int) -> list[int]:
-    """Token ids from the ordinary vocabulary (SmolLM2's specials are ids < 17)."""
-    return [rng.randrange(100, 49152) for _ in range(length)]
 
 
 def median_gap(stamps: list[float]) -> float:
