@@ -249,6 +249,12 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="port of the router's Prometheus /metrics; 0 = any free port "
                         f"(default: {d.metrics_port})")
+    p.add_argument("--http-port", type=int, metavar="PORT",
+                   help="port of the router's OpenAI-compatible HTTP API (/v1/chat/completions, "
+                        f"/v1/completions, /v1/models, /health, /metrics); 0 = off (default: {d.http_port})")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="the model name HTTP requests give in `model` (default: the model's own, "
+                        "SmolLM2-135M-Instruct for the embedded one, else the folder or file name)")
     _add_up_workers(p, d)
     _add_up_cache(p, d)
     _add_up_routing(p, d)

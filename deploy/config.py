@@ -56,6 +56,8 @@ class ClusterSpec:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int | None = 0  # router's Prometheus port; 0 = any free port, None = none
+    http_port: int = 8000  # the router's OpenAI-compatible HTTP API; 0 = off
+    served_model_name: str | None = None  # the HTTP API's model name; None = the model's (weights.py)
     redis_url: str | None = field(default=None, repr=False)  # may hold a password: not in repr()
     ray_address: str | None = None  # None = start a local Ray; "auto" = the running cluster
     cache: CacheConfig = field(default_factory=CacheConfig)  # every worker's KV cache
@@ -91,7 +93,8 @@ class ClusterSpec:
         if self.num_prefill < 0:
             raise ValueError(f"prefill.count (--prefill) must be >= 0, got {self.num_prefill}")
         for name, port in (("router.port (--port)", self.port),
-                           ("router.metrics_port (--metrics-port)", self.metrics_port)):
+                           ("router.metrics_port (--metrics-port)", self.metrics_port),
+                           ("router.http_port (--http-port)", self.http_port)):
             if port is not None and not 0 <= port < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {port}")
         self._check_parts()
@@ -195,6 +198,8 @@ FILE_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "scheduler.max_batched_tokens": ("scheduler.max_num_batched_tokens", (int,)),
     "router.port": ("port", (int,)),
     "router.metrics_port": ("metrics_port", (int, _NONE)),
+    "router.http_port": ("http_port", (int,)),
+    "router.served_model_name": ("served_model_name", (str, _NONE)),
     "router.routing": ("placement.routing", (str,)),
     "router.min_remote_prefill_tokens": ("placement.min_remote_prefill_tokens", (int,)),
     "router.max_in_flight_per_decode": ("placement.max_in_flight_per_decode", (int,)),
@@ -230,6 +235,7 @@ FLAG_FIELDS: dict[str, str] = {
     "actor_placement": "actor_placement", "gpus_per_worker": "gpus_per_worker",
     "linear_kernel": "linear_kernel",
     "host": "host", "port": "port", "metrics_port": "metrics_port", "redis_url": "redis_url",
+    "http_port": "http_port", "served_model_name": "served_model_name",
     "address": "ray_address", "namespace": "namespace",
     "block_size": "cache.block_size", "kv_dtype": "cache.kv_dtype", "num_blocks": "cache.num_blocks",
     "kv_cache_gib": "cache.kv_cache_gib", "max_batched_tokens": "scheduler.max_num_batched_tokens",

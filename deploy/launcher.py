@@ -21,6 +21,7 @@ whose path it prints for `redis-cli`.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -32,7 +33,7 @@ from deploy.config import ClusterSpec
 from deploy.redis_server import RedisServer, ensure_redis
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.weights import load_model
+from pdserve.engine.weights import load_model, served_model_name
 from pdserve.index.registry import WorkerRegistry
 from pdserve.security import SecurityConfig, TLSConfig, read_secret, read_secrets_file
 from pdserve.security.redis_auth import check_redis_credentials, redact_redis_url, redis_exposure_warning
@@ -91,7 +92,19 @@ class LocalCluster:
         self.say(f"router   {address} (gRPC pdserve.v1.Generation, health, reflection)")
         if self.router.metrics_address:
             self.say(f"metrics  http://{self.router.metrics_address}/metrics")
+        if self.router.http_url:
+            self._say_http()
         return address
+
+    def _say_http(self) -> None:
+        url, model = self.router.http_url, self.router.config.served_model_name
+        auth = " -H 'Authorization: Bearer $PDSERVE_TOKEN'" if self.security.api_tokens else ""
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        body = json.dumps({"model": model, "messages": question, "max_tokens": 32})
+        self.say(f"http     {url}/v1 (OpenAI-compatible: chat/completions, completions, models; "
+                 "/health, /metrics)")
+        self.say(f"  try:   curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+                 f"-d '{body}'")
 
     def _read_security(self) -> SecurityConfig:
         """The router's SecurityConfig from the spec's files; ValueError names a bad flag or file."""
@@ -110,6 +123,8 @@ class LocalCluster:
     def _router(self, client: redis.Redis, tokenizer: Tokenizer, max_context_tokens: int) -> RouterServer:
         s = self.spec
         config = RouterConfig(host=s.host, port=s.port, metrics_port=s.metrics_port, placement=s.placement,
+                              http_port=s.http_port or None,
+                              served_model_name=s.served_model_name or served_model_name(s.model_path),
                               limits=replace(s.limits, max_context_tokens=max_context_tokens),
                               deadlines=s.deadlines, cache_isolation=s.cache_isolation,
                               security=self.security)

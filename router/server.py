@@ -38,6 +38,7 @@ from pdserve.security import SecurityConfig
 from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from router.admin import AdminServicer, RouterIdentity
 from router.config import PlacementConfig, RequestDeadlines
+from router.http.server import HttpFrontDoor, ModelCard
 from router.limits import RequestLimits
 from router.metrics import RouterMetrics
 from router.placement import MatchFn, Placer
@@ -75,6 +76,9 @@ class RouterConfig:
     # Open streams of the services that need no token; more are refused at once.
     max_reflection_streams: int = 8
     max_health_watches: int = 16
+    # The OpenAI-compatible HTTP API (router/http/) on host:http_port; 0 = any free port, None = off.
+    http_port: int | None = None
+    served_model_name: str = "pdserve"  # the `model` HTTP requests name (the launcher uses the model's)
 
     def __post_init__(self) -> None:
         if self.cache_isolation not in CACHE_ISOLATION:
@@ -111,8 +115,21 @@ class RouterServer:
         self.call_limiter = CallLimiter([
             reflection_limit(config.max_reflection_streams, "RouterConfig.max_reflection_streams"),
             health_watch_limit(config.max_health_watches, "RouterConfig.max_health_watches")])
+        self.http = self._http_front_door(tokenizer) if config.http_port is not None else None
         self.address = ""
         self._server: grpc.Server | None = None
+
+    def _http_front_door(self, tokenizer: Tokenizer) -> HttpFrontDoor:
+        c = self.config
+        card = ModelCard(c.served_model_name, c.limits.max_context_tokens)
+        return HttpFrontDoor(self.servicer, tokenizer, card, self.metrics.registry,
+                             lambda: len(self.directory.candidates("decode")), self.security,
+                             host=c.host, port=c.http_port, max_body_bytes=c.limits.max_message_bytes,
+                             max_streams=c.limits.max_concurrent_streams)
+
+    @property
+    def http_url(self) -> str:
+        return self.http.url if self.http is not None else ""
 
     @property
     def metrics_address(self) -> str:
@@ -151,6 +168,8 @@ class RouterServer:
         server.start()
         self._server = server
         self.address = f"{self.config.host}:{port}"
+        if self.http is not None:
+            self.http.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         return self.address
 
@@ -164,6 +183,8 @@ class RouterServer:
 
     def stop(self, grace_s: float = 0.0) -> None:
         self.health.enter_graceful_shutdown()
+        if self.http is not None:
+            self.http.stop()
         if self._server is not None:
             self._server.stop(grace_s).wait()
         self.directory.stop()

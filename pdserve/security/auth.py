@@ -167,21 +167,31 @@ class BearerTokenInterceptor(_MetadataGate):
         if not tokens:
             raise ValueError("BearerTokenInterceptor needs at least one token; leave the interceptor "
                              "out to serve without authentication")
-        self._tokens = [check_secret(t, "API token").encode("ascii") for t in tokens]
+        self._tokens = encoded_tokens(tokens)
 
     def refusal(self, details: grpc.HandlerCallDetails) -> str | None:
-        header = _metadata_value(details, AUTHORIZATION_KEY)
-        if header is None:
-            return ("missing bearer token: send metadata 'authorization: Bearer <token>' "
-                    "(the pdserve CLI takes --api-token-file FILE, PdserveClient metadata=)")
-        if not isinstance(header, str):
-            return "the authorization metadata must be text, 'Bearer <token>'"
-        token = bearer_token(details.invocation_metadata)
-        if token is None:
-            return "malformed authorization metadata: expected 'Bearer <token>'"
-        if not _matches(token, self._tokens):
-            return "invalid bearer token: it matches none of the router's API tokens"
-        return None
+        return bearer_refusal(_metadata_value(details, AUTHORIZATION_KEY), self._tokens,
+                              "send metadata 'authorization: Bearer <token>' (the pdserve CLI takes "
+                              "--api-token-file FILE, PdserveClient metadata=)")
+
+
+def bearer_refusal(header: str | bytes | None, allowed: Sequence[bytes], how_to_send: str) -> str | None:
+    """Why an `authorization` value is refused (None: it carries one of the allowed tokens). The gRPC
+    gate and the HTTP API both ask this; how_to_send is the fix for a missing header, in each one's terms."""
+    if header is None:
+        return f"missing bearer token: {how_to_send}"
+    if not isinstance(header, str):
+        return "the authorization value must be text, 'Bearer <token>'"
+    token = bearer_token(((AUTHORIZATION_KEY, header),))
+    if token is None:
+        return "malformed authorization: expected 'Bearer <token>'"
+    if not _matches(token, allowed):
+        return "invalid bearer token: it matches none of the router's API tokens"
+    return None
+
+
+def encoded_tokens(tokens: Collection[str]) -> list[bytes]:
+    return [check_secret(t, "API token").encode("ascii") for t in tokens]
 
 
 class ClusterSecretInterceptor(_MetadataGate):

@@ -132,7 +132,7 @@ def test_a_token_over_tls_gets_the_exact_tokens_of_a_plaintext_run(secured, tiny
 @pytest.mark.parametrize("metadata, why", [
     ((), "missing bearer token"),
     (((BEARER, "Bearer not-a-token"),), "invalid bearer token"),
-    (((BEARER, f"Basic {TOKEN}"),), "malformed authorization metadata"),
+    (((BEARER, f"Basic {TOKEN}"),), "malformed authorization"),
     (((BEARER, f"Bearer {SECRET}"),), "invalid bearer token"),  # the cluster secret is no API token
     (((CLUSTER_SECRET_KEY, SECRET),), "missing bearer token"),
 ])
