@@ -9,7 +9,8 @@ them to 400).
 
     chat:        model, messages (string content or a list of text parts), max_tokens |
                  max_completion_tokens, temperature, top_p, seed, stop, stream, stream_options,
-                 logprobs (bool) + top_logprobs, n (1 only), user; extensions top_k, ignore_eos
+                 logprobs (bool) + top_logprobs, n (1 only), user; extensions (as vLLM's): top_k,
+                 ignore_eos, return_token_ids (each choice, or chunk, also carries its token ids)
     completions: model, prompt (string or token ids), the same sampling fields, echo (false
                  only), logprobs (an integer: that many alternatives)
 
@@ -36,7 +37,7 @@ _NEUTRAL_ZERO = ("presence_penalty", "frequency_penalty")
 # Accepted and not used: they change nothing about the tokens.
 _IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
-           "top_k", "ignore_eos", "best_of", *_NEUTRAL_ZERO, *_IGNORED, *_UNSUPPORTED)
+           "top_k", "ignore_eos", "return_token_ids", "best_of", *_NEUTRAL_ZERO, *_IGNORED, *_UNSUPPORTED)
 CHAT_FIELDS = frozenset((*_COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs"))
 COMPLETION_FIELDS = frozenset((*_COMMON, "prompt", "echo", "logprobs"))
 
@@ -51,6 +52,7 @@ class ApiRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's and k alternatives
+    return_token_ids: bool = False
 
 
 def parse_chat(body: Any, model: str) -> ApiRequest:
@@ -60,7 +62,8 @@ def parse_chat(body: Any, model: str) -> ApiRequest:
     logprobs = _chat_logprobs(body)
     _fill_sampling(request.sampling, body, _max_tokens(body, "max_completion_tokens", "max_tokens"), logprobs)
     stream, include_usage = _stream(body)
-    return ApiRequest("chat", model, request, stream, include_usage, logprobs)
+    return ApiRequest("chat", model, request, stream, include_usage, logprobs,
+                      _flag(body, "return_token_ids"))
 
 
 def parse_completion(body: Any, model: str) -> ApiRequest:
@@ -72,7 +75,8 @@ def parse_completion(body: Any, model: str) -> ApiRequest:
     logprobs = _optional_int(body, "logprobs", minimum=0)
     _fill_sampling(request.sampling, body, _max_tokens(body, "max_tokens"), logprobs)
     stream, include_usage = _stream(body)
-    return ApiRequest("completion", model, request, stream, include_usage, logprobs)
+    return ApiRequest("completion", model, request, stream, include_usage, logprobs,
+                      _flag(body, "return_token_ids"))
 
 
 # --- the fields every endpoint shares --------------------------------------------------------------
@@ -188,10 +192,7 @@ def _fill_sampling(s: pb.SamplingParams, body: Mapping[str, Any], max_tokens: in
     if seed is not None:
         s.seed = seed
     s.stop.extend(_stop(body))
-    ignore_eos = body.get("ignore_eos")
-    if ignore_eos is not None and not isinstance(ignore_eos, bool):
-        raise ApiError.invalid(f"ignore_eos must be true or false, got {ignore_eos!r}", "ignore_eos")
-    s.ignore_eos = bool(ignore_eos)
+    s.ignore_eos = _flag(body, "ignore_eos")
     if logprobs is not None:
         s.logprobs = logprobs
 
@@ -219,6 +220,13 @@ def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
     if not isinstance(options, dict) or options.get("include_usage") not in (None, True, False):
         raise ApiError.invalid("stream_options must be {\"include_usage\": true|false}", "stream_options")
     return True, bool(options.get("include_usage"))
+
+
+def _flag(body: Mapping[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise ApiError.invalid(f"{name} must be true or false, got {value!r}", name)
+    return bool(value)
 
 
 def _is_int(value: Any) -> bool:

@@ -52,6 +52,7 @@ class AnswerBuilder:
     created: int = field(default_factory=lambda: int(time.time()))
     text: list[str] = field(default_factory=list)
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     last: pb.GenerateResponse | None = None
     streamed_token_chars: int = 0  # completions' text_offset of the next streamed logprob entry
@@ -73,11 +74,12 @@ class AnswerBuilder:
         """The chunks one servicer reply makes: its text (if any), then the finish when it is the last."""
         self.add(reply)
         out = []
-        if reply.text or self._wants_logprobs(reply):
+        if reply.text or self._wants_logprobs(reply) or (self.request.return_token_ids and reply.token_ids):
             logprobs = self._logprobs_json(reply.logprobs, self.streamed_token_chars)
             if logprobs is not None and not self.is_chat:
                 self.streamed_token_chars += sum(len(t) for t in logprobs["tokens"])
-            out.append(self._chunk({**self._text_field(reply.text), "logprobs": logprobs}))
+            out.append(self._chunk({**self._text_field(reply.text), "logprobs": logprobs,
+                                    **self._token_ids(reply.token_ids)}))
         if reply.finished:
             out.append(self._chunk({**self._text_field(None), "logprobs": None,
                                     "finish_reason": self.finish_reason}, extension=True))
@@ -109,6 +111,7 @@ class AnswerBuilder:
     def add(self, reply: pb.GenerateResponse) -> None:
         self.text.append(reply.text)
         self.logprobs.extend(reply.logprobs)
+        self.token_ids.extend(reply.token_ids)
         if reply.finished:
             self.finish_reason, self.last = reply.finish_reason or "stop", reply
 
@@ -120,10 +123,14 @@ class AnswerBuilder:
         else:
             choice = {"index": 0, "text": text, "logprobs": self._logprobs_json(self.logprobs),
                       "finish_reason": self.finish_reason}
+        choice.update(self._token_ids(self.token_ids))
         last = self.last or pb.GenerateResponse()
         return {"id": self.id, "object": "chat.completion" if self.is_chat else "text_completion",
                 "created": self.created, "model": self.request.model, "choices": [choice],
                 "usage": usage_json(last.usage), EXTENSION: extension_json(last)}
+
+    def _token_ids(self, ids) -> dict:
+        return {"token_ids": list(ids)} if self.request.return_token_ids else {}
 
     # --- logprobs ----------------------------------------------------------------------------
     def _wants_logprobs(self, reply: pb.GenerateResponse) -> bool:
