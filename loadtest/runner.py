@@ -1,11 +1,12 @@
-"""The load generator: sends a workload's requests to a router over gRPC and records each one.
+"""The load generator: sends a workload's requests to a server and records each one.
 
     report = run_loadtest(LoadTestConfig(router="127.0.0.1:50051", workload=Mixed(),
                                          arrivals=Poisson(rate=4.0), bounds=Bounds(200)))
 
-A run: check the router answers (fail fast if not) -> scrape the metrics URL -> send the
-requests on the arrival schedule, each streamed and timed on this process's monotonic clock
--> scrape again -> build the report (stats.build_report) -> optionally write it (report.py).
+A run: open the transport (transport.py: gRPC to the router) -> check the
+server answers (fail fast if not) -> scrape the metrics URL -> send the requests on the arrival
+schedule, each streamed and timed on this process's monotonic clock -> scrape again -> build the
+report (stats.build_report) -> optionally write it (report.py).
 
 A request's life here: Due (its arrival time came, or a closed-loop sender took it) ->
 Waiting for its conversation's previous turn (multi-turn only) -> Sent -> Streaming ->
@@ -28,13 +29,11 @@ from typing import Any
 from tqdm import tqdm
 
 from loadtest.arrivals import Arrivals, Bounds, ClosedLoop, Poisson, scheduled_offsets
-from loadtest.server_metrics import MetricsProbe, discover_metrics_url
+from loadtest.server_metrics import MetricsProbe
 from loadtest.stats import SLO, RequestRecord, build_report
+from loadtest.transport import GenerationRequest, Reply, Sampling, Transport
 from loadtest.workloads import ConversationHistory, RequestSpec, Synthetic, Workload, workload_params
-from pdserve.client import TIMING_FIELDS, USAGE_FIELDS, AsyncPdserveClient, PdserveError
-from pdserve.client_security import client_kwargs
 from pdserve.security import SecurityConfig
-from protos.pdserve.v1 import generation_pb2 as pb
 
 
 @dataclass(frozen=True)
@@ -90,18 +89,15 @@ def run_loadtest(config: LoadTestConfig, out_dir: str | None = None) -> dict[str
 
 
 async def run_loadtest_async(config: LoadTestConfig) -> RunResult:
-    security = config.security or SecurityConfig()
-    await wait_for_router(config.router, config.connect_timeout_s, security)
-    metrics_url = config.metrics_url or await asyncio.to_thread(discover_metrics_url, config.router,
-                                                                security=security)
-    probe = MetricsProbe(metrics_url) if metrics_url else None
-    if probe:
-        await asyncio.to_thread(probe.before)
-    started_at = datetime.now(UTC).isoformat(timespec="seconds")
-    specs = config.workload.requests(config.bounds.requests, random.Random(config.seed))
-    async with AsyncPdserveClient(config.router, timeout_s=config.options.timeout_s,
-                                  **client_kwargs(security)) as client:
-        run = _Run(client, config)
+    async with open_transport(config) as transport:
+        await transport.check(config.connect_timeout_s)
+        metrics_url = config.metrics_url or await transport.metrics_url()
+        probe = MetricsProbe(metrics_url) if metrics_url else None
+        if probe:
+            await asyncio.to_thread(probe.before)
+        started_at = datetime.now(UTC).isoformat(timespec="seconds")
+        specs = config.workload.requests(config.bounds.requests, random.Random(config.seed))
+        run = _Run(transport, config)
         with run.progress_bar():
             await run.drive(specs)
     meta = {**config.describe(), "started_at": started_at, "started_unix_s": round(run.started_unix_s, 3),
@@ -112,31 +108,29 @@ async def run_loadtest_async(config: LoadTestConfig) -> RunResult:
     return RunResult(report, sorted(run.records, key=lambda r: r.index))
 
 
-async def wait_for_router(target: str, timeout_s: float, security: SecurityConfig | None = None) -> None:
-    """Raise ValueError (a user error) if no connection to target is made within timeout_s."""
-    async with (security or SecurityConfig()).open_channel(target, internal=False, aio=True) as channel:
-        try:
-            await asyncio.wait_for(channel.channel_ready(), timeout_s)
-        except TimeoutError:
-            raise ValueError(f"cannot reach the router at {target} within {timeout_s:g} s; "
-                             "is `pdserve up` running there?") from None
+def open_transport(config: LoadTestConfig) -> Transport:
+    """The transport that sends config's requests."""
+    from loadtest.grpc_transport import GrpcTransport
+
+    return GrpcTransport(config.router, timeout_s=config.options.timeout_s,
+                         security=config.security or SecurityConfig())
 
 
-def request_fields(spec: RequestSpec, history: ConversationHistory, options: RequestOptions,
-                   seed: int) -> dict[str, Any]:
-    """The AsyncPdserveClient.stream keywords for spec."""
-    prompt = ({"token_ids": list(spec.token_ids)} if spec.token_ids
-              else {"messages": history.messages_for(spec)})
-    return {**prompt, "request_id": f"loadtest-{seed}-{spec.index}", "max_tokens": spec.max_tokens,
-            "temperature": options.temperature, "ignore_eos": options.ignore_eos,
-            "routing": options.routing}
+def generation_request(spec: RequestSpec, history: ConversationHistory, options: RequestOptions,
+                       seed: int) -> GenerationRequest:
+    """What to send for spec: its prompt (multi-turn: the history before it), the options' sampling."""
+    sampling = Sampling(max_tokens=spec.max_tokens, temperature=options.temperature,
+                        ignore_eos=options.ignore_eos)
+    messages = () if spec.token_ids else tuple(history.messages_for(spec))
+    return GenerationRequest(request_id=f"loadtest-{seed}-{spec.index}", sampling=sampling,
+                             messages=messages, token_ids=spec.token_ids, routing=options.routing)
 
 
 class _Run:
     """One run's mutable state: records, conversation histories, turn completions."""
 
-    def __init__(self, client: AsyncPdserveClient, config: LoadTestConfig) -> None:
-        self.client, self.config = client, config
+    def __init__(self, transport: Transport, config: LoadTestConfig) -> None:
+        self.transport, self.config = transport, config
         self.records: list[RequestRecord] = []
         self.skipped = 0
         self.history = ConversationHistory()
@@ -228,39 +222,8 @@ class _Run:
             self._bar.set_postfix(failed=failed, skipped=self.skipped, refresh=False)
 
     async def _send(self, spec: RequestSpec) -> tuple[RequestRecord, str]:
-        fields = request_fields(spec, self.history, self.config.options, self.config.seed)
-        times: list[float] = []
-        counts: list[int] = []
-        text: list[str] = []
-        final: pb.GenerateResponse | None = None
-        status, error = "OK", None
-        sent = self.now()
-        try:
-            async with self.client.stream(**fields) as stream:
-                async for response in stream:
-                    if response.token_ids:
-                        times.append(self.now())
-                        counts.append(len(response.token_ids))
-                    text.append(response.text)
-                    if response.finished:
-                        final = response
-            if final is None:
-                status, error = "INTERNAL", "the stream ended without its final message (finished=true)"
-        except PdserveError as exc:
-            status, error = exc.code, exc.message
-        end = self.now()
-        record = RequestRecord(
-            index=spec.index, send_s=sent, end_s=end, status=status, token_times_s=tuple(times),
-            token_counts=tuple(counts), error=error, max_tokens=spec.max_tokens, kind=spec.kind,
-            conversation=spec.conversation, turn=spec.turn, **_final_fields(final))
-        return record, "".join(text)
-
-
-def _final_fields(final: pb.GenerateResponse | None) -> dict[str, Any]:
-    if final is None:
-        return {}
-    return {"usage": {k: getattr(final.usage, k) for k in USAGE_FIELDS},
-            "server_timings_ms": {k: getattr(final.timings, k) for k in TIMING_FIELDS},
-            "prefill_worker": final.prefill_worker or None, "decode_worker": final.decode_worker or None,
-            "finish_reason": final.finish_reason}
-
+        request = generation_request(spec, self.history, self.config.options, self.config.seed)
+        reply: Reply = await self.transport.stream(request, self.now)
+        record = RequestRecord(index=spec.index, max_tokens=spec.max_tokens, kind=spec.kind,
+                               conversation=spec.conversation, turn=spec.turn, **reply.record_fields())
+        return record, reply.text
