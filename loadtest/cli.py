@@ -1,7 +1,7 @@
 """`pdserve loadtest` and `python -m loadtest`: the same flags, the same handler.
 
-This module imports only argparse, the (pure) workloads and the routing policies
-(router/config.py) at load time, because `pdserve --help` builds every subcommand's parser; the
+This module imports only argparse, the (pure) workloads and transport interface and the routing
+policies (router/config.py) at load time, because `pdserve --help` builds every subcommand's parser; the
 runner (grpc) and the plots (matplotlib) are imported when a run starts.
 """
 
@@ -14,16 +14,18 @@ import os
 import sys
 from collections.abc import Sequence
 
+from loadtest.transport import APIS
 from loadtest.workloads import WORKLOADS, describe_workloads, make_workload, parse_params
 from pdserve.client_security import add_client_security_arguments, security_from_args
 from router.config import ROUTING_POLICIES
 
 DESCRIPTION = (
-    "Load-test a running pdserve router: send a workload's requests over gRPC, open loop (Poisson "
+    "Load-test a running pdserve router: send a workload's requests over gRPC (or, with --api openai "
+    "--url URL, over its OpenAI-compatible HTTP API), open loop (Poisson "
     "arrivals at --rate) or closed loop (--concurrency in flight), bounded by --requests and "
     "--duration; report TTFT, ITL, TPOT and E2E latency (p50/p90/p99), tokens/s, goodput, prefix "
-    "hit rate and errors by gRPC status. --out DIR writes report.json, requests.jsonl and PNG plots. "
-    "Compare mode: --against / --against-routing run the same workload twice, or --compare reads "
+    "hit rate and errors by gRPC (or HTTP) status. --out DIR writes report.json, requests.jsonl and "
+    "PNG plots. Compare mode: --against / --against-routing run the same workload twice, or --compare reads "
     "two report.json files; both print the ratios B/A.")
 EXIT_INTERRUPTED = 130
 
@@ -61,10 +63,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the router's Prometheus endpoint (e.g. http://127.0.0.1:9100/metrics); "
                         "scraped before and after, its counter deltas go in the report's server_metrics "
                         "(default: the address the router gives in its Admin ClusterStatus)")
-    p.add_argument("--label", help="name of this run in the report and plots (default: the router address)")
-    p.add_argument("--against", metavar="HOST:PORT",
+    p.add_argument("--label", help="name of this run in the report and plots (default: the router address "
+                                   "or --url)")
+    p.add_argument("--against", metavar="HOST:PORT|URL",
                    help="compare mode: run the same workload against this second router (B) "
-                        "after --router (A)")
+                        "after --router (A); with --api openai, a second base URL after --url")
     p.add_argument("--against-routing", choices=ROUTING_POLICIES,
                    help="compare mode: B is the same run with this routing override (against --router, "
                         "or --against when given)")
@@ -78,9 +81,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     """Where the requests go, what they are, how many and how fast."""
+    p.add_argument("--api", choices=APIS, default="grpc",
+                   help="how to send: grpc = pdserve's Generation API at --router; openai = the "
+                        "OpenAI-compatible HTTP API at --url (/v1/chat/completions for chat prompts, "
+                        "/v1/completions for token ids, streamed) (default: %(default)s)")
     p.add_argument("--router", metavar="HOST:PORT",
                    help="address of the router to load (e.g. 127.0.0.1:50051, `pdserve up`'s); "
-                        "this is A in compare mode")
+                        "this is A in compare mode (--api grpc)")
+    p.add_argument("--url", metavar="URL",
+                   help="--api openai: the HTTP API's base URL, e.g. http://127.0.0.1:8000 "
+                        "(`pdserve up --http-port`; a trailing /v1 is fine); A in compare mode")
+    p.add_argument("--model", metavar="NAME",
+                   help="--api openai: the model every request names (default: the first one "
+                        "GET /v1/models lists)")
     p.add_argument("--workload", choices=tuple(WORKLOADS), default="synthetic",
                    help="what to send: synthetic = random lengths; shared-prefix = long shared system "
                         "prompts; multi-turn = conversations whose turns carry the replies before; "
@@ -124,6 +137,16 @@ def _add_request_arguments(p: argparse.ArgumentParser) -> None:
     """What every request asks of the router."""
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature of every request; 0 = greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, metavar="P",
+                   help="nucleus sampling: every request samples from the top tokens of total "
+                        "probability P (default: the server's)")
+    p.add_argument("--top-k", type=int, metavar="K",
+                   help="every request samples from its K most likely tokens (default: the server's)")
+    p.add_argument("--sampling-seed", type=int, metavar="N",
+                   help="seed of every request's sampler, so a request samples the same tokens "
+                        "each run (default: none; --seed is the workload's)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="a stop string of every request; repeat for several (default: none)")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate exactly max_tokens, ignoring end-of-sequence, so output lengths "
                         "follow the workload (default: on)")
@@ -161,19 +184,22 @@ def config_from_args(args: argparse.Namespace):  # -> LoadTestConfig (imported l
     from loadtest.runner import LoadTestConfig, RequestOptions
     from loadtest.stats import SLO
 
-    if not args.router:
-        raise ValueError("--router HOST:PORT is required (or --compare A.json B.json)")
+    if args.api == "grpc" and (args.url or args.model):
+        raise ValueError("--url and --model go with --api openai; the gRPC API takes --router HOST:PORT")
+    if args.api == "openai" and args.router:
+        raise ValueError("--api openai sends to --url; drop --router (or use --api grpc)")
     if args.rate is None and args.concurrency is None:
         raise ValueError("give --rate R (open loop, Poisson) or --concurrency C (closed loop)")
     return LoadTestConfig(
-        router=args.router,
+        router=args.router or "", api=args.api, url=args.url or "", model=args.model,
         workload=make_workload(args.workload, parse_params(args.param)),
         arrivals=Poisson(args.rate) if args.rate is not None else ClosedLoop(args.concurrency),
         bounds=Bounds(args.requests, args.duration),
         seed=args.seed,
         slo=SLO(args.slo_ttft_ms, args.slo_itl_ms, args.slo_itl_stat),
-        options=RequestOptions(temperature=args.temperature, ignore_eos=args.ignore_eos,
-                               routing=args.routing, timeout_s=args.timeout),
+        options=RequestOptions(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                               sampling_seed=args.sampling_seed, stop=tuple(args.stop),
+                               ignore_eos=args.ignore_eos, routing=args.routing, timeout_s=args.timeout),
         metrics_url=args.metrics_url, progress=not args.no_progress,
         connect_timeout_s=args.connect_timeout, label=args.label or "", security=security_from_args(args))
 
@@ -195,11 +221,12 @@ def _run_compare(args: argparse.Namespace, config) -> int:
     if args.metrics_url:
         # NOTE: one URL cannot describe two routers; B's counters would be A's.
         raise ValueError("--metrics-url applies to a single run; drop it in compare mode")
-    label_a = config.label or _describe(config.router, config.options.routing)
-    router_b = args.against or config.router
+    label_a = config.label or _describe(config.target, config.options.routing)
+    target_b = args.against or config.target
     routing_b = args.against_routing or config.options.routing
+    where_b = {"url": target_b} if config.api == "openai" else {"router": target_b}
     config_a = dataclasses.replace(config, label=label_a)
-    config_b = dataclasses.replace(config, router=router_b, label=_describe(router_b, routing_b),
+    config_b = dataclasses.replace(config, **where_b, label=_describe(target_b, routing_b),
                                    options=dataclasses.replace(config.options, routing=routing_b))
     result = run_compare(config_a, config_b, args.out)
     if args.json:

@@ -2,15 +2,16 @@
 
     report = run_loadtest(LoadTestConfig(router="127.0.0.1:50051", workload=Mixed(),
                                          arrivals=Poisson(rate=4.0), bounds=Bounds(200)))
+    report = run_loadtest(LoadTestConfig(api="openai", url="http://127.0.0.1:8000", ...))
 
-A run: open the transport (transport.py: gRPC to the router) -> check the
+A run: open the transport (transport.py: gRPC to the router, or OpenAI's HTTP API) -> check the
 server answers (fail fast if not) -> scrape the metrics URL -> send the requests on the arrival
 schedule, each streamed and timed on this process's monotonic clock -> scrape again -> build the
 report (stats.build_report) -> optionally write it (report.py).
 
 A request's life here: Due (its arrival time came, or a closed-loop sender took it) ->
 Waiting for its conversation's previous turn (multi-turn only) -> Sent -> Streaming ->
-Finished (OK) / Failed (a gRPC status) / Skipped (an earlier turn of its conversation failed,
+Finished (OK) / Failed (a gRPC status, or an HTTP one) / Skipped (an earlier turn of its conversation failed,
 or the duration ran out while it waited). No request starts after the duration; requests in
 flight then run to their end, each bounded by its deadline (RequestOptions.timeout_s).
 """
@@ -31,7 +32,7 @@ from tqdm import tqdm
 from loadtest.arrivals import Arrivals, Bounds, ClosedLoop, Poisson, scheduled_offsets
 from loadtest.server_metrics import MetricsProbe
 from loadtest.stats import SLO, RequestRecord, build_report
-from loadtest.transport import GenerationRequest, Reply, Sampling, Transport
+from loadtest.transport import APIS, GenerationRequest, Reply, Sampling, Transport
 from loadtest.workloads import ConversationHistory, RequestSpec, Synthetic, Workload, workload_params
 from pdserve.security import SecurityConfig
 
@@ -41,6 +42,10 @@ class RequestOptions:
     """How every request is sent."""
 
     temperature: float | None = 0.0  # None: the router's default (1.0)
+    top_p: float | None = None  # None: the server's default, here and below
+    top_k: int | None = None
+    sampling_seed: int | None = None  # the seed of every request's sampler
+    stop: tuple[str, ...] = ()
     ignore_eos: bool = True  # generate exactly max_tokens, so output lengths follow the workload
     routing: str | None = None  # per-request policy override: prefix | least_load | round_robin
     timeout_s: float = 300.0  # deadline of each request
@@ -48,7 +53,7 @@ class RequestOptions:
 
 @dataclass(frozen=True)
 class LoadTestConfig:
-    router: str  # HOST:PORT
+    router: str = ""  # HOST:PORT of the router's gRPC API (api="grpc")
     workload: Workload = field(default_factory=Synthetic)
     arrivals: Arrivals = field(default_factory=lambda: ClosedLoop(1))
     bounds: Bounds = field(default_factory=lambda: Bounds(100, 600.0))
@@ -60,10 +65,30 @@ class LoadTestConfig:
     connect_timeout_s: float = 10.0
     label: str = ""  # names this run in compare mode
     security: SecurityConfig | None = None  # TLS and the API token to dial with; None: plaintext, no token
+    api: str = "grpc"  # grpc: router over gRPC; openai: url over OpenAI's HTTP API
+    url: str = ""  # api="openai": the base URL, e.g. http://127.0.0.1:8000 (`pdserve up --http-port`)
+    model: str | None = None  # api="openai": every request's `model`; None: the first GET /v1/models lists
+
+    def __post_init__(self) -> None:
+        if self.api not in APIS:
+            raise ValueError(f"api must be one of {', '.join(APIS)}, got {self.api!r}")
+        if self.api == "grpc" and not self.router:
+            raise ValueError("--router HOST:PORT is required (or --compare A.json B.json)")
+        if self.api == "openai":
+            if not self.url:
+                raise ValueError("--api openai needs --url, the HTTP API's base URL (e.g. http://127.0.0.1:8000)")
+            if self.options.routing:
+                raise ValueError("--routing is a field of pdserve's gRPC API; OpenAI's HTTP API has no "
+                                 "per-request routing override: drop it, or use --api grpc")
+
+    @property
+    def target(self) -> str:
+        """Where the requests go: the router's HOST:PORT, or the HTTP API's URL."""
+        return self.url if self.api == "openai" else self.router
 
     def describe(self) -> dict[str, Any]:
         """The report's record of what was run."""
-        return {"label": self.label or self.router, "router": self.router,
+        return {"label": self.label or self.target, "router": self.target, "api": self.api,
                 "workload": {"name": self.workload.name, "params": workload_params(self.workload)},
                 "seed": self.seed, "arrival": self.arrivals.describe(),
                 "bounds": {"requests": self.bounds.requests, "duration_s": self.bounds.duration_s},
@@ -109,17 +134,23 @@ async def run_loadtest_async(config: LoadTestConfig) -> RunResult:
 
 
 def open_transport(config: LoadTestConfig) -> Transport:
-    """The transport that sends config's requests."""
+    """The transport config.api names (its client library is imported only when chosen)."""
+    security = config.security or SecurityConfig()
+    if config.api == "openai":
+        from loadtest.openai_transport import OpenAITransport
+
+        return OpenAITransport(config.url, timeout_s=config.options.timeout_s, security=security,
+                               model=config.model)
     from loadtest.grpc_transport import GrpcTransport
 
-    return GrpcTransport(config.router, timeout_s=config.options.timeout_s,
-                         security=config.security or SecurityConfig())
+    return GrpcTransport(config.router, timeout_s=config.options.timeout_s, security=security)
 
 
 def generation_request(spec: RequestSpec, history: ConversationHistory, options: RequestOptions,
                        seed: int) -> GenerationRequest:
     """What to send for spec: its prompt (multi-turn: the history before it), the options' sampling."""
-    sampling = Sampling(max_tokens=spec.max_tokens, temperature=options.temperature,
+    sampling = Sampling(max_tokens=spec.max_tokens, temperature=options.temperature, top_p=options.top_p,
+                        top_k=options.top_k, seed=options.sampling_seed, stop=options.stop,
                         ignore_eos=options.ignore_eos)
     messages = () if spec.token_ids else tuple(history.messages_for(spec))
     return GenerationRequest(request_id=f"loadtest-{seed}-{spec.index}", sampling=sampling,

@@ -1,7 +1,9 @@
 """How the load generator talks to a server: one interface, two implementations. Pure: no I/O.
 
     Transport                         what the runner calls (this file)
-    grpc_transport.GrpcTransport      pdserve.v1.Generation over AsyncPdserveClient
+    grpc_transport.GrpcTransport      pdserve.v1.Generation over AsyncPdserveClient   --api grpc
+    openai_transport.OpenAITransport  OpenAI's /v1/chat/completions and /v1/completions
+                                      over aiohttp, streamed as server-sent events     --api openai
 
 The runner turns each RequestSpec into an API-neutral GenerationRequest, hands it to
 `Transport.stream(request, clock)` and gets back a Reply: what came back, timed on the runner's
@@ -10,8 +12,8 @@ both APIs.
 
 A transport's life: `async with` (opens its connections) -> check(timeout_s) (the server answers,
 else ValueError with a hint) -> metrics_url() -> stream(...) for every request, concurrently ->
-closed. A stream that fails never raises: its Reply has the status (a gRPC status name) and the
-server's message.
+closed. A stream that fails never raises: its Reply has the status (a gRPC status name, or what
+the HTTP transport names in openai_protocol.py) and the server's message.
 
 ReplyBuilder is the one way both implementations time a stream: sent() when the request goes
 out, tokens(n) on each message that carries tokens, then finished(...) or failed(...).
@@ -26,6 +28,7 @@ from typing import Any, Protocol
 from loadtest.workloads import Message
 
 OK = "OK"
+APIS = ("grpc", "openai")  # LoadTestConfig.api, --api
 Clock = Callable[[], float]  # seconds on the runner's monotonic clock
 
 
@@ -116,6 +119,16 @@ class ReplyBuilder:
         """A message with count > 0 tokens arrived (now, or at the given receipt time)."""
         self.times.append(self.clock() if at is None else at)
         self.counts.append(count)
+
+    def uncounted(self, count: int) -> None:
+        """count tokens the server generated but sent in no message: they join the last one (or,
+        with none, make one now)."""
+        if count <= 0:
+            return
+        if self.counts:
+            self.counts[-1] += count
+        else:
+            self.tokens(count)
 
     def text(self, text: str) -> None:
         if text:

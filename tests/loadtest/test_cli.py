@@ -9,6 +9,7 @@ import sys
 from deploy.cli import build_parser
 from deploy.cli import main as pdserve_main
 from loadtest import cli
+from tests.loadtest.fake_openai import FakeOpenAI, serving_openai
 from tests.loadtest.fake_router import FakeRouter, serving
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -32,6 +33,35 @@ def test_the_issue_command_line_writes_report_json_and_plots(tmp_path, capsys):
         assert (tmp_path / png).read_bytes()[:8] == PNG_MAGIC
     out = capsys.readouterr().out
     assert "TTFT ms" in out and "report.json" in out
+
+
+def test_api_openai_sends_the_same_workload_over_http(tmp_path, capsys):
+    fake = FakeOpenAI()
+    with serving_openai(fake) as url:
+        code = pdserve_main(["loadtest", "--api", "openai", "--url", url, "--workload", "shared-prefix",
+                             "-p", "system_prompt_tokens=20", "-p", "output_tokens=3", "--requests", "4",
+                             "--concurrency", "2", "--top-k", "5", "--stop", "END", "--out", str(tmp_path),
+                             "--no-progress"])
+    assert code == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["api"] == "openai" and report["router"] == url and report["counts"]["completed"] == 4
+    assert report["request_options"]["top_k"] == 5 and report["request_options"]["stop"] == ["END"]
+    assert [b["messages"][0]["role"] for b in fake.bodies] == ["system"] * 4
+    assert all(b["top_k"] == 5 and b["stop"] == ["END"] for b in fake.bodies)
+    assert "TTFT ms" in capsys.readouterr().out
+
+
+def test_compare_mode_over_http_takes_a_second_url(tmp_path):
+    a, b = FakeOpenAI(), FakeOpenAI()
+    with serving_openai(a) as url_a, serving_openai(b) as url_b:
+        code = cli.main(["--api", "openai", "--url", url_a, "--against", url_b, "--requests", "3",
+                         "--rate", "inf", "-p", "input_tokens=4", "-p", "output_tokens=3",
+                         "--out", str(tmp_path), "--no-progress"])
+    assert code == 0 and len(a.bodies) == len(b.bodies) == 3
+    contents = lambda fake: sorted(x["messages"][0]["content"] for x in fake.bodies)
+    assert contents(a) == contents(b)
+    comparison = json.loads((tmp_path / "compare.json").read_text())
+    assert (comparison["a"], comparison["b"]) == (url_a, url_b) and comparison["same_workload"]
 
 
 def test_compare_mode_runs_the_same_workload_twice_and_prints_ratios(tmp_path, capsys):
@@ -60,6 +90,13 @@ def test_errors_are_user_errors(capsys):
     assert "has no parameter 'nope'" in capsys.readouterr().err
     assert cli.main(["--router", "127.0.0.1:9", "--concurrency", "1", "--connect-timeout", "0.3"]) == 2
     assert "cannot reach the router" in capsys.readouterr().err
+    assert cli.main(["--api", "openai", "--concurrency", "1"]) == 2
+    assert "--api openai needs --url" in capsys.readouterr().err
+    assert cli.main(["--api", "openai", "--url", "http://h:1", "--routing", "prefix",
+                     "--concurrency", "1"]) == 2
+    assert "no per-request routing" in capsys.readouterr().err
+    assert cli.main(["--router", "127.0.0.1:1", "--url", "http://h:1", "--concurrency", "1"]) == 2
+    assert "--url and --model go with --api openai" in capsys.readouterr().err
 
 
 def test_every_flag_has_help():
