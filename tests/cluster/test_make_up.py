@@ -60,6 +60,28 @@ def check_loadtest(port: int, out) -> None:
     assert plots and all((out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in plots), plots
 
 
+def check_loadtest_over_http(http_port: int, out) -> None:
+    """`pdserve loadtest --api openai`: the same shared-prefix workload over the OpenAI-compatible
+    HTTP API, streamed; its counts agree with the router's counters, scraped at the URL's /metrics."""
+    command = [sys.executable, "-m", "deploy.cli", "loadtest", "--api", "openai",
+               "--url", f"http://127.0.0.1:{http_port}", "--workload", "shared-prefix",
+               "-p", "system_prompt_tokens=100", "-p", "question_tokens=8", "-p", "output_tokens=6",
+               "--requests", "6", "--concurrency", "2", "--seed", "1", "--out", str(out), "--no-progress"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["api"] == "openai" and report["errors"] == {} and report["counts"]["completed"] == 6
+    assert all(report[key]["p50"] > 0 for key in ("ttft_ms", "itl_ms", "e2e_ms")), report
+    assert report["output_tokens_total"] == 6 * 6 and report["itl_ms"]["count"] == 6 * 5
+    assert 0 < report["prefix_hit_rate"] < 1
+    server = report["server_metrics"]
+    assert server["url"] == f"http://127.0.0.1:{http_port}/metrics" and server["error"] is None
+    assert server["pdserve_router_requests_total"] == {"OK": 6}
+    assert server["pdserve_router_generated_tokens_total"] == report["output_tokens_total"]
+    assert server["pdserve_router_prompt_tokens_total"] == report["prompt_tokens_total"]
+    assert server["pdserve_router_cached_tokens_total"] == report["cached_tokens_total"]
+
+
 def check_status(port: int) -> None:
     command = [sys.executable, "-m", "deploy.cli", "status", "--router", f"127.0.0.1:{port}"]
     status = subprocess.run(command, capture_output=True, text=True, timeout=60)
@@ -71,9 +93,10 @@ def check_status(port: int) -> None:
 
 @pytest.mark.slow
 def test_up_answers_serves_and_ctrl_c_leaves_nothing(tmp_path):
-    port = free_port()
+    port, http_port = free_port(), free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--port", str(port),
+                             "--http-port", str(http_port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     try:
@@ -86,6 +109,7 @@ def test_up_answers_serves_and_ctrl_c_leaves_nothing(tmp_path):
         served = subprocess.run(command, capture_output=True, text=True, timeout=120)
         assert served.returncode == 0 and served.stdout.strip(), served.stderr
         check_loadtest(port, tmp_path / "loadtest")
+        check_loadtest_over_http(http_port, tmp_path / "loadtest-http")
         check_status(port)
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
@@ -95,4 +119,4 @@ def test_up_answers_serves_and_ctrl_c_leaves_nothing(tmp_path):
     time.sleep(1.0)
     alive = [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, [" ".join(p.cmdline())[:120] for p in alive]
-    assert port_is_free(port)
+    assert port_is_free(port) and port_is_free(http_port)
