@@ -45,6 +45,9 @@ class EngineLimits:
         if bad is not None:
             raise InvalidRequestError(
                 f"sampling.stop_token_ids has {bad}, outside the vocabulary [0, {self.vocab_size})")
+        if sampling.logprobs is not None and sampling.logprobs > self.vocab_size:
+            raise InvalidRequestError(f"sampling.logprobs is {sampling.logprobs:,}; this engine's vocabulary "
+                                      f"has {self.vocab_size:,} tokens to rank")
 
     def check_token(self, field_name: str, token: int) -> None:
         vocab = self.vocab_size
