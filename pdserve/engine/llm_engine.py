@@ -15,7 +15,7 @@ its lifecycle in that module's docstring); the engine steps it and joins resumed
         answer drops the request, which finishes as "abort" in that step's outputs). The
         sender pins the blocks it reads (handoff.pin / unpin).
     decode side: handoff.reserve -> (blocks written by the receiver) -> handoff.park ->
-        resume_transferred(prompt, first_token): handoff.claim checks the request against what
+        resume_transferred(prompt, first_token, first_logprob): handoff.claim checks the request against what
         was parked, and the request joins the continuous batch (scheduler.add_running). A resume
         that is refused or raises frees the parked KV; step() frees parked KV past its expiry.
 
@@ -290,8 +290,11 @@ class LLMEngine:
     # --- KV handoff: a transferred request joins the batch -----------------------------------
     def resume_transferred(self, request_id: str, prompt_token_ids: list[int], first_token: int,
                            sampling: SamplingParams, rng_state: torch.Tensor | None = None,
-                           detokenize: bool = True, cache_salt: bytes = b"") -> RequestOutput | None:
-        """Continue a parked transfer: its prompt's KV is here, first_token came from prefill.
+                           detokenize: bool = True, cache_salt: bytes = b"",
+                           first_logprob: TokenLogprob | None = None) -> RequestOutput | None:
+        """Continue a parked transfer: its prompt's KV is here, first_token came from prefill, and
+        with it first_logprob when sampling.logprobs asks (the prefill engine computed it from the
+        logits first_token was sampled from; this engine never sees them).
 
         Returns the output for first_token (it may already finish the request), or None when
         nothing is parked under request_id (the caller prefills locally). Raises
@@ -301,13 +304,13 @@ class LLMEngine:
         """
         with self.lock:
             reservation = self.handoff.claim(request_id, prompt_token_ids, first_token, sampling, rng_state,
-                                             cache_salt)
+                                             cache_salt, first_logprob)
             if reservation is None:
                 return None
             seq = None
             try:
                 seq = self._resumed_sequence(reservation, sampling, rng_state, detokenize)
-                return self._append_token(seq, first_token, None)
+                return self._append_token(seq, first_token, first_logprob)
             except BaseException:
                 self._undo_resume(reservation, seq)
                 raise
