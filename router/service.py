@@ -281,6 +281,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                            detokenize=True, cache_salt=job.cache_salt)
         if prefill is not None:
             request.first_token, request.rng_state = prefill.first_token, prefill.rng_state
+            if prefill.HasField("first_logprob"):
+                request.first_logprob.CopyFrom(prefill.first_logprob)
         call = self.directory.decode_stub(placement.decode.address).Decode(request,
                                                                            timeout=self._timeout(context))
         if not context.add_callback(call.cancel):  # the client is already gone
@@ -313,7 +315,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             trace.last_token = now
             self.metrics.generated_tokens.inc(len(reply.token_ids))
         out = generation_pb2.GenerateResponse(request_id=rid, text=reply.text, token_ids=reply.token_ids,
-                                              finished=reply.finished, finish_reason=reply.finish_reason)
+                                              finished=reply.finished, finish_reason=reply.finish_reason,
+                                              logprobs=reply.logprobs)
         if reply.finished:
             trace.code = "OK"
             trace.usage = _usage(reply.usage, trace.prefill_usage)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
-from pdserve.engine.sequence import SamplingParams, Usage
+from pdserve.engine.sequence import SamplingParams, TokenLogprob, Usage
 from protos.pdserve.v1 import generation_pb2
 
 DEFAULT_MAX_TOKENS = 128
@@ -21,6 +23,7 @@ def sampling_from_proto(p: generation_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(p.stop_token_ids),
         stop=tuple(p.stop),
         ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
     )
 
 
@@ -30,7 +33,27 @@ def sampling_to_proto(s: SamplingParams) -> generation_pb2.SamplingParams:
                                       stop=list(s.stop), ignore_eos=s.ignore_eos)
     if s.seed is not None:
         p.seed = s.seed
+    if s.logprobs is not None:
+        p.logprobs = s.logprobs
     return p
+
+
+def logprob_to_proto(lp: TokenLogprob) -> generation_pb2.TokenLogprob:
+    return generation_pb2.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob,
+        top=[generation_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
+def logprob_from_proto(p: generation_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(p.token_id, p.logprob, tuple((t.token_id, t.logprob) for t in p.top))
+
+
+def logprobs_to_proto(logprobs: Iterable[TokenLogprob]) -> list[generation_pb2.TokenLogprob]:
+    return [logprob_to_proto(lp) for lp in logprobs]
+
+
+def logprobs_from_proto(protos: Iterable[generation_pb2.TokenLogprob]) -> list[TokenLogprob]:
+    return [logprob_from_proto(p) for p in protos]
 
 
 def usage_to_proto(u: Usage) -> generation_pb2.Usage:
