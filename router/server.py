@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.call_limits import CallLimiter, health_watch_limit, reflection_limit
 from pdserve.engine.hashing import CACHE_ISOLATION
+from pdserve.engine.sampling_defaults import SamplingDefaults
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.grpc_options import ConnectionPolicy, server_options
 from pdserve.metrics import MetricsEndpoint
@@ -75,6 +76,9 @@ class RouterConfig:
     # Open streams of the services that need no token; more are refused at once.
     max_reflection_streams: int = 8
     max_health_watches: int = 16
+    # What a request's unset temperature/top_p/top_k become: the served model's (the launcher reads
+    # them with the model, `pdserve up --default-*` on top); the neutral 1.0/1.0/0 when not given.
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     def __post_init__(self) -> None:
         if self.cache_isolation not in CACHE_ISOLATION:
@@ -104,7 +108,8 @@ class RouterServer:
         self.metrics_endpoint = (MetricsEndpoint(self.metrics.registry, config.host, config.metrics_port)
                                  if config.metrics_port is not None else None)
         self.servicer = GenerationServicer(tokenizer, self.directory, self.placer, config.deadlines,
-                                           self.metrics, config.limits, config.cache_isolation)
+                                           self.metrics, config.limits, config.cache_isolation,
+                                           config.sampling_defaults)
         self.admin = AdminServicer(self.directory, self.placer, lambda: self.servicer.requests_in_flight,
                                    self.identity)
         self.health = health.HealthServicer()
@@ -113,6 +118,11 @@ class RouterServer:
             health_watch_limit(config.max_health_watches, "RouterConfig.max_health_watches")])
         self.address = ""
         self._server: grpc.Server | None = None
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        """The defaults in force, for whoever lists them (`pdserve up`'s banner, /v1/models)."""
+        return self.servicer.sampling_defaults
 
     @property
     def metrics_address(self) -> str:
