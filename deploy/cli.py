@@ -22,6 +22,7 @@ from pdserve import __version__
 from pdserve.client_security import add_client_security_arguments, given_flags
 from pdserve.engine.config import KV_DTYPES, LINEAR_KERNELS, CacheConfig, SchedulerConfig
 from pdserve.engine.hashing import CACHE_ISOLATION
+from pdserve.engine.sampling_defaults import SMOLLM2_MODEL_CARD
 from pdserve.units import human_bytes
 
 if TYPE_CHECKING:
@@ -253,6 +254,7 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
     _add_up_cache(p, d)
     _add_up_routing(p, d)
     _add_up_limits(p, d)
+    _add_up_sampling(p)
     _add_up_audit(p, d)
     _add_up_security(p)
     p.add_argument("--no-sample", action="store_true",
@@ -361,6 +363,26 @@ def _add_up_limits(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
                         help="Generate calls in flight at the router; more are refused with "
                              "RESOURCE_EXHAUSTED and a retry hint "
                              f"(default: {d.limits.max_concurrent_streams})")
+
+
+def _add_up_sampling(p: argparse.ArgumentParser) -> None:
+    card = SMOLLM2_MODEL_CARD
+    sampling = p.add_argument_group(
+        "sampling defaults", "what a request that leaves temperature, top_p or top_k unset gets; a request's "
+                             "own value always wins (0 = greedy included). Each default is the model's: "
+                             "its generation_config.json (do_sample false = greedy), for the embedded "
+                             f"SmolLM2 its model card's (temperature {card.temperature:g}, top_p "
+                             f"{card.top_p:g}), else 1.0 / 1.0 / 0 = off; a flag below replaces it. "
+                             "`pdserve up` prints the defaults in force")
+    sampling.add_argument("--default-temperature", type=float, metavar="T",
+                          help="default sampling temperature, finite and >= 0; 0 = greedy "
+                               "(default: the model's)")
+    sampling.add_argument("--default-top-p", type=float, metavar="P",
+                          help="default nucleus sampling: the smallest set of tokens whose probability "
+                               "reaches P, in (0, 1]; 1 = off (default: the model's)")
+    sampling.add_argument("--default-top-k", type=int, metavar="K",
+                          help="default top-k: sample only from the K most likely tokens, >= 0; 0 = off "
+                               "(default: the model's)")
 
 
 def _add_up_audit(p: argparse.ArgumentParser, d: ClusterSpec) -> None:

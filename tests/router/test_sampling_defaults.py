@@ -3,8 +3,9 @@
 Through a real router and real workers (tests/helpers/cluster.py) on the tiny model with a
 generation_config.json: a seeded request's tokens are exactly those of one in-process engine run
 with the model's values set explicitly (same seed), whether it prefills on a prefill worker or on
-the decode worker. A request's own value wins field by field, and temperature 0 is greedy whatever the
-defaults. Every flow ends with the leak check.
+the decode worker. The router's defaults are what `pdserve up` computes (deploy/launcher.py
+sampling_defaults_in_force); a request's own value wins field by field, and temperature 0 is
+greedy whatever the defaults. Every flow ends with the leak check.
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ import shutil
 
 import pytest
 
-from pdserve.engine.sampling_defaults import SamplingDefaults
+from deploy.config import ClusterSpec
+from deploy.launcher import sampling_defaults_in_force
+from pdserve.engine.sampling_defaults import SamplingDefaults, SamplingOverrides
 from pdserve.engine.sequence import SamplingParams
 from pdserve.engine.weights import LoadedModel, load_model
 from pdserve.worker.convert import sampling_with_defaults
 from protos.pdserve.v1 import generation_pb2 as pb
 from tests.conftest import assert_no_leaks, make_engine
-from tests.helpers.cluster import generate, running_cluster
+from tests.helpers.cluster import generate, running_cluster, start_router
 from tests.helpers.workers import wait_until_clean
 
 GENERATION_CONFIG = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "eos_token_id": 2}
@@ -40,7 +43,7 @@ def loaded(tiny_model_dir, tmp_path_factory) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def cluster(loaded):
-    with running_cluster(loaded, sampling_defaults=loaded.sampling_defaults) as c:
+    with running_cluster(loaded, sampling_defaults=sampling_defaults_in_force(loaded, ClusterSpec())) as c:
         yield c
 
 
@@ -99,3 +102,17 @@ def test_a_requests_own_values_win_field_by_field(cluster, loaded, path):
     assert greedy == engine_tokens(loaded, prompt, temperature=0, top_p=1.0, top_k=0)
     wait_until_clean(*cluster.workers)
 
+
+def test_up_flags_override_the_models_defaults(cluster, loaded):
+    spec = ClusterSpec(sampling_overrides=SamplingOverrides(temperature=0.0))
+    defaults = sampling_defaults_in_force(loaded, spec)
+    assert defaults == SamplingDefaults(0.0, 0.8, 20, "flags/config over generation_config.json")
+    router = start_router(loaded, cluster.records, sampling_defaults=defaults)
+    try:
+        assert router.sampling_defaults == defaults
+        prompt = PROMPTS["remote prefill"]
+        tokens, _ = routed_tokens(router, prompt)
+        assert tokens == engine_tokens(loaded, prompt, temperature=0, top_p=1.0, top_k=0)
+    finally:
+        router.stop()
+    wait_until_clean(*cluster.workers)
