@@ -142,13 +142,17 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
                    help="send these comma-separated token ids as the prompt, skipping the tokenizer "
                         "and chat template")
     p.add_argument("--system", metavar="TEXT", help="system message for the chat template")
-    p.add_argument("--temperature", type=float, default=1.0,
-                   help="sampling temperature; 0 means greedy (default: %(default)s, as in vLLM)")
-    p.add_argument("--top-k", type=int, default=0,
-                   help="sample only from the k most likely tokens; 0 turns it off (default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0,
+    p.add_argument("--temperature", type=float,
+                   help="sampling temperature; 0 means greedy (default: the model's, as in vLLM: its "
+                        f"generation_config.json, {SMOLLM2_MODEL_CARD.temperature:g} for the embedded "
+                        "SmolLM2 (its model card's), else 1.0; with --router, the router's)")
+    p.add_argument("--top-k", type=int,
+                   help="sample only from the k most likely tokens; 0 turns it off (default: the model's, "
+                        "else 0)")
+    p.add_argument("--top-p", type=float,
                    help="sample from the smallest set of tokens whose probability reaches p; "
-                        "1.0 turns it off (default: %(default)s)")
+                        f"1.0 turns it off (default: the model's: {SMOLLM2_MODEL_CARD.top_p:g} for the "
+                        "embedded SmolLM2, else 1.0)")
     p.add_argument("--seed", type=int, help="random seed, for reproducible sampling")
     p.add_argument("--max-tokens", type=int, default=128,
                    help="most tokens to generate (default: %(default)s)")
@@ -200,12 +204,13 @@ def _add_chat(commands: argparse._SubParsersAction) -> None:
                    help="address of a running pdserve router (default: %(default)s, `pdserve up`'s)")
     p.add_argument("--system", metavar="TEXT", help="system message that opens the conversation")
     p.add_argument("--temperature", type=float,
-                   help="sampling temperature; 0 means greedy (default: the router's, 1.0)")
+                   help="sampling temperature; 0 means greedy (default: the router's, which is the served "
+                        "model's; `pdserve up` prints it)")
     p.add_argument("--top-k", type=int,
-                   help="sample only from the k most likely tokens (default: the router's, 0 = off)")
+                   help="sample only from the k most likely tokens; 0 = off (default: the router's)")
     p.add_argument("--top-p", type=float,
-                   help="sample from the smallest set of tokens whose probability reaches p "
-                        "(default: the router's, 1.0 = off)")
+                   help="sample from the smallest set of tokens whose probability reaches p; 1.0 = off "
+                        "(default: the router's)")
     p.add_argument("--seed", type=int, help="random seed, for reproducible sampling")
     p.add_argument("--max-tokens", type=int,
                    help="most tokens per reply (default: the router's, 128)")
