@@ -41,7 +41,7 @@ from protos.pdserve.v1 import generation_pb2 as pb
 class RequestOptions:
     """How every request is sent."""
 
-    temperature: float | None = 0.0  # None: the router's default (1.0)
+    temperature: float | None = 0.0  # None: the router's default (the served model's)
     ignore_eos: bool = True  # generate exactly max_tokens, so output lengths follow the workload
     routing: str | None = None  # per-request policy override: prefix | least_load | round_robin
     timeout_s: float = 300.0  # deadline of each request

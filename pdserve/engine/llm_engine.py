@@ -126,6 +126,7 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.fingerprint = loaded.fingerprint
+        self.sampling_defaults = loaded.sampling_defaults  # what `pdserve generate --local` leaves unset
         self.device = select_device(config.device)
         self.model = LlamaModel(loaded.config, loaded.state_dict, self.device,
                                 select_linear(self.device, config.linear_kernel))

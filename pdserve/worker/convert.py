@@ -6,18 +6,33 @@ from collections.abc import Iterable
 
 import torch
 
+from pdserve.engine.sampling_defaults import NEUTRAL, SAMPLING_FIELDS, SamplingDefaults
 from pdserve.engine.sequence import SamplingParams, TokenLogprob, Usage
 from protos.pdserve.v1 import generation_pb2
 
 DEFAULT_MAX_TOKENS = 128
 
 
+def sampling_with_defaults(p: generation_pb2.SamplingParams,
+                           defaults: SamplingDefaults) -> generation_pb2.SamplingParams:
+    """A copy of p with every sampling field it left unset (temperature, top_p, top_k) set to the
+    default; a field p sets, 0 included, stays as it is."""
+    filled = generation_pb2.SamplingParams()
+    filled.CopyFrom(p)
+    for name in SAMPLING_FIELDS:
+        if not p.HasField(name):
+            setattr(filled, name, getattr(defaults, name))
+    return filled
+
+
 def sampling_from_proto(p: generation_pb2.SamplingParams) -> SamplingParams:
-    """ValueError naming the field when a value is out of range."""
+    """ValueError naming the field when a value is out of range. An unset sampling field is the
+    neutral one: the router sends workers every field set (router/service.py), so this only
+    applies to a worker called directly."""
     return SamplingParams(
-        temperature=p.temperature if p.HasField("temperature") else 1.0,
-        top_k=p.top_k if p.HasField("top_k") else 0,
-        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        temperature=p.temperature if p.HasField("temperature") else NEUTRAL.temperature,
+        top_k=p.top_k if p.HasField("top_k") else NEUTRAL.top_k,
+        top_p=p.top_p if p.HasField("top_p") else NEUTRAL.top_p,
         seed=p.seed if p.HasField("seed") else None,
         max_tokens=p.max_tokens if p.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
         stop_token_ids=tuple(p.stop_token_ids),

@@ -51,6 +51,18 @@ def test_models_list_names_the_model_with_its_context(client):
     models = client.models.list().data
     assert [m.id for m in models] == [DEFAULT_MODEL_NAME]
     assert models[0].max_model_len == 8192
+    assert models[0].pdserve["sampling_defaults"] == {"temperature": 0.2, "top_p": 0.9, "top_k": 0,
+                                                      "source": "SmolLM2 model card"}
+
+
+def test_a_request_without_sampling_fields_samples_with_the_models_defaults(client, cluster, smollm_loaded):
+    prompt = smollm_loaded.tokenizer.encode("My name is Ana. What is 2+2?")
+    answer = client.completions.create(model=DEFAULT_MODEL_NAME, prompt=prompt, max_tokens=10, seed=7,
+                                       extra_body={"return_token_ids": True})
+    explicit = SamplingParams(temperature=0.2, top_p=0.9, seed=7, max_tokens=10)
+    engine = make_engine(smollm_loaded).generate([prompt], explicit, detokenize=False)[0]
+    assert answer.choices[0].token_ids == engine.token_ids
+    wait_until_cluster_clean(cluster)
 
 
 def test_a_chat_completion_answers_paris_and_a_stream_assembles_the_same_text(client, cluster):
