@@ -9,9 +9,10 @@ return_token_ids, so both sides get the same tokens; each is timed on the client
 tokens arrive.
 
   ttft   --requests fresh random 128-token prompts a rep and side (never one the other side
-         sent: that would be a prefix-cache hit), max_tokens=1, one at a time, sides in turn
+         sent: that would be a prefix-cache hit), max_tokens=1, one at a time, the sides taking
+         turns to go first
   itl    one stream of --new-tokens tokens a rep, the same prompt on both sides (its tokens are
-         compared): every gap between consecutive tokens
+         compared), the side that goes first changing every rep: every gap between tokens
 
 After a warm-up rep, percentiles are over every sample of every rep. Headlines:
 http_ttft_ratio_p50/p99 and http_itl_ratio_p50/p99, HTTP ÷ gRPC; targets ≤ 1.05 at p50 and ≤ 1.10
@@ -79,18 +80,24 @@ def ttft_samples(sides: dict[str, Any], prompts: dict[str, list[list[int]]]) -> 
     """Each side its own fresh prompts, in turns. NOTE: a prompt the other side just sent would be a
     prefix-cache hit, and time a cached prefill against a cold one."""
     out: dict[str, list[float]] = {name: [] for name in sides}
-    for turn in zip(*(prompts[name] for name in sides)):
-        for (name, side), prompt in zip(sides.items(), turn):
-            _, stamps = side.one(prompt, 1, time.perf_counter())
+    for turn, _ in enumerate(prompts["http"]):
+        for name in in_turn(sides, turn):
+            _, stamps = sides[name].one(prompts[name][turn], 1, time.perf_counter())
             out[name].append(stamps[0])
     return out
 
 
-def itl_samples(sides: dict[str, Any], prompt: list[int],
-                new_tokens: int) -> tuple[dict[str, list[float]], bool]:
+def in_turn(sides: dict[str, Any], turn: int) -> list[str]:
+    """The side names, the first one changing every turn, so neither always runs right after the other."""
+    names = list(sides)
+    return names if turn % 2 == 0 else names[::-1]
+
+
+def itl_samples(sides: dict[str, Any], prompt: list[int], new_tokens: int,
+                turn: int) -> tuple[dict[str, list[float]], bool]:
     out, tokens = {}, {}
-    for name, side in sides.items():
-        tokens[name], stamps = side.one(prompt, new_tokens, time.perf_counter())
+    for name in in_turn(sides, turn):
+        tokens[name], stamps = sides[name].one(prompt, new_tokens, time.perf_counter())
         out[name] = [b - a for a, b in zip(stamps, stamps[1:])]
     return out, tokens["http"] == tokens["grpc"]
 
@@ -104,7 +111,7 @@ def run_phases(sides: dict[str, Any], sizes: Sizes, rng: random.Random) -> dict[
         prompts = {name: [random_prompt(rng, TTFT_PROMPT_TOKENS) for _ in range(sizes.requests)]
                    for name in sides}
         t = ttft_samples(sides, prompts)
-        i, same_i = itl_samples(sides, random_prompt(rng, ITL_PROMPT_TOKENS), sizes.new_tokens)
+        i, same_i = itl_samples(sides, random_prompt(rng, ITL_PROMPT_TOKENS), sizes.new_tokens, rep)
         same &= same_i
         if rep:
             for name in sides:
