@@ -158,3 +158,18 @@ def test_a_client_that_drops_a_stream_after_3_chunks_frees_every_block_within_5_
     wait_until_cluster_clean(cluster, timeout_s=5)
     assert len(chunks) == 3
     assert metric_value(scrape(metrics), "pdserve_router_requests_total", code="CANCELLED") == cancelled + 1
+
+
+def test_a_character_split_across_tokens_is_streamed_only_when_whole(client, cluster, smollm_loaded):
+    # Greedy SmolLM2 answers this with star emoji, 3 byte-level tokens each (4 UTF-8 bytes)
+    ask = [{"role": "user", "content": "Reply with one emoji for a happy face."}]
+    chunks = [c for c in greedy_chat(client, ask, max_tokens=16, stream=True,
+                                     extra_body={"return_token_ids": True}) if c.choices]
+    deltas = [(c.choices[0].delta.content or "", c.choices[0].token_ids or []) for c in chunks
+              if getattr(c.choices[0], "token_ids", None)]
+    ids = [t for _, got in deltas for t in got]
+    assert any(not text for text, _ in deltas)  # a token that ended inside a character: held
+    assert all("\ufffd" not in text for text, _ in deltas)
+    whole = smollm_loaded.tokenizer.decode(ids)
+    assert "".join(text for text, _ in deltas) == whole.rstrip("\ufffd") and "🌟" in whole
+    wait_until_cluster_clean(cluster)
