@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from bench.cluster import ThroughCluster
-from bench.common import bench_parser, environment, format_table, progress, run_timed, warn_if_busy
+from bench.common import bench_parser, check_least, environment, format_table, progress, run_timed, warn_if_busy
 from bench.engine import random_prompt
 from loadtest.stats import percentile
 
@@ -186,10 +186,7 @@ def parse_args(argv: list[str] | None = None) -> Any:
                    help=f"tokens of the ITL stream, per side per rep (default {Sizes.new_tokens})")
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default: %(default)s)")
     args = p.parse_args(argv)
-    for name, least in (("reps", 1), ("requests", 1), ("new_tokens", 2)):
-        value = getattr(args, name)
-        if value is not None and value < least:
-            p.error(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+    check_least(p, args, {"reps": 1, "requests": 1, "new_tokens": 2})
     return args
 
 
