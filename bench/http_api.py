@@ -30,7 +30,15 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from bench.cluster import ThroughCluster
-from bench.common import bench_parser, check_least, environment, format_table, progress, run_timed, warn_if_busy
+from bench.common import (
+    bench_parser,
+    check_least,
+    environment,
+    format_table,
+    progress,
+    run_timed,
+    warn_if_busy,
+)
 from bench.engine import random_prompt
 from loadtest.stats import percentile
 
