@@ -32,6 +32,7 @@ from typing import Any
 
 from bench.common import (
     bench_parser,
+    check_least,
     environment,
     format_table,
     median,
@@ -244,10 +245,7 @@ def parse_args(argv: list[str] | None = None) -> Any:
                    help=f"concurrent streams in the batched ITL phase (default {Sizes.batch})")
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default: %(default)s)")
     args = p.parse_args(argv)
-    for name in ("reps", "prompt_tokens", "new_tokens", "batch"):
-        value = getattr(args, name)
-        if value is not None and value < (2 if name == "new_tokens" else 1):
-            p.error(f"--{name.replace('_', '-')} must be >= {2 if name == 'new_tokens' else 1}, got {value}")
+    check_least(p, args, {"reps": 1, "prompt_tokens": 1, "new_tokens": 2, "batch": 1})
     return args
 
 

@@ -154,6 +154,14 @@ def bench_parser(prog: str, doc: str) -> argparse.ArgumentParser:
     return p
 
 
+def check_least(p: argparse.ArgumentParser, args: argparse.Namespace, least: dict[str, int]) -> None:
+    """A usage error naming the flag when a given value is below its least (None: not given)."""
+    for name, bound in least.items():
+        value = getattr(args, name)
+        if value is not None and value < bound:
+            p.error(f"--{name.replace('_', '-')} must be >= {bound}, got {value}")
+
+
 def emit_json(result: dict[str, Any]) -> None:
     """The result as one JSON object on the last line of stdout."""
     print(json.dumps(result, sort_keys=False), flush=True)

@@ -22,6 +22,7 @@ from pdserve import __version__
 from pdserve.client_security import add_client_security_arguments, given_flags
 from pdserve.engine.config import KV_DTYPES, LINEAR_KERNELS, CacheConfig, SchedulerConfig
 from pdserve.engine.hashing import CACHE_ISOLATION
+from pdserve.engine.sampling_defaults import SMOLLM2_MODEL_CARD
 from pdserve.units import human_bytes
 
 if TYPE_CHECKING:
@@ -141,13 +142,17 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
                    help="send these comma-separated token ids as the prompt, skipping the tokenizer "
                         "and chat template")
     p.add_argument("--system", metavar="TEXT", help="system message for the chat template")
-    p.add_argument("--temperature", type=float, default=1.0,
-                   help="sampling temperature; 0 means greedy (default: %(default)s, as in vLLM)")
-    p.add_argument("--top-k", type=int, default=0,
-                   help="sample only from the k most likely tokens; 0 turns it off (default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0,
+    p.add_argument("--temperature", type=float,
+                   help="sampling temperature; 0 means greedy (default: the model's, as in vLLM: its "
+                        f"generation_config.json, {SMOLLM2_MODEL_CARD.temperature:g} for the embedded "
+                        "SmolLM2 (its model card's), else 1.0; with --router, the router's)")
+    p.add_argument("--top-k", type=int,
+                   help="sample only from the k most likely tokens; 0 turns it off (default: the model's, "
+                        "else 0)")
+    p.add_argument("--top-p", type=float,
                    help="sample from the smallest set of tokens whose probability reaches p; "
-                        "1.0 turns it off (default: %(default)s)")
+                        f"1.0 turns it off (default: the model's: {SMOLLM2_MODEL_CARD.top_p:g} for the "
+                        "embedded SmolLM2, else 1.0)")
     p.add_argument("--seed", type=int, help="random seed, for reproducible sampling")
     p.add_argument("--max-tokens", type=int, default=128,
                    help="most tokens to generate (default: %(default)s)")
@@ -199,12 +204,13 @@ def _add_chat(commands: argparse._SubParsersAction) -> None:
                    help="address of a running pdserve router (default: %(default)s, `pdserve up`'s)")
     p.add_argument("--system", metavar="TEXT", help="system message that opens the conversation")
     p.add_argument("--temperature", type=float,
-                   help="sampling temperature; 0 means greedy (default: the router's, 1.0)")
+                   help="sampling temperature; 0 means greedy (default: the router's, which is the served "
+                        "model's; `pdserve up` prints it)")
     p.add_argument("--top-k", type=int,
-                   help="sample only from the k most likely tokens (default: the router's, 0 = off)")
+                   help="sample only from the k most likely tokens; 0 = off (default: the router's)")
     p.add_argument("--top-p", type=float,
-                   help="sample from the smallest set of tokens whose probability reaches p "
-                        "(default: the router's, 1.0 = off)")
+                   help="sample from the smallest set of tokens whose probability reaches p; 1.0 = off "
+                        "(default: the router's)")
     p.add_argument("--seed", type=int, help="random seed, for reproducible sampling")
     p.add_argument("--max-tokens", type=int,
                    help="most tokens per reply (default: the router's, 128)")
@@ -259,6 +265,7 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
     _add_up_cache(p, d)
     _add_up_routing(p, d)
     _add_up_limits(p, d)
+    _add_up_sampling(p)
     _add_up_audit(p, d)
     _add_up_security(p)
     p.add_argument("--no-sample", action="store_true",
@@ -367,6 +374,26 @@ def _add_up_limits(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
                         help="Generate calls in flight at the router; more are refused with "
                              "RESOURCE_EXHAUSTED and a retry hint "
                              f"(default: {d.limits.max_concurrent_streams})")
+
+
+def _add_up_sampling(p: argparse.ArgumentParser) -> None:
+    card = SMOLLM2_MODEL_CARD
+    sampling = p.add_argument_group(
+        "sampling defaults", "what a request that leaves temperature, top_p or top_k unset gets; a request's "
+                             "own value always wins (0 = greedy included). Each default is the model's: "
+                             "its generation_config.json (do_sample false = greedy), for the embedded "
+                             f"SmolLM2 its model card's (temperature {card.temperature:g}, top_p "
+                             f"{card.top_p:g}), else 1.0 / 1.0 / 0 = off; a flag below replaces it. "
+                             "`pdserve up` prints the defaults in force")
+    sampling.add_argument("--default-temperature", type=float, metavar="T",
+                          help="default sampling temperature, finite and >= 0; 0 = greedy "
+                               "(default: the model's)")
+    sampling.add_argument("--default-top-p", type=float, metavar="P",
+                          help="default nucleus sampling: the smallest set of tokens whose probability "
+                               "reaches P, in (0, 1]; 1 = off (default: the model's)")
+    sampling.add_argument("--default-top-k", type=int, metavar="K",
+                          help="default top-k: sample only from the K most likely tokens, >= 0; 0 = off "
+                               "(default: the model's)")
 
 
 def _add_up_audit(p: argparse.ArgumentParser, d: ClusterSpec) -> None:

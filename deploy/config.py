@@ -5,8 +5,9 @@
 
 One configuration tree: ClusterSpec composes the engine's CacheConfig and SchedulerConfig
 (pdserve/engine/config.py), the router's PlacementConfig, RequestDeadlines (router/config.py)
-and RequestLimits (router/limits.py), the TLS files (pdserve/security/files.py) and the audit
-schedule (pdserve/worker/scrubber.py), so each setting and its default is declared once, where
+and RequestLimits (router/limits.py), the TLS files (pdserve/security/files.py), the audit
+schedule (pdserve/worker/scrubber.py) and the SamplingOverrides over the model's sampling defaults
+(pdserve/engine/sampling_defaults.py), so each setting and its default is declared once, where
 it is used. A file key or a flag names a field path ("cache.block_size",
 "limits.max_concurrent_streams"); a part that refuses a value raises a FieldError, which is
 re-worded here with the key and the flag the user wrote: `cache.kv_dtype (--kv-dtype) must be
@@ -29,6 +30,7 @@ from typing import Any
 
 from pdserve.engine.config import LINEAR_KERNELS, CacheConfig, SchedulerConfig
 from pdserve.engine.hashing import CACHE_ISOLATION
+from pdserve.engine.sampling_defaults import SamplingOverrides
 from pdserve.field_error import FieldError
 from pdserve.roles import ROLES
 from pdserve.security.files import TLSFiles
@@ -86,6 +88,9 @@ class ClusterSpec:
     # api_token_file.
     cache_isolation: str = "none"
     audit: AuditSchedule = field(default_factory=AuditSchedule)  # the background KV audit on every worker
+    # Over the model's sampling defaults (its generation_config.json, or SmolLM2's model card): what
+    # the router gives a request that leaves temperature, top_p or top_k unset. None keeps the model's.
+    sampling_overrides: SamplingOverrides = field(default_factory=SamplingOverrides)
 
     def __post_init__(self) -> None:
         if self.num_decode < 1:
@@ -165,7 +170,7 @@ class ClusterSpec:
 
 _PARTS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "placement": PlacementConfig,
           "limits": RequestLimits, "deadlines": RequestDeadlines, "tls": TLSFiles, "audit": AuditSchedule,
-          "kv_frames": KVFrames}
+          "kv_frames": KVFrames, "sampling_overrides": SamplingOverrides}
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -225,6 +230,9 @@ FILE_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "auth.cluster_secret_file": ("cluster_secret_file", _PATH),
     "audit.interval_s": ("audit.interval_s", (int, float, _NONE)),
     "audit.max_fraction": ("audit.max_fraction", _NUMBER),
+    "default_temperature": ("sampling_overrides.temperature", (int, float, _NONE)),
+    "default_top_p": ("sampling_overrides.top_p", (int, float, _NONE)),
+    "default_top_k": ("sampling_overrides.top_k", (int, _NONE)),
 }
 # Keys a file may no longer use: the error names the new key (a silent alias would be a second name).
 RENAMED_KEYS = {"placement": ("actor_placement", "pack or spread: how Ray places the worker actors")}
@@ -249,7 +257,9 @@ FLAG_FIELDS: dict[str, str] = {
     "tls_require_client_cert": "tls.require_client_cert", "tls_client_cert": "tls.client_cert",
     "tls_client_key": "tls.client_key", "api_token_file": "api_token_file",
     "cluster_secret_file": "cluster_secret_file", "audit_interval_s": "audit.interval_s",
-    "audit_max_fraction": "audit.max_fraction", "max_chunk_bytes": "kv_frames.max_chunk_bytes"}
+    "audit_max_fraction": "audit.max_fraction", "max_chunk_bytes": "kv_frames.max_chunk_bytes",
+    "default_temperature": "sampling_overrides.temperature", "default_top_p": "sampling_overrides.top_p",
+    "default_top_k": "sampling_overrides.top_k"}
 # Fields that name a file: a relative path in the file is relative to the file.
 PATH_FIELDS = ("model_path", "tls.cert", "tls.key", "tls.ca", "tls.client_cert", "tls.client_key",
                "api_token_file", "cluster_secret_file")

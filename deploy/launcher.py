@@ -6,8 +6,9 @@
                unless --redis-url; a plaintext URL beyond loopback is warned about)
             -> Ray (local, or attach with --address) -> prefill and decode actors (each
                requiring its role's Ray custom resources; SPREAD across nodes or packed)
-            -> router (Generation on --port) -> wait until every worker is live in the
-            registry and every server answers health checks
+            -> router (Generation on --port; the model's sampling defaults with --default-*
+               on top, printed) -> wait until every worker is live in the registry and every
+               server answers health checks
     stop:   router, actors (graceful, then killed), Ray (if we started it), Redis (if we
             started it); Ctrl-C and SIGTERM both lead here, leaving no process or port.
 
@@ -32,8 +33,9 @@ import redis
 from deploy.config import ClusterSpec
 from deploy.redis_server import RedisServer, ensure_redis
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.sampling_defaults import SamplingDefaults
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.weights import load_model, served_model_name
+from pdserve.engine.weights import LoadedModel, load_model, served_model_name
 from pdserve.index.registry import WorkerRegistry
 from pdserve.security import SecurityConfig, TLSConfig, read_secret, read_secrets_file
 from pdserve.security.redis_auth import check_redis_credentials, redact_redis_url, redis_exposure_warning
@@ -42,6 +44,12 @@ from router.redis_backend import redis_router
 from router.server import RouterConfig, RouterServer
 
 log = logging.getLogger(__name__)
+
+
+def sampling_defaults_in_force(loaded: LoadedModel, spec: ClusterSpec) -> SamplingDefaults:
+    """What the router gives a request's unset temperature/top_p/top_k: the model's, under the
+    spec's --default-* / default_* values."""
+    return loaded.sampling_defaults.overridden_by(spec.sampling_overrides)
 
 
 class LocalCluster:
@@ -80,16 +88,18 @@ class LocalCluster:
         client = redis.Redis.from_url(self.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self.registry = WorkerRegistry(client, self.spec.namespace)
         self._init_ray()
-        # NOTE: loaded here for the router's tokenizer and context length; for a GGUF this also
-        # converts it once, so N workers on this machine load the cached safetensors in about a
-        # second each instead of dequantising in parallel.
+        # NOTE: loaded here for the router's tokenizer, context length and sampling defaults; for a
+        # GGUF this also converts it once, so N workers on this machine load the cached safetensors
+        # in about a second each instead of dequantising in parallel.
         loaded = load_model(self.spec.model_path, progress=False)
+        sampling = sampling_defaults_in_force(loaded, self.spec)
         self._create_actors()
-        self.router = self._router(client, loaded.tokenizer, loaded.config.max_position_embeddings)
+        self.router = self._router(client, loaded.tokenizer, loaded.config.max_position_embeddings, sampling)
         del loaded
         address = self.router.start()
         self._wait_until_live()
         self.say(f"router   {address} (gRPC pdserve.v1.Generation, health, reflection)")
+        self.say(f"sampling {self.router.sampling_defaults.describe()} for requests that set none")
         if self.router.metrics_address:
             self.say(f"metrics  http://{self.router.metrics_address}/metrics")
         if self.router.http_url:
@@ -120,14 +130,15 @@ class LocalCluster:
         return SecurityConfig(tls=tls, client_cert=sec.client_cert, client_key=sec.client_key,
                               api_tokens=sec.api_tokens[:1])
 
-    def _router(self, client: redis.Redis, tokenizer: Tokenizer, max_context_tokens: int) -> RouterServer:
+    def _router(self, client: redis.Redis, tokenizer: Tokenizer, max_context_tokens: int,
+                sampling_defaults: SamplingDefaults) -> RouterServer:
         s = self.spec
         config = RouterConfig(host=s.host, port=s.port, metrics_port=s.metrics_port, placement=s.placement,
                               http_port=s.http_port or None,
                               served_model_name=s.served_model_name or served_model_name(s.model_path),
                               limits=replace(s.limits, max_context_tokens=max_context_tokens),
                               deadlines=s.deadlines, cache_isolation=s.cache_isolation,
-                              security=self.security)
+                              security=self.security, sampling_defaults=sampling_defaults)
         return redis_router(config, tokenizer, self.redis_url, s.namespace)
 
     def _init_ray(self) -> None:

@@ -41,7 +41,7 @@ from pdserve.security import SecurityConfig
 class RequestOptions:
     """How every request is sent."""
 
-    temperature: float | None = 0.0  # None: the router's default (1.0)
+    temperature: float | None = 0.0  # None: the router's default (the served model's)
     top_p: float | None = None  # None: the server's default, here and below
     top_k: int | None = None
     sampling_seed: int | None = None  # the seed of every request's sampler

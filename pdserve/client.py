@@ -26,6 +26,7 @@ from typing import Any
 
 import grpc
 
+from pdserve.engine.sequence import TokenLogprob  # NOTE: pure, no torch: the client stays light
 from pdserve.roles import CHAT_ROLES
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
@@ -83,6 +84,7 @@ class Completion:
     timings: dict[str, float]  # TIMING_FIELDS, in milliseconds
     prefill_worker: str | None  # None: the prompt was prefilled on the decode worker
     decode_worker: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when asked for
 
     def as_json(self) -> dict[str, Any]:
         """The object `pdserve generate --json` prints."""
@@ -97,9 +99,12 @@ def request_from(prompt: str | None = None, *, messages: Sequence[Mapping[str, s
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, max_tokens: int | None = None,
                  stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
-                 ignore_eos: bool = False, routing: str | None = None,
+                 ignore_eos: bool = False, logprobs: int | None = None, routing: str | None = None,
                  routing_weights: Mapping[str, float] | None = None) -> pb.GenerateRequest:
     """Build a GenerateRequest. Give exactly one of prompt, messages or token_ids.
+
+    logprobs: k asks for each token's logprob and its k most likely alternatives (the router
+    allows 0..20); None asks for none.
 
     Sampling fields left as None stay unset, so the router's defaults apply (see the proto).
     routing (prefix | least_load | round_robin) and routing_weights override the router's
@@ -124,16 +129,16 @@ def request_from(prompt: str | None = None, *, messages: Sequence[Mapping[str, s
     else:
         request.token_ids.ids.extend(_token_ids(token_ids, "token_ids"))
     request.sampling.CopyFrom(_sampling(temperature, top_k, top_p, seed, max_tokens, stop,
-                                        stop_token_ids, ignore_eos))
+                                        stop_token_ids, ignore_eos, logprobs))
     request.routing = routing or ""
     request.routing_weights.update(routing_weights or {})
     return request
 
 
 def _sampling(temperature, top_k, top_p, seed, max_tokens, stop, stop_token_ids,
-              ignore_eos) -> pb.SamplingParams:
+              ignore_eos, logprobs) -> pb.SamplingParams:
     given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
-             "max_tokens": max_tokens}
+             "max_tokens": max_tokens, "logprobs": logprobs}
     sampling = pb.SamplingParams(**{k: v for k, v in given.items() if v is not None})
     if stop is not None:
         sampling.stop.extend([stop] if isinstance(stop, str) else list(stop))
@@ -173,12 +178,14 @@ class _Collector:
     request_id: str = ""
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     last: pb.GenerateResponse | None = None
 
     def add(self, response: pb.GenerateResponse) -> None:
         self.request_id = self.request_id or response.request_id
         self.text.append(response.text)
         self.token_ids.extend(response.token_ids)
+        self.logprobs.extend(_token_logprob(lp) for lp in response.logprobs)
         if response.finished:
             self.last = response
 
@@ -192,7 +199,13 @@ class _Collector:
             finish_reason=last.finish_reason,
             usage={k: getattr(last.usage, k) for k in USAGE_FIELDS},
             timings={k: getattr(last.timings, k) for k in TIMING_FIELDS},
-            prefill_worker=last.prefill_worker or None, decode_worker=last.decode_worker)
+            prefill_worker=last.prefill_worker or None, decode_worker=last.decode_worker,
+            logprobs=list(self.logprobs))
+
+
+def _token_logprob(p: pb.TokenLogprob) -> TokenLogprob:
+    """NOTE: pdserve/worker/convert.py has the same conversion, but imports torch, which a client need not."""
+    return TokenLogprob(p.token_id, p.logprob, tuple((t.token_id, t.logprob) for t in p.top))
 
 
 def error_from(exc: grpc.RpcError, target: str, timeout_s: float | None,

@@ -1,7 +1,8 @@
 """`pdserve generate --local` and the in-process `pdserve up`: the engine driven from a shell.
 
 Prompts go through the model's chat template unless --raw; --token-ids skips
-tokenising. --input FILE.jsonl runs one request per line, in order, in one
+tokenising. A sampling flag not given takes the model's default (LoadedModel.sampling_defaults),
+as a request through the router does. --input FILE.jsonl runs one request per line, in order, in one
 engine, so the prefix cache carries over from line to line.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import InvalidRequestError, LLMEngine, RequestResult
+from pdserve.engine.sampling_defaults import NEUTRAL, SamplingDefaults
 from pdserve.engine.sequence import SamplingParams
 from pdserve.jsonl_input import lines_of, object_of_line
 
@@ -36,12 +38,19 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model_path=args.model, cache=cache, scheduler=scheduler)
 
 
-def sampling_from(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> SamplingParams:
+def sampling_from(args: argparse.Namespace, defaults: SamplingDefaults,
+                  overrides: dict[str, Any] | None = None) -> SamplingParams:
+    """A JSONL line's fields over the flags over the model's defaults (a flag not given is None)."""
     o = overrides or {}
+
+    def chosen(name: str) -> Any:
+        flag = getattr(args, name)
+        return o.get(name, getattr(defaults, name) if flag is None else flag)
+
     return SamplingParams(
-        temperature=float(o.get("temperature", args.temperature)),
-        top_k=int(o.get("top_k", args.top_k)),
-        top_p=float(o.get("top_p", args.top_p)),
+        temperature=float(chosen("temperature")),
+        top_k=int(chosen("top_k")),
+        top_p=float(chosen("top_p")),
         seed=o.get("seed", args.seed),
         max_tokens=int(o.get("max_tokens", args.max_tokens)),
         stop=tuple(o.get("stop", args.stop or ())),
@@ -116,7 +125,8 @@ def run_jsonl(engine: LLMEngine, path: str, args: argparse.Namespace) -> int:
     for lineno, line in lines_of(path):
         try:
             spec, obj = spec_from_json_line(line, lineno, args)
-            print(result_json(run_one(engine, spec, sampling_from(args, obj), echo=False)), flush=True)
+            sampling = sampling_from(args, engine.sampling_defaults, obj)
+            print(result_json(run_one(engine, spec, sampling, echo=False)), flush=True)
         except (InvalidRequestError, ValueError) as e:
             failures += 1
             print(json.dumps({"error": str(e), "line": lineno}), flush=True)
@@ -128,7 +138,7 @@ def load_engine(args: argparse.Namespace) -> LLMEngine:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    sampling = sampling_from(args)  # bad flags fail before the model loads
+    sampling_from(args, NEUTRAL)  # bad flags fail before the model loads
     token_ids = parse_token_ids(args.token_ids) if args.token_ids else None
     if not args.input and args.prompt is None and token_ids is None:
         raise InvalidRequestError("no prompt: give PROMPT, --token-ids 1,2,3, or --input FILE.jsonl")
@@ -136,7 +146,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.input:
         return run_jsonl(engine, args.input, args)
     spec = PromptSpec(text=args.prompt, token_ids=token_ids, raw=args.raw, system=args.system)
-    result = run_one(engine, spec, sampling, echo=not args.json)
+    result = run_one(engine, spec, sampling_from(args, engine.sampling_defaults), echo=not args.json)
     if args.json:
         print(result_json(result))
     return 0

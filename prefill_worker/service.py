@@ -4,8 +4,9 @@ decode it. The one prefill orchestration: production and the transfer tests
 
     Prefill: check the decode target (a live decode worker in the registry: peers.py)
       -> register the outgoing transfer -> submit(max_tokens=1) -> each layer's blocks are pinned
-      and stream out as they are computed (sender.py) -> first token sampled -> END -> wait for
-      the receiver's reply -> unpin the blocks (they stay in this worker's prefix cache)
+      and stream out as they are computed (sender.py) -> first token sampled (with its logprob,
+      when asked: only this engine sees its logits) -> END -> wait for the receiver's reply
+      -> unpin the blocks (they stay in this worker's prefix cache)
 
 The call ending early (cancelled, past its deadline) aborts the transfer first, then the
 request; a preempted request aborts its transfer. Either way no END is sent after the abort,
@@ -26,7 +27,7 @@ import grpc
 
 from pdserve.engine.llm_engine import InvalidRequestError
 from pdserve.transfer.errors import FailureKind, TransferFailed
-from pdserve.worker.convert import rng_state_to_bytes, usage_to_proto
+from pdserve.worker.convert import logprob_to_proto, rng_state_to_bytes, usage_to_proto
 from pdserve.worker.engine_loop import RequestStream
 from pdserve.worker.metrics import TRANSFER_OK
 from pdserve.worker.service import WorkerParts, on_call_end, sampling_or_abort
@@ -100,10 +101,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
                           f"KV transfer to the decode worker failed ({e.kind.value}): {e.message}")
         self._count_send(TRANSFER_OK, push.bytes_sent)
         self.parts.totals.count(last.usage, generated=0)
-        return worker_pb2.PrefillReply(
+        reply = worker_pb2.PrefillReply(
             first_token=last.new_token_ids[0], rng_state=rng_state_to_bytes(last.rng_state),
             usage=usage_to_proto(last.usage), bytes_sent=push.bytes_sent, blocks_sent=push.blocks_written,
             prefill_ms=(computed - started) * 1e3, transfer_ms=(time.perf_counter() - computed) * 1e3)
+        if last.logprobs:
+            reply.first_logprob.CopyFrom(logprob_to_proto(last.logprobs[0]))
+        return reply
 
     def _end_early(self, rid: str, finish_reason: str, transfer: OutgoingTransfer, context) -> None:
         """The request ended without its first token: aborted (the call ended, or preempted) or

@@ -54,6 +54,7 @@ class RequestLimits:
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 64
     max_request_id_chars: int = 256
+    max_logprobs: int = 20  # top alternatives per token (OpenAI's top_logprobs allows 0..20)
     stream_retry_after_s: float = 1.0  # the hint sent with a refused stream
 
     def __post_init__(self) -> None:
@@ -76,7 +77,8 @@ def check_chat(num_messages: int, limits: RequestLimits) -> None:
 
 
 def check_sampling(sampling: SamplingParams, vocab_size: int, limits: RequestLimits) -> None:
-    """Stop conditions: counts, lengths, and stop token ids inside the vocabulary."""
+    """Stop conditions: counts, lengths, and stop token ids inside the vocabulary; the logprobs asked
+    (NOTE: they bound the stream's size: each alternative adds about 11 bytes per token)."""
     if len(sampling.stop) > limits.max_stop_strings:
         raise LimitExceeded(f"sampling.stop has {len(sampling.stop):,} strings; this server's limit is "
                             f"{limits.max_stop_strings:,}")
@@ -90,6 +92,9 @@ def check_sampling(sampling: SamplingParams, vocab_size: int, limits: RequestLim
     bad = next((t for t in sampling.stop_token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise LimitExceeded(f"sampling.stop_token_ids has {bad}, outside the vocabulary [0, {vocab_size})")
+    if sampling.logprobs is not None and sampling.logprobs > limits.max_logprobs:
+        raise LimitExceeded(f"sampling.logprobs {sampling.logprobs:,} exceeds this server's limit of "
+                            f"{limits.max_logprobs:,} top alternatives")
 
 
 def check_prompt(prompt_tokens: int, context_tokens: int | None, limits: RequestLimits) -> None:

@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.call_limits import CallLimiter, health_watch_limit, reflection_limit
 from pdserve.engine.hashing import CACHE_ISOLATION
+from pdserve.engine.sampling_defaults import SamplingDefaults
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.grpc_options import ConnectionPolicy, server_options
 from pdserve.metrics import MetricsEndpoint
@@ -79,6 +80,9 @@ class RouterConfig:
     # The OpenAI-compatible HTTP API (router/http/) on host:http_port; 0 = any free port, None = off.
     http_port: int | None = None
     served_model_name: str = "pdserve"  # the `model` HTTP requests name (the launcher uses the model's)
+    # What a request's unset temperature/top_p/top_k become: the served model's (the launcher reads
+    # them with the model, `pdserve up --default-*` on top); the neutral 1.0/1.0/0 when not given.
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     def __post_init__(self) -> None:
         if self.cache_isolation not in CACHE_ISOLATION:
@@ -108,7 +112,8 @@ class RouterServer:
         self.metrics_endpoint = (MetricsEndpoint(self.metrics.registry, config.host, config.metrics_port)
                                  if config.metrics_port is not None else None)
         self.servicer = GenerationServicer(tokenizer, self.directory, self.placer, config.deadlines,
-                                           self.metrics, config.limits, config.cache_isolation)
+                                           self.metrics, config.limits, config.cache_isolation,
+                                           config.sampling_defaults)
         self.admin = AdminServicer(self.directory, self.placer, lambda: self.servicer.requests_in_flight,
                                    self.identity)
         self.health = health.HealthServicer()
@@ -121,7 +126,8 @@ class RouterServer:
 
     def _http_front_door(self, tokenizer: Tokenizer) -> HttpFrontDoor:
         c = self.config
-        card = ModelCard(c.served_model_name, c.limits.max_context_tokens)
+        card = ModelCard(c.served_model_name, c.limits.max_context_tokens,
+                         {"sampling_defaults": c.sampling_defaults.as_dict()})
         return HttpFrontDoor(self.servicer, tokenizer, card, self.metrics.registry,
                              lambda: len(self.directory.candidates("decode")), self.security,
                              host=c.host, port=c.http_port, max_body_bytes=c.limits.max_message_bytes,
@@ -130,6 +136,11 @@ class RouterServer:
     @property
     def http_url(self) -> str:
         return self.http.url if self.http is not None else ""
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        """The defaults in force, for whoever lists them (`pdserve up`'s banner, /v1/models)."""
+        return self.servicer.sampling_defaults
 
     @property
     def metrics_address(self) -> str:

@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.engine.sampling_defaults import NEUTRAL, SamplingDefaults
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.roles import CHAT_ROLES
 from pdserve.security.auth import bearer_token, tenant_cache_salt
-from pdserve.worker.convert import sampling_from_proto
+from pdserve.worker.convert import sampling_from_proto, sampling_with_defaults
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 from router import limits as lim
 from router.config import RequestDeadlines
@@ -121,11 +122,13 @@ def _chat_messages(chat: generation_pb2.ChatMessages) -> list[dict[str, str]]:
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: Tokenizer, directory: WorkerDirectory, placer: Placer,
                  deadlines: RequestDeadlines, metrics: RouterMetrics | None = None,
-                 limits: RequestLimits | None = None, cache_isolation: str = "none") -> None:
+                 limits: RequestLimits | None = None, cache_isolation: str = "none",
+                 sampling_defaults: SamplingDefaults = NEUTRAL) -> None:
         self.tokenizer, self.directory, self.placer, self.deadlines = tokenizer, directory, placer, deadlines
         self.metrics = metrics or RouterMetrics()
         self.limits = limits or RequestLimits()
         self.cache_isolation = cache_isolation
+        self.sampling_defaults = sampling_defaults  # what a request's unset temperature/top_p/top_k become
         self.requests_in_flight = 0
         self._lock = threading.Lock()
 
@@ -194,19 +197,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                               time.perf_counter() - trace.received)
 
     def _validated(self, request, trace: _Trace, context):
-        """(prompt ids, the sampling proto to send: max_tokens always set), or INVALID_ARGUMENT."""
+        """(prompt ids, the sampling proto to send: max_tokens, temperature, top_p and top_k always set,
+        the last three from the served model's defaults where the request left them unset), or
+        INVALID_ARGUMENT."""
         limits, context_tokens = self.limits, self.limits.max_context_tokens
+        sampling = sampling_with_defaults(request.sampling, self.sampling_defaults)
         try:
             lim.check_request_id(request.request_id, limits)
-            lim.check_sampling(sampling_from_proto(request.sampling), self.tokenizer.vocab_size, limits)
+            lim.check_sampling(sampling_from_proto(sampling), self.tokenizer.vocab_size, limits)
             prompt = prompt_token_ids(request, self.tokenizer, limits)
             lim.check_prompt(len(prompt), context_tokens, limits)
             asked = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else None
             max_tokens = lim.resolve_max_tokens(asked, len(prompt), context_tokens, limits)
         except ValueError as e:
             self._abort(trace, context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        sampling = generation_pb2.SamplingParams()
-        sampling.CopyFrom(request.sampling)
         sampling.max_tokens = max_tokens
         return prompt, sampling
 
@@ -281,6 +285,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                            detokenize=True, cache_salt=job.cache_salt)
         if prefill is not None:
             request.first_token, request.rng_state = prefill.first_token, prefill.rng_state
+            if prefill.HasField("first_logprob"):
+                request.first_logprob.CopyFrom(prefill.first_logprob)
         call = self.directory.decode_stub(placement.decode.address).Decode(request,
                                                                            timeout=self._timeout(context))
         if not context.add_callback(call.cancel):  # the client is already gone
@@ -313,7 +319,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             trace.last_token = now
             self.metrics.generated_tokens.inc(len(reply.token_ids))
         out = generation_pb2.GenerateResponse(request_id=rid, text=reply.text, token_ids=reply.token_ids,
-                                              finished=reply.finished, finish_reason=reply.finish_reason)
+                                              finished=reply.finished, finish_reason=reply.finish_reason,
+                                              logprobs=reply.logprobs)
         if reply.finished:
             trace.code = "OK"
             trace.usage = _usage(reply.usage, trace.prefill_usage)

@@ -48,6 +48,18 @@ def test_jsonl_input_runs_in_one_engine_and_reuses_the_prefix(tmp_path):
     assert chat["usage"]["completion_tokens"] >= 1
 
 
+def test_local_sampling_flags_not_given_take_the_models_defaults():
+    from deploy.cli import build_parser
+    from pdserve.engine.sampling_defaults import SMOLLM2_MODEL_CARD
+    from pdserve.generate_cli import sampling_from
+
+    args = build_parser().parse_args(["generate", "--local", "--top-k", "5", "hi"])
+    s = sampling_from(args, SMOLLM2_MODEL_CARD)
+    assert (s.temperature, s.top_p, s.top_k) == (0.2, 0.9, 5)
+    s = sampling_from(args, SMOLLM2_MODEL_CARD, {"temperature": 0})  # a JSONL line's own value
+    assert (s.temperature, s.top_p, s.top_k) == (0, 0.9, 5)
+
+
 def test_bad_flags_fail_fast_with_the_field_named(tiny_model_dir):
     proc = pdserve("generate", "--local", "--model", str(tiny_model_dir), "--top-p", "1.5", "hi")
     assert proc.returncode == 2

@@ -21,6 +21,7 @@ from pdserve.client import (
     RouterUnreachable,
     request_from,
 )
+from pdserve.engine.sequence import TokenLogprob
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -34,7 +35,8 @@ class FakeGeneration(pb_grpc.GenerationServicer):
     """Streams DELTAS then a final message. Knobs: `gate` (wait on it before every message
     after the first), `fail_next` (abort the next call with (code, details) after
     `fail_after` messages), `send_final`. Like the router, it answers max_tokens < 1 with
-    INVALID_ARGUMENT. It records requests and metadata, and whether a call was cancelled."""
+    INVALID_ARGUMENT, and it sends logprobs when asked (_logprobs). It records requests and
+    metadata, and whether a call was cancelled."""
 
     def __init__(self) -> None:
         self.requests: list[pb.GenerateRequest] = []
@@ -64,7 +66,8 @@ class FakeGeneration(pb_grpc.GenerationServicer):
                 context.abort(*failure)
             if i > 0 and not self._wait_for_gate(context):
                 return
-            yield pb.GenerateResponse(request_id=rid, text=text, token_ids=ids)
+            yield pb.GenerateResponse(request_id=rid, text=text, token_ids=ids,
+                                      logprobs=_logprobs(request, ids))
         if self.send_final:
             yield pb.GenerateResponse(request_id=rid, finished=True, finish_reason="length",
                                       usage=pb.Usage(**USAGE), timings=pb.Timings(**TIMINGS),
@@ -77,6 +80,17 @@ class FakeGeneration(pb_grpc.GenerationServicer):
             if not context.is_active():
                 return False
         return True
+
+
+LOGPROB = -0.5  # exact in float32
+
+
+def _logprobs(request: pb.GenerateRequest, ids: list[int]) -> list[pb.TokenLogprob]:
+    """Each token LOGPROB, and alternatives 0, 1, ... of sampling.logprobs, one less each."""
+    if not request.sampling.HasField("logprobs"):
+        return []
+    top = [pb.TopLogprob(token_id=t, logprob=LOGPROB - t) for t in range(request.sampling.logprobs)]
+    return [pb.TokenLogprob(token_id=t, logprob=LOGPROB, top=top) for t in ids]
 
 
 @contextlib.contextmanager
@@ -128,6 +142,15 @@ def test_generate_collects_the_completion(client):
     assert completion == Completion(
         request_id="r-7", text="Hello, world", token_ids=[1, 2, 3], finish_reason="length",
         usage=USAGE, timings=TIMINGS, prefill_worker=None, decode_worker="d0")
+
+
+def test_generate_collects_the_logprobs_it_asked_for(client, fake):
+    completion = client.generate("hi", logprobs=2)
+    assert fake.requests[-1].sampling.logprobs == 2
+    top = ((0, LOGPROB), (1, LOGPROB - 1))
+    assert completion.logprobs == [TokenLogprob(1, LOGPROB, top), TokenLogprob(2, LOGPROB, top),
+                                   TokenLogprob(3, LOGPROB, top)]
+    assert client.generate("hi").logprobs == []
 
 
 def test_iterating_a_stream_yields_the_raw_messages(client):
@@ -270,18 +293,19 @@ def test_request_from_sets_only_the_given_sampling_fields():
     s = request_from("hi", temperature=0, max_tokens=5).sampling
     assert s.HasField("temperature") and s.temperature == 0.0  # 0 (greedy) is not "unset"
     assert s.HasField("max_tokens") and s.max_tokens == 5
-    assert not any(s.HasField(f) for f in ("top_k", "top_p", "seed"))
+    assert not any(s.HasField(f) for f in ("top_k", "top_p", "seed", "logprobs"))
     assert list(s.stop) == [] and list(s.stop_token_ids) == [] and not s.ignore_eos
 
 
 def test_request_from_fills_every_field():
     r = request_from(token_ids=[1, 2], request_id="abc", temperature=0.7, top_k=40, top_p=0.9, seed=3,
-                     max_tokens=9, stop="\n\n", stop_token_ids=[2], ignore_eos=True)
+                     max_tokens=9, stop="\n\n", stop_token_ids=[2], ignore_eos=True, logprobs=0)
     assert r.WhichOneof("prompt") == "token_ids" and list(r.token_ids.ids) == [1, 2]
     assert r.request_id == "abc"
     s = r.sampling
     assert (s.top_k, s.seed, s.max_tokens, list(s.stop), list(s.stop_token_ids), s.ignore_eos) == (
         40, 3, 9, ["\n\n"], [2], True)
+    assert s.HasField("logprobs") and s.logprobs == 0  # 0: the sampled token's logprob alone
     assert s.temperature == pytest.approx(0.7) and s.top_p == pytest.approx(0.9)
 
 

@@ -97,7 +97,8 @@ def test_a_relative_model_path_is_relative_to_the_file(tmp_path):
     ("cache: {blocks: 8}", "unknown key 'cache.blocks' (did you mean 'cache.num_blocks'?)"),
     ("gpus: 4", "unknown key 'gpus' (known keys: model, host, prefill, decode, actor_placement, "
                 "linear_kernel, gpus_per_worker, cache, scheduler, router, redis_url, ray_address, "
-                "namespace, max_restarts, worker_env, tls, auth, audit)"),
+                "namespace, max_restarts, worker_env, tls, auth, audit, default_temperature, default_top_p, "
+                "default_top_k)"),
     ("tls: {certificate: a.pem}", "unknown key 'tls.certificate' (did you mean 'tls.cert'?)"),
 ])
 def test_an_unknown_key_is_named_with_the_file_and_a_suggestion(tmp_path, text, message):
@@ -116,13 +117,15 @@ def test_an_unknown_key_is_named_with_the_file_and_a_suggestion(tmp_path, text, 
     ("prefill: {resources: [prefill]}", "'prefill.resources' must be a mapping, got ['prefill'] (list)"),
     ("decode: {resources: {decode: one}}",
      "'decode.resources.decode' must be a number (units of the Ray resource), got 'one'"),
-    ("router: 50051", "'router' must be a mapping of port, metrics_port, routing, min_remote_prefill_tokens, "
-                      "max_in_flight_per_decode, max_prompt_tokens, max_tokens_limit, max_message_bytes, "
+    ("router: 50051", "'router' must be a mapping of port, metrics_port, http_port, served_model_name, "
+                      "routing, min_remote_prefill_tokens, max_in_flight_per_decode, max_prompt_tokens, "
+                      "max_tokens_limit, max_message_bytes, "
                       "max_concurrent_streams, cache_isolation, prefill_deadline_fraction, "
                       "prefill_timeout_s, got 50051"),
     ("- model: x", "expected a mapping of keys (model, host, prefill, decode, actor_placement, "
                    "linear_kernel, gpus_per_worker, cache, scheduler, router, redis_url, ray_address, "
-                   "namespace, max_restarts, worker_env, tls, auth, audit), got list"),
+                   "namespace, max_restarts, worker_env, tls, auth, audit, default_temperature, "
+                   "default_top_p, default_top_k), got list"),
     ("tls: {require_client_cert: 1}", "'tls.require_client_cert' must be true or false, got 1 (int)"),
     ("auth: {api_token_file: [a, b]}",
      "'auth.api_token_file' must be a string or null, got ['a', 'b'] (list)"),
@@ -160,6 +163,10 @@ def test_a_wrong_type_is_named_with_the_file(tmp_path, text, message):
     ("router: {prefill_timeout_s: 0}",
      "router.prefill_timeout_s (--prefill-timeout-s) must be > 0 seconds, got 0"),
     ("max_restarts: -2", "max_restarts must be -1 (always restart) or >= 0, got -2"),
+    ("default_temperature: -0.5",
+     "default_temperature (--default-temperature) must be finite and >= 0 (0 = greedy), got -0.5"),
+    ("default_top_p: 1.5", "default_top_p (--default-top-p) must be in (0, 1] (1 = off), got 1.5"),
+    ("default_top_k: -1", "default_top_k (--default-top-k) must be >= 0 (0 = off), got -1"),
     ("worker_env: {MALLOC_ARENA_MAX: 4}", "worker_env: 'MALLOC_ARENA_MAX': 4 must map a variable name to a "
                                           'string (quote numbers in YAML: MALLOC_ARENA_MAX: "4")'),
     ("tls: {cert: a.pem}", "tls.cert (--tls-cert) and tls.key (--tls-key) go together: give both or neither"),
@@ -417,3 +424,28 @@ def test_the_kv_frame_size_reaches_the_prefill_workers_from_file_and_flag(tmp_pa
     assert main(["up", "--max-chunk-bytes", "0"]) == 2
     assert capsys.readouterr().err.startswith("error: prefill.max_chunk_bytes (--max-chunk-bytes) must be "
                                               "between 1 and ")
+
+
+def test_sampling_defaults_come_from_the_file_and_flags_override_it(tmp_path, capsys):
+    from deploy.cli import main
+    from pdserve.engine.sampling_defaults import SamplingOverrides
+
+    assert ClusterSpec().sampling_overrides == SamplingOverrides()  # nothing given: the model's values
+    config = write(tmp_path, "default_temperature: 0.5\ndefault_top_p: 0.95\ndefault_top_k: null\n")
+    assert up_spec("--config", str(config)).sampling_overrides == SamplingOverrides(0.5, 0.95, None)
+    spec = up_spec("--config", str(config), "--default-temperature", "0", "--default-top-k", "40")
+    assert spec.sampling_overrides == SamplingOverrides(temperature=0.0, top_p=0.95, top_k=40)
+    assert main(["up", "--default-top-p", "0"]) == 2
+    assert capsys.readouterr().err == ("error: default_top_p (--default-top-p) must be in (0, 1] (1 = off), "
+                                       "got 0.0\n")
+    with pytest.raises(ValueError, match="'default_top_k' must be an integer or null, got 2.5"):
+        spec_from_mapping({"default_top_k": 2.5})
+
+
+def test_up_help_explains_the_sampling_default_flags(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for flag in ("--default-temperature T", "--default-top-p P", "--default-top-k K"):
+        assert flag in out
+    assert "generation_config.json" in out and "model card" in out and "0 = greedy" in out

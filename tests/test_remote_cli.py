@@ -39,9 +39,17 @@ def test_generate_streams_the_text_to_stdout(target, fake, capsys):
     (request,) = fake.requests
     assert request.WhichOneof("prompt") == "text" and request.text == "What is the capital of France?"
     assert not request.raw
-    s = request.sampling  # generate's flag defaults, which equal the router's
-    assert (s.temperature, s.top_k, s.top_p, s.max_tokens) == (1.0, 0, 1.0, 128)
-    assert not s.HasField("seed")
+    s = request.sampling
+    assert s.max_tokens == 128
+    # no sampling flag given: nothing sent, so the router's defaults (the served model's) apply
+    assert not any(s.HasField(name) for name in ("temperature", "top_k", "top_p", "seed"))
+
+
+def test_generate_sends_the_sampling_flags_given_zero_included(target, fake, capsys):
+    assert cli.main(["generate", "--router", target, "--temperature", "0", "--top-k", "0", "hi"]) == 0
+    s = fake.requests[0].sampling
+    assert s.HasField("temperature") and s.temperature == 0 and s.HasField("top_k") and s.top_k == 0
+    assert not s.HasField("top_p")
 
 
 def test_generate_json_prints_one_object(target, capsys):
@@ -117,7 +125,8 @@ def test_chat_keeps_the_whole_history(target, fake, monkeypatch, capsys):
     assert messages_of(first) == [("system", "Be brief."), ("user", "Hi there")]
     assert messages_of(second) == [("system", "Be brief."), ("user", "Hi there"),
                                    ("assistant", "Hello, world"), ("user", "And then?")]
-    assert second.sampling.max_tokens == 16 and not second.sampling.HasField("temperature")
+    assert second.sampling.max_tokens == 16
+    assert not any(second.sampling.HasField(name) for name in ("temperature", "top_k", "top_p"))
     captured = capsys.readouterr()
     assert captured.out.count("you> ") == 3 and captured.out.count("Hello, world\n") == 2
     assert ("[turn 2: 143 prompt tokens, 128 cached, 15 computed, 3 generated · ttft 85 ms · "

@@ -15,9 +15,9 @@ Decode side. One incoming prompt's KV is a Reservation, and goes
               (their BlockStored events go out); it waits for its Decode call until expires_at,
               after which the engine's next step frees it.
     resumed   claim() checked the resuming request against what was parked (prompt, cache_salt,
-              first_token, sampling, rng_state) and handed the blocks to the caller: the engine's
-              new sequence owns them from then on. A check that fails drops the parked KV, so a
-              bad resume leaves nothing held.
+              first_token, sampling, rng_state, first_logprob) and handed the blocks to the caller:
+              the engine's new sequence owns them from then on. A check that fails drops the parked
+              KV, so a bad resume leaves nothing held.
 
 At most one reservation per request id is held, RESERVED or PARKED: a second BEGIN for an id
 whose KV is in flight or parked is refused (InvalidRequestError), so one transfer can never
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError
 from pdserve.engine.hashing import hash_blocks, request_salt
-from pdserve.engine.sequence import SamplingParams
+from pdserve.engine.sequence import SamplingParams, TokenLogprob
 from pdserve.engine.validation import EngineLimits, InvalidRequestError, check_cache_salt, check_rng_state
 from pdserve.units import ceil_div
 
@@ -131,12 +131,14 @@ class KVHandoff:
             self._publish_events()
 
     def claim(self, request_id: str, prompt_token_ids: list[int], first_token: int, sampling: SamplingParams,
-              rng_state: torch.Tensor | None, cache_salt: bytes) -> Reservation | None:
+              rng_state: torch.Tensor | None, cache_salt: bytes,
+              first_logprob: TokenLogprob | None = None) -> Reservation | None:
         """Hand the KV parked for request_id to a resuming request; the caller owns its blocks then.
 
         None when nothing is parked under request_id. InvalidRequestError when the request does
         not match what was parked or a field is out of range: the parked KV is freed then.
-        rng_state: the prefill engine's generator state after it sampled first_token, or None.
+        rng_state: the prefill engine's generator state after it sampled first_token, or None;
+        first_logprob: first_token's logprob from the prefill engine, exactly when sampling asks.
         """
         with self._lock:
             reservation = self._parked.get(request_id)
@@ -144,7 +146,7 @@ class KVHandoff:
                 return None
             try:
                 self._check_resume(reservation, prompt_token_ids, first_token, sampling, rng_state,
-                                   cache_salt)
+                                   cache_salt, first_logprob)
             except InvalidRequestError:
                 self.drop(request_id)
                 raise
@@ -220,7 +222,8 @@ class KVHandoff:
                 del held[reservation.request_id]
 
     def _check_resume(self, reservation: Reservation, prompt: list[int], first_token: int,
-                      sampling: SamplingParams, rng_state: torch.Tensor | None, cache_salt: bytes) -> None:
+                      sampling: SamplingParams, rng_state: torch.Tensor | None, cache_salt: bytes,
+                      first_logprob: TokenLogprob | None) -> None:
         rid = reservation.request_id
         if rid in self._in_flight:
             raise InvalidRequestError(f"request_id {rid!r} is already in flight")
@@ -231,6 +234,7 @@ class KVHandoff:
                                       "under; send Decode the cache_salt that was sent to Prefill")
         self._limits.check_token("first_token", first_token)
         self._limits.check_sampling(sampling)
+        self._limits.check_first_logprob(first_token, first_logprob, sampling)
         if rng_state is not None:
             check_rng_state(rng_state)
 

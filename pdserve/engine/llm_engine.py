@@ -2,7 +2,8 @@
 
     add_request -> validate -> Sequence (WAITING)
     step():  scheduler.schedule -> model_runner.run -> scheduler.after_step
-             -> sample -> detokenize / stop checks -> finished sequences release
+             -> sample (and the logprobs of the rows that asked) -> detokenize / stop checks
+             -> finished sequences release
              their blocks -> KV events drained to the publisher
     abort(request_id): blocks released at once, wherever the request is.
 
@@ -14,7 +15,7 @@ its lifecycle in that module's docstring); the engine steps it and joins resumed
         answer drops the request, which finishes as "abort" in that step's outputs). The
         sender pins the blocks it reads (handoff.pin / unpin).
     decode side: handoff.reserve -> (blocks written by the receiver) -> handoff.park ->
-        resume_transferred(prompt, first_token): handoff.claim checks the request against what
+        resume_transferred(prompt, first_token, first_logprob): handoff.claim checks the request against what
         was parked, and the request joins the continuous batch (scheduler.add_running). A resume
         that is refused or raises frees the parked KV; step() frees parked KV past its expiry.
 
@@ -54,9 +55,9 @@ from pdserve.engine.hashing import BlockHash, engine_salt
 from pdserve.engine.linear import select_linear
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
-from pdserve.engine.sampler import sample
+from pdserve.engine.sampler import sample, token_logprobs
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler
-from pdserve.engine.sequence import SamplingParams, Sequence, SequenceStatus, Usage
+from pdserve.engine.sequence import SamplingParams, Sequence, SequenceStatus, TokenLogprob, Usage
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.validation import EngineLimits, InvalidRequestError, check_cache_salt
 from pdserve.engine.weights import LoadedModel, load_model
@@ -97,6 +98,7 @@ class RequestOutput:
     finish_reason: str | None
     usage: Usage
     rng_state: torch.Tensor | None = None  # the request's generator after its last sample; set when finished
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token; empty: not asked
 
 
 @dataclass
@@ -106,6 +108,7 @@ class RequestResult:
     text: str = ""
     finish_reason: str | None = None
     usage: Usage = field(default_factory=Usage)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token; empty: not asked
 
 
 def select_device(requested: str | None) -> torch.device:
@@ -123,6 +126,7 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.fingerprint = loaded.fingerprint
+        self.sampling_defaults = loaded.sampling_defaults  # what `pdserve generate --local` leaves unset
         self.device = select_device(config.device)
         self.model = LlamaModel(loaded.config, loaded.state_dict, self.device,
                                 select_linear(self.device, config.linear_kernel))
@@ -207,8 +211,10 @@ class LLMEngine:
         logits, sampled = self.runner.run(chunks, hook)
         self.scheduler.after_step(chunks)
         seqs = [c.seq for c in sampled]
-        tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
-        return [self._append_token(seq, tok) for seq, tok in zip(seqs, tokens, strict=True)]
+        params = [s.sampling for s in seqs]
+        tokens = sample(logits, params, [s.generator for s in seqs])
+        logprobs = token_logprobs(logits, tokens, params)
+        return [self._append_token(seq, tok, lp) for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True)]
 
     def _drop_preempted(self, seq: Sequence) -> RequestOutput:
         """A preempted request its observer gave up on: it ends here, as an abort."""
@@ -217,7 +223,7 @@ class LLMEngine:
         self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         return RequestOutput(seq.request_id, [], "", True, "abort", seq.usage)
 
-    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         seq.token_ids.append(token)
         seq.usage.completion_tokens += 1
         delta = self._update_text(seq) if self._detokenize[seq.request_id] else ""
@@ -231,7 +237,8 @@ class LLMEngine:
             rng_state = seq.generator.get_state()
             status = SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH
             self.scheduler.finish(seq, status)
-        return RequestOutput(seq.request_id, [token], delta, reason is not None, reason, seq.usage, rng_state)
+        return RequestOutput(seq.request_id, [token], delta, reason is not None, reason, seq.usage, rng_state,
+                             [] if logprob is None else [logprob])
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.sampling
@@ -276,6 +283,7 @@ class LLMEngine:
                 if r is None:
                     continue
                 r.token_ids.extend(o.new_token_ids)
+                r.logprobs.extend(o.logprobs)
                 r.text += o.text_delta
                 r.finish_reason, r.usage = o.finish_reason, o.usage
         return [results[rid] for rid in ids]
@@ -283,8 +291,11 @@ class LLMEngine:
     # --- KV handoff: a transferred request joins the batch -----------------------------------
     def resume_transferred(self, request_id: str, prompt_token_ids: list[int], first_token: int,
                            sampling: SamplingParams, rng_state: torch.Tensor | None = None,
-                           detokenize: bool = True, cache_salt: bytes = b"") -> RequestOutput | None:
-        """Continue a parked transfer: its prompt's KV is here, first_token came from prefill.
+                           detokenize: bool = True, cache_salt: bytes = b"",
+                           first_logprob: TokenLogprob | None = None) -> RequestOutput | None:
+        """Continue a parked transfer: its prompt's KV is here, first_token came from prefill, and
+        with it first_logprob when sampling.logprobs asks (the prefill engine computed it from the
+        logits first_token was sampled from; this engine never sees them).
 
         Returns the output for first_token (it may already finish the request), or None when
         nothing is parked under request_id (the caller prefills locally). Raises
@@ -294,13 +305,13 @@ class LLMEngine:
         """
         with self.lock:
             reservation = self.handoff.claim(request_id, prompt_token_ids, first_token, sampling, rng_state,
-                                             cache_salt)
+                                             cache_salt, first_logprob)
             if reservation is None:
                 return None
             seq = None
             try:
                 seq = self._resumed_sequence(reservation, sampling, rng_state, detokenize)
-                return self._append_token(seq, first_token)
+                return self._append_token(seq, first_token, first_logprob)
             except BaseException:
                 self._undo_resume(reservation, seq)
                 raise

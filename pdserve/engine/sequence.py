@@ -41,7 +41,8 @@ GREEDY_BELOW = 1e-5  # a smaller temperature samples as greedy (as vLLM does)
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. temperature 0 (or below GREEDY_BELOW) is greedy; top_k 0 and top_p 1
-    are off. seed: any uint64."""
+    are off. seed: any uint64. logprobs: None returns none; k >= 0 returns each sampled token's
+    log-probability and its k most likely alternatives (TokenLogprob)."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -51,6 +52,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -67,10 +69,24 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be >= 0, got {min(self.stop_token_ids)}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0 (the number of top alternatives), got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One sampled token's log-probability and its top alternatives, from the raw float32 logits
+    the sampler received (before temperature, top-k and top-p, as vLLM's default "raw_logprobs"),
+    so they describe the model, not the filters. top: (token id, logprob), sorted by logprob
+    descending, ties broken by the lower token id; as long as the request's logprobs asked."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass

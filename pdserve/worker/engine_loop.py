@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from pdserve.engine.llm_engine import InvalidRequestError, LLMEngine, RequestOutput, StepObserver
-from pdserve.engine.sequence import SamplingParams, Usage
+from pdserve.engine.sequence import SamplingParams, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
 
@@ -91,14 +91,14 @@ class EngineLoop:
         return stream
 
     def resume(self, request_id: str, prompt: list[int], first_token: int, sampling: SamplingParams,
-               rng_state: torch.Tensor | None, detokenize: bool = True,
-               cache_salt: bytes = b"") -> RequestStream | None:
+               rng_state: torch.Tensor | None, detokenize: bool = True, cache_salt: bytes = b"",
+               first_logprob: TokenLogprob | None = None) -> RequestStream | None:
         """Continue a transferred request; None when its KV is not parked here, InvalidRequestError
         (nothing registered, the parked KV freed) when the request does not fit it."""
         stream = self._register(request_id)
         try:
             first = self.engine.resume_transferred(request_id, prompt, first_token, sampling, rng_state,
-                                                   detokenize, cache_salt)
+                                                   detokenize, cache_salt, first_logprob)
         except BaseException:
             self._streams.pop(request_id, None)
             raise

@@ -13,7 +13,7 @@ from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError
 from pdserve.engine.events import BlockStored
 from pdserve.engine.handoff import KVHandoff, TransferRejected
 from pdserve.engine.hashing import engine_salt, hash_blocks, request_salt
-from pdserve.engine.sequence import SamplingParams
+from pdserve.engine.sequence import SamplingParams, TokenLogprob
 from pdserve.engine.validation import EngineLimits, InvalidRequestError
 from tests.conftest import assert_no_leaks, make_engine
 
@@ -21,6 +21,8 @@ BS = 4
 PROMPT = list(range(1, 10))  # 9 tokens: 2 full blocks and a partial one
 SALT = engine_salt("test-model", BS, "float32")
 GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+ASKING = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
+FIRST_LOGPROB = TokenLogprob(7, -0.25, ((7, -0.25), (3, -1.5)))  # what a prefill engine sends with token 7
 
 
 class SignallingLock:
@@ -171,6 +173,16 @@ def test_expiry_frees_only_parked_kv_past_its_time(rig):
     (dict(first_token=100), "first_token 100 is outside the vocabulary [0, 100)"),
     (dict(sampling=SamplingParams(stop_token_ids=(100,))), "sampling.stop_token_ids has 100"),
     (dict(rng_state=torch.zeros(3, dtype=torch.uint8)), "rng_state (3 bytes) is not a state"),
+    (dict(sampling=ASKING), "first_logprob is missing but sampling.logprobs is 2"),
+    (dict(first_logprob=FIRST_LOGPROB), "first_logprob is given but sampling.logprobs is None"),
+    (dict(sampling=ASKING, first_logprob=TokenLogprob(8, -0.25, FIRST_LOGPROB.top)),
+     "first_logprob is for token 8, not first_token 7"),
+    (dict(sampling=ASKING, first_logprob=TokenLogprob(7, -0.25, FIRST_LOGPROB.top[:1])),
+     "first_logprob.top has 1 alternatives; sampling.logprobs asks for 2"),
+    (dict(sampling=ASKING, first_logprob=TokenLogprob(7, -0.25, ((7, -0.25), (100, -1.5)))),
+     "first_logprob token id 100 is outside the vocabulary [0, 100)"),
+    (dict(sampling=ASKING, first_logprob=TokenLogprob(7, float("nan"), FIRST_LOGPROB.top)),
+     "first_logprob of token 7 is nan; a logprob is <= 0"),
 ])
 def test_a_refused_claim_frees_the_parked_kv(rig, change, message):
     rig.handoff.park(rig.handoff.reserve("a", PROMPT, 0))
@@ -224,6 +236,19 @@ def test_the_engine_resumes_parked_kv_into_its_batch(tiny_loaded):
     assert (engine.load().running, engine.load().parked_transfers) == (1, 0)
     [out] = engine.step()  # decodes the next token straight away: no prefill
     assert out.request_id == "t" and len(out.new_token_ids) == 1 and out.usage.completion_tokens == 2
+    assert engine.abort("t")
+    assert_no_leaks(engine)
+
+
+def test_a_resumed_request_emits_the_prefill_engines_first_logprob_then_its_own(tiny_loaded):
+    """The first token's logits were on the prefill engine: its logprob comes with the resume."""
+    engine = make_engine(tiny_loaded, block_size=BS, num_blocks=32)
+    engine.handoff.park(engine.handoff.reserve("t", PROMPT, 0))
+    first = engine.resume_transferred("t", PROMPT, 7, ASKING, detokenize=False, first_logprob=FIRST_LOGPROB)
+    assert first.new_token_ids == [7] and first.logprobs == [FIRST_LOGPROB]
+    [out] = engine.step()
+    [logprob] = out.logprobs
+    assert logprob.token_id == out.new_token_ids[0] and len(logprob.top) == 2
     assert engine.abort("t")
     assert_no_leaks(engine)
 

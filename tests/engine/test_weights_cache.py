@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from pdserve.engine.sampling_defaults import SMOLLM2_MODEL_CARD
 from pdserve.engine.weights import load_model
 
 
@@ -18,6 +19,7 @@ def test_cached_load_is_identical_and_fast(tmp_path, smollm_loaded):
         assert loaded.fingerprint == smollm_loaded.fingerprint
         assert loaded.config == smollm_loaded.config
         assert loaded.source == smollm_loaded.source
+        assert loaded.sampling_defaults == smollm_loaded.sampling_defaults == SMOLLM2_MODEL_CARD
     assert all(torch.equal(cached.state_dict[k], v) for k, v in smollm_loaded.state_dict.items())
     text = "Prices: 12,345.67 €  —  naïve 数字\t\n<|im_start|>user\nhi<|im_end|>"
     assert cached.tokenizer.encode(text) == smollm_loaded.tokenizer.encode(text)

@@ -105,6 +105,8 @@ class Rig:
                                            sampling=sampling_to_proto(sampling), prefill_here=reply is None)
         if reply is not None:
             request.first_token, request.rng_state = reply.first_token, reply.rng_state
+            if reply.HasField("first_logprob"):
+                request.first_logprob.CopyFrom(reply.first_logprob)
         replies = list(self.stub(worker or self.decode).Decode(request, timeout=60))
         return [t for r in replies for t in r.token_ids], replies[0].used_transferred_kv
 

@@ -84,6 +84,16 @@ def test_stop_conditions():
         assert str(err.value) == message
 
 
+def test_logprobs_up_to_the_limit_of_20():
+    limits = RequestLimits()
+    assert limits.max_logprobs == 20
+    lim.check_sampling(SamplingParams(logprobs=0), VOCAB, limits)
+    lim.check_sampling(SamplingParams(logprobs=20), VOCAB, limits)
+    with pytest.raises(LimitExceeded) as err:
+        lim.check_sampling(SamplingParams(logprobs=21), VOCAB, limits)
+    assert str(err.value) == "sampling.logprobs 21 exceeds this server's limit of 20 top alternatives"
+
+
 def test_request_id_and_chat_sizes():
     limits = RequestLimits(max_request_id_chars=4, max_chat_messages=2)
     lim.check_request_id("", limits)
@@ -156,6 +166,8 @@ def ids(n: int, start: int = 1000) -> pb.TokenIds:
     ({"text": "hi", "sampling": pb.SamplingParams(stop_token_ids=[VOCAB])},
      f"sampling.stop_token_ids has {VOCAB}, outside the vocabulary"),
     ({"text": "hi", "request_id": "r" * 17}, "request_id has 17 characters; this server's limit is 16"),
+    ({"text": "hi", "sampling": pb.SamplingParams(logprobs=21)},
+     "sampling.logprobs 21 exceeds this server's limit of 20 top alternatives"),
     ({"text": "hi", "sampling": pb.SamplingParams(temperature=float("nan"))}, "temperature must be >= 0"),
     ({"text": "hi", "sampling": pb.SamplingParams(top_p=float("inf"))}, "top_p must be in (0, 1]"),
     ({"text": "hi", "routing": "prefix", "routing_weights": {"prefill": float("nan")}},

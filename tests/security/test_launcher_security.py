@@ -13,6 +13,7 @@ from deploy.config import ClusterSpec
 from deploy.launcher import LocalCluster
 from deploy.redis_server import RedisServer
 from deploy.up import client_flags
+from pdserve.engine.sampling_defaults import SamplingDefaults
 from pdserve.security import SecurityConfig, TLSConfig, TLSFiles
 from pdserve.security.redis_auth import RedisAuthFailed
 from router.limits import RequestLimits
@@ -38,7 +39,7 @@ def test_the_router_gets_every_token_the_secret_tls_and_the_limits(secured_spec,
     cluster = LocalCluster(secured_spec)
     cluster.security = cluster._read_security()
     cluster.redis_url = "redis://127.0.0.1:1/0"
-    router = cluster._router(redis.Redis.from_url(cluster.redis_url), None, 512)
+    router = cluster._router(redis.Redis.from_url(cluster.redis_url), None, 512, SamplingDefaults())
     assert router.config.security == SecurityConfig(
         tls=TLSConfig(dev_certs.server_cert, dev_certs.server_key, dev_certs.ca, True),
         client_cert=dev_certs.client_cert, client_key=dev_certs.client_key, api_tokens=TOKENS,

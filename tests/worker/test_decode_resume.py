@@ -47,6 +47,14 @@ def malformed_rng_state(request: worker_pb2.DecodeRequest) -> None:
     request.rng_state = b"\x01" * 10
 
 
+def logprobs_asked_only_at_decode(request: worker_pb2.DecodeRequest) -> None:
+    request.sampling.logprobs = 2  # the prefill worker was not asked: it sent no first_logprob
+
+
+def a_first_logprob_nobody_asked_for(request: worker_pb2.DecodeRequest) -> None:
+    request.first_logprob.token_id, request.first_logprob.logprob = request.first_token, -0.5
+
+
 @pytest.mark.parametrize("spoil, message", [
     (first_token_out_of_range, "first_token 10000000 is outside the vocabulary"),
     (other_prompt, "differ from the prompt whose KV was transferred"),
@@ -54,6 +62,8 @@ def malformed_rng_state(request: worker_pb2.DecodeRequest) -> None:
     (malformed_rng_state, "rng_state (10 bytes) is not a state of this engine's generator"),
     (bad_top_p, "top_p must be in (0, 1]"),
     (bad_stop_token, "sampling.stop_token_ids has 10000000"),
+    (logprobs_asked_only_at_decode, "first_logprob is missing but sampling.logprobs is 2"),
+    (a_first_logprob_nobody_asked_for, "first_logprob is given but sampling.logprobs is None"),
 ])
 def test_a_bad_field_is_invalid_argument_and_frees_the_parked_kv(rig, tiny_loaded, spoil, message):
     rid = f"bad-{spoil.__name__}"

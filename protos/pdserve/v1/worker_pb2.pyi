@@ -24,7 +24,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., decode_target: _Optional[str] = ..., decode_cached_blocks: _Optional[int] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("first_token", "rng_state", "usage", "bytes_sent", "blocks_sent", "prefill_ms", "transfer_ms")
+    __slots__ = ("first_token", "rng_state", "usage", "bytes_sent", "blocks_sent", "prefill_ms", "transfer_ms", "first_logprob")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     RNG_STATE_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class PrefillReply(_message.Message):
     BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     rng_state: bytes
     usage: _generation_pb2.Usage
@@ -39,10 +40,11 @@ class PrefillReply(_message.Message):
     blocks_sent: int
     prefill_ms: float
     transfer_ms: float
-    def __init__(self, first_token: _Optional[int] = ..., rng_state: _Optional[bytes] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., bytes_sent: _Optional[int] = ..., blocks_sent: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
+    first_logprob: _generation_pb2.TokenLogprob
+    def __init__(self, first_token: _Optional[int] = ..., rng_state: _Optional[bytes] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., bytes_sent: _Optional[int] = ..., blocks_sent: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., first_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_here", "first_token", "rng_state", "detokenize", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_here", "first_token", "rng_state", "detokenize", "cache_salt", "first_logprob")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +53,7 @@ class DecodeRequest(_message.Message):
     RNG_STATE_FIELD_NUMBER: _ClassVar[int]
     DETOKENIZE_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
@@ -59,10 +62,11 @@ class DecodeRequest(_message.Message):
     rng_state: bytes
     detokenize: bool
     cache_salt: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., prefill_here: _Optional[bool] = ..., first_token: _Optional[int] = ..., rng_state: _Optional[bytes] = ..., detokenize: _Optional[bool] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
+    first_logprob: _generation_pb2.TokenLogprob
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., prefill_here: _Optional[bool] = ..., first_token: _Optional[int] = ..., rng_state: _Optional[bytes] = ..., detokenize: _Optional[bool] = ..., cache_salt: _Optional[bytes] = ..., first_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class DecodeReply(_message.Message):
-    __slots__ = ("token_ids", "text", "finished", "finish_reason", "usage", "used_transferred_kv", "prefill_ms")
+    __slots__ = ("token_ids", "text", "finished", "finish_reason", "usage", "used_transferred_kv", "prefill_ms", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +74,7 @@ class DecodeReply(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     USED_TRANSFERRED_KV_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finished: bool
@@ -77,7 +82,8 @@ class DecodeReply(_message.Message):
     usage: _generation_pb2.Usage
     used_transferred_kv: bool
     prefill_ms: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., used_transferred_kv: _Optional[bool] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., used_transferred_kv: _Optional[bool] = ..., prefill_ms: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

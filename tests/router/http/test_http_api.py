@@ -6,6 +6,8 @@ from `pdserve up`, driven with the official openai SDK, is tests/cluster/test_op
 from __future__ import annotations
 
 import json
+import ssl
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -13,6 +15,7 @@ import pytest
 from pdserve.engine.sequence import SamplingParams
 from pdserve.metrics import scrape
 from pdserve.security import SecurityConfig
+from pdserve.worker.server import WorkerConfig
 from tests.conftest import make_engine
 from tests.helpers.cluster import generate, generate_request, metric_value, running_cluster, start_router
 from tests.helpers.workers import wait_until_clean
@@ -142,3 +145,18 @@ def test_metrics_over_http_are_the_registry_grpc_calls_count_in(cluster):
     assert ok_requests() == before + 2
     models = httpx.get(url(cluster, "/v1/models"), timeout=30).json()
     assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [(MODEL, 512)]
+
+
+def test_with_a_certificate_the_http_api_is_served_over_tls_with_the_same_tokens(tiny_loaded, dev_certs):
+    inside = SecurityConfig(tls=dev_certs.server_tls(), cluster_secret="cluster-secret-http-2")
+    workers = [WorkerConfig(role, metrics_port=None, security=inside) for role in ("prefill", "decode")]
+    with running_cluster(tiny_loaded, workers=workers, http_port=0,
+                         security=replace(inside, api_tokens=(TOKEN,))) as c:
+        assert c.router.http_url.startswith("https://")
+        with httpx.Client(verify=ssl.create_default_context(cafile=dev_certs.ca), timeout=30) as client:
+            answer = client.post(url(c, "/v1/completions"), json=completion(),
+                                 headers={"Authorization": f"Bearer {TOKEN}"})
+        with pytest.raises(httpx.HTTPError):  # plaintext HTTP to the TLS port
+            httpx.post(url(c, "/v1/completions").replace("https://", "http://"), json=completion(), timeout=5)
+        wait_until_clean(*c.workers)
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 6
