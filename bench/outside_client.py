@@ -93,6 +93,7 @@ from typing import Any
 
 from bench.common import (
     bench_parser,
+    check_least,
     ensure_venv,
     environment,
     format_table,
@@ -554,9 +555,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--venv", type=Path, default=OUT / "aiperf-venv",
                    help="AIPerf's virtualenv, created there on first use (default: bench/out/aiperf-venv)")
     args = p.parse_args(argv)
-    for name in ("concurrency", "reps"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    check_least(p, args, {"concurrency": 1, "reps": 1})
     if args.api_token_env and args.api_token_env not in os.environ:
         p.error(f"--api-token-env {args.api_token_env}: that variable is not set")
     return args
