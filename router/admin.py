@@ -12,6 +12,7 @@ not answer is listed as unreachable with the gRPC error.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -36,8 +37,10 @@ class RouterIdentity:
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
-    def __init__(self, directory: WorkerDirectory, placer: Placer, in_flight, identity) -> None:
+    def __init__(self, directory: WorkerDirectory, placer: Placer, in_flight, identity,
+                 index_accuracy: Callable[[str], float | None] = lambda worker_id: None) -> None:
         self.directory, self.placer = directory, placer
+        self._index_accuracy = index_accuracy  # worker id -> the index's recent accuracy for it
         self._in_flight = in_flight  # () -> int: Generate calls being served
         self._identity = identity  # () -> RouterIdentity, known once the server has bound its ports
         self._pool = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="admin-status")
@@ -63,9 +66,14 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             known = worker_pb2.WorkerStatus(worker_id=worker.worker_id, role=worker.role,
                                             address=worker.address, epoch=worker.epoch,
                                             node=getattr(worker, "node", ""))
-            return admin_pb2.WorkerView(status=known, state="unreachable", router_in_flight=in_flight)
-        state = "serving" if status.serving else "not_serving"
-        return admin_pb2.WorkerView(status=status, state=state, router_in_flight=in_flight)
+            view = admin_pb2.WorkerView(status=known, state="unreachable", router_in_flight=in_flight)
+        else:
+            state = "serving" if status.serving else "not_serving"
+            view = admin_pb2.WorkerView(status=status, state=state, router_in_flight=in_flight)
+        accuracy = self._index_accuracy(worker.worker_id)
+        if accuracy is not None:
+            view.index_accuracy = accuracy
+        return view
 
     def AuditCluster(self, request, context):  # noqa: N802
         remaining = context.time_remaining()

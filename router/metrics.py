@@ -46,6 +46,24 @@ class RouterMetrics:
                                   buckets=DECISION_BUCKETS, registry=r)
         self.in_flight = Gauge("pdserve_router_requests_in_flight", "Generate calls being served",
                                registry=r)
+        # The index's predictions against what the workers reused (router/prediction.py)
+        self.predicted_tokens = Counter("pdserve_router_predicted_cached_tokens",
+                                        "Cached prompt tokens the prefix index promised the worker that "
+                                        "computed the prompt (requests placed by prefix)", ["worker"],
+                                        registry=r)
+        self.reused_tokens = Counter("pdserve_router_reused_cached_tokens",
+                                     "Cached prompt tokens that worker reported reusing (the same requests)",
+                                     ["worker"], registry=r)
+        self.prediction_error = Histogram("pdserve_router_prediction_error_tokens",
+                                          "|predicted - reused| cached tokens per request",
+                                          buckets=(0, 16, 64, 256, 1024, 4096, 16384), registry=r)
+        self.index_accuracy = Gauge("pdserve_router_index_accuracy",
+                                    "1 - |predicted - reused| / max over the worker's recent requests",
+                                    ["worker"], registry=r)
+        self.index_resyncs = Counter("pdserve_router_index_resyncs",
+                                     "Workers asked to republish their index entries because the index's "
+                                     "accuracy for them fell below the threshold", ["worker", "outcome"],
+                                     registry=r)
 
     def finished(self, code: str, prompt_tokens: int, cached_tokens: int, e2e_s: float) -> None:
         self.requests.labels(code=code).inc()

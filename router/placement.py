@@ -46,6 +46,14 @@ class Placement:
     prefill: Candidate | None  # None: prefill on the decode worker
     decode_cached_blocks: int = 0  # blocks D holds: the prefill worker does not send them
     routing: str = "least_load"
+    # What the index promised the worker that computes the prompt (prefill, else decode): the cached
+    # tokens of the usable leading blocks it holds. None: no prediction (another policy, or the index
+    # did not answer).
+    predicted_cached_tokens: int | None = None
+
+    @property
+    def computing_worker(self) -> Candidate:
+        return self.prefill or self.decode
 
 
 MatchFn = Callable[[Sequence[BlockHash]], Mapping[str, int]]  # PrefixIndex.match
@@ -106,10 +114,10 @@ class Placer:
             raise NoWorkerError("no live decode worker; is the cluster up (`pdserve status`)?")
         choices = [self._choose_in(hashing, d, p, prompt, weights, cache_salt)
                    for hashing, (d, p) in groups.items()]
-        best = min(c.cost for c in choices)
-        ties = [c for c in choices if c.cost == best]
-        choice = ties[0] if len(ties) == 1 else self.rng.choice(ties)
-        return Placement(choice.decode, choice.prefill, choice.decode_cached_blocks, "prefix")
+        best = min(c.cost for c, _ in choices)
+        ties = [(c, predicted) for c, predicted in choices if c.cost == best]
+        choice, predicted = ties[0] if len(ties) == 1 else self.rng.choice(ties)
+        return Placement(choice.decode, choice.prefill, choice.decode_cached_blocks, "prefix", predicted)
 
     def _salt_groups(self, decode: list[Candidate], prefill: list[Candidate]
                      ) -> dict[BlockHashing, tuple[list[Candidate], list[Candidate]]]:
@@ -125,12 +133,17 @@ class Placer:
         return groups
 
     def _choose_in(self, hashing: BlockHashing, decode: list[Candidate], prefill: list[Candidate],
-                   prompt: list[int], weights: ScoringWeights, cache_salt: bytes) -> Choice:
-        held: Mapping[str, int] = {}
+                   prompt: list[int], weights: ScoringWeights,
+                   cache_salt: bytes) -> tuple[Choice, int | None]:
+        """The group's cheapest choice, and the cached tokens the index promised its computing worker
+        (None when the index did not answer)."""
+        held: Mapping[str, int] | None = {}
         if self.match is not None:
             hashes = hash_blocks(prompt, hashing.block_size, request_salt(hashing.salt, cache_salt))
-            held = self.breaker.call(lambda: self.match(hashes), {}) if hashes else {}
-        return choose(len(prompt), hashing.block_size, decode, prefill, held, weights, self.rng)
+            held = self.breaker.call(lambda: self.match(hashes), None) if hashes else {}
+        choice = choose(len(prompt), hashing.block_size, decode, prefill, held or {}, weights, self.rng)
+        consulted = self.match is not None and held is not None
+        return choice, choice.prefill_cached_blocks * hashing.block_size if consulted else None
 
     def _round_robin(self, prompt_tokens: int, decode, prefill) -> Placement:
         remote = bool(prefill) and prompt_tokens >= self.config.min_remote_prefill_tokens

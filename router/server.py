@@ -115,7 +115,7 @@ class RouterServer:
                                            self.metrics, config.limits, config.cache_isolation,
                                            config.sampling_defaults)
         self.admin = AdminServicer(self.directory, self.placer, lambda: self.servicer.requests_in_flight,
-                                   self.identity)
+                                   self.identity, self.servicer.predictions.accuracy)
         self.health = health.HealthServicer()
         self.call_limiter = CallLimiter([
             reflection_limit(config.max_reflection_streams, "RouterConfig.max_reflection_streams"),

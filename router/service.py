@@ -39,6 +39,7 @@ from router.least_load import NoWorkerError
 from router.limits import RequestLimits, StreamLimitReached
 from router.metrics import RouterMetrics
 from router.placement import AdmissionRefused, Placement, Placer
+from router.prediction import PredictionTracker
 from router.workers import WorkerDirectory
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.cache_isolation = cache_isolation
         self.sampling_defaults = sampling_defaults  # what a request's unset temperature/top_p/top_k become
         self.requests_in_flight = 0
+        self.predictions = PredictionTracker()
         self._lock = threading.Lock()
 
     def Generate(self, request, context):  # noqa: N802
@@ -328,7 +330,32 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             out.timings.CopyFrom(_timings(trace))
             out.decode_worker = placement.decode.worker_id
             out.prefill_worker = placement.prefill.worker_id if prefill is not None else ""
+            self._check_prediction(placement, prefill, trace.usage)
         return out
+
+    def _check_prediction(self, placement: Placement, prefill, usage: generation_pb2.Usage) -> None:
+        """What the index promised the worker that computed the prompt, against what it reused; a
+        worker whose predictions keep missing is asked to republish its entries (router/prediction.py)."""
+        predicted = placement.predicted_cached_tokens
+        if predicted is None or (placement.prefill is not None and prefill is None):
+            return  # no prediction, or the remote prefill fell back: the decode worker computed it
+        worker, m = placement.computing_worker, self.metrics
+        m.predicted_tokens.labels(worker=worker.worker_id).inc(predicted)
+        m.reused_tokens.labels(worker=worker.worker_id).inc(usage.cached_tokens)
+        m.prediction_error.observe(abs(predicted - usage.cached_tokens))
+        if self.predictions.record(worker.worker_id, predicted, usage.cached_tokens):
+            self._ask_resync(worker.worker_id, worker.address)
+        accuracy = self.predictions.accuracy(worker.worker_id)
+        if accuracy is not None:
+            m.index_accuracy.labels(worker=worker.worker_id).set(accuracy)
+
+    def _ask_resync(self, worker_id: str, address: str) -> None:
+        log.warning("the prefix index's predictions for %s fell below %.2f accuracy; asking it to "
+                    "republish its entries", worker_id, self.predictions.check.threshold)
+        future = self.directory.stub(address).ResyncIndex.future(worker_pb2.ResyncIndexRequest(), timeout=5.0)
+        outcome = lambda f: "ok" if f.exception() is None else "failed"
+        future.add_done_callback(lambda f: self.metrics.index_resyncs.labels(worker=worker_id,
+                                                                             outcome=outcome(f)).inc())
 
 
 def _usage(decode: generation_pb2.Usage, prefill: generation_pb2.Usage | None) -> generation_pb2.Usage:

@@ -140,9 +140,13 @@ class RecordingPublisher:
 
     def __init__(self) -> None:
         self.events: list[KVEvent] = []
+        self.resyncs = 0
 
     def publish(self, events: list[KVEvent]) -> None:
         self.events.extend(events)
+
+    def resync(self) -> None:
+        self.resyncs += 1
 
 
 def assert_no_leaks(engine: LLMEngine) -> None:

@@ -35,10 +35,17 @@ KVEvent = BlockStored | BlockRemoved
 class KVEventPublisher(Protocol):
     def publish(self, events: list[KVEvent]) -> None: ...
 
+    def resync(self) -> None:
+        """Republish every block the pool caches (the index lost or doubts this worker's entries)."""
+        ...
+
 
 class NullPublisher:
     """Drops events: a single engine with no index to feed."""
 
     def publish(self, events: list[KVEvent]) -> None:
+        return None
+
+    def resync(self) -> None:
         return None
 

@@ -183,6 +183,17 @@ class IndexMirror:
             raise TimeoutError(f"the index mirror did not reach feed seq {state.position.seq} within "
                                f"{timeout_s} s (status {self._status.value}, at {self.position()})")
 
+    def resnapshot(self, timeout_s: float = 10.0) -> None:
+        """Read the index whole now, as resnapshot_s would later: the one way the mirror learns of what
+        the feed cannot carry (keys deleted or evicted in Redis behind the workers' backs). Returns when
+        the snapshot is in; TimeoutError when it is not within timeout_s (Redis does not answer)."""
+        with self._lock:
+            target = self.snapshots + 1
+            self._snapshot_wanted = True
+            if not self._lock.wait_for(lambda: self.snapshots >= target, timeout_s):
+                raise TimeoutError(f"the index mirror did not re-read the index within {timeout_s} s "
+                                   f"(status {self._status.value})")
+
     def wait_caught_up(self, seq: int, timeout_s: float) -> bool:
         """Whether the mirror reached feed seq `seq` (or a snapshot past it) within timeout_s."""
         def reached() -> bool:
@@ -291,12 +302,12 @@ class IndexMirror:
             except ValueError as bad:  # UnicodeDecodeError is one
                 self._malformed.skip(f"{k.entries} member {member!r}", bad)
         index = FollowedIndex.from_snapshot(state.position, entries)
+        self._take_leases(state.leases)
         with self._lock:
             self._index = index
+            self._snapshot_wanted, self._snapshot_at = False, self._clock()
+            self.snapshots += 1
             self._lock.notify_all()
-        self._take_leases(state.leases)
-        self._snapshot_wanted, self._snapshot_at = False, self._clock()
-        self.snapshots += 1
         log.debug("index mirror: read %d entries at feed seq %d", len(entries), state.position.seq)
 
     def _read_state(self) -> _StoreState:

@@ -120,6 +120,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         status.MergeFrom(self.identity)
         return status
 
+    def ResyncIndex(self, request, context):  # noqa: N802
+        """Ask the publisher to replace this worker's index entries with the pool's cached blocks
+        (on its own thread; the reply does not wait for it)."""
+        engine = self.parts.engine
+        engine.publisher.resync()
+        return worker_pb2.ResyncIndexReply(cached_blocks=engine.load().cached_blocks)
+
     def Audit(self, request, context):  # noqa: N802
         """KV audit of this worker's cache (engine/audit.py); it stops starting new recomputes at 90%
         of the call's deadline, and says so with complete=false."""

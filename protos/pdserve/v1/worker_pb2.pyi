@@ -85,6 +85,16 @@ class DecodeReply(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., used_transferred_kv: _Optional[bool] = ..., prefill_ms: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
+class ResyncIndexRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResyncIndexReply(_message.Message):
+    __slots__ = ("cached_blocks",)
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    cached_blocks: int
+    def __init__(self, cached_blocks: _Optional[int] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

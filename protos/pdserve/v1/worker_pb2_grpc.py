@@ -50,6 +50,11 @@ class WorkerStub:
                 request_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.AuditRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.AuditReply.FromString,
                 _registered_method=True)
+        self.ResyncIndex = channel.unary_unary(
+                '/pdserve.v1.Worker/ResyncIndex',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.ResyncIndexRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.ResyncIndexReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -77,6 +82,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResyncIndex(self, request, context):
+        """Republish every block this worker caches to the prefix index, replacing its entries (the
+        router asks when the index's predictions for this worker have gone wrong: router/prediction.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +107,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Audit,
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.AuditRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.AuditReply.SerializeToString,
+            ),
+            'ResyncIndex': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResyncIndex,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.ResyncIndexRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.ResyncIndexReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +196,33 @@ class Worker:
             '/pdserve.v1.Worker/Audit',
             protos_dot_pdserve_dot_v1_dot_worker__pb2.AuditRequest.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_worker__pb2.AuditReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResyncIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/ResyncIndex',
+            protos_dot_pdserve_dot_v1_dot_worker__pb2.ResyncIndexRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_worker__pb2.ResyncIndexReply.FromString,
             options,
             channel_credentials,
             insecure,
