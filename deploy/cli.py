@@ -130,9 +130,10 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     where = p.add_mutually_exclusive_group()
     where.add_argument("--local", action="store_true",
                        help="run the engine in this process (the default when --router is not given)")
-    where.add_argument("--router", metavar="HOST:PORT",
+    where.add_argument("--router", metavar="HOST:PORT[,HOST:PORT...]",
                        help="send the request to a running pdserve router (e.g. 127.0.0.1:50051, "
-                            "as started by `pdserve up`) instead of running the engine here")
+                            "as started by `pdserve up`) instead of running the engine here; several "
+                            "routers, comma-separated, are tried in turn when one is unavailable")
     p.add_argument("--model", metavar="PATH",
                    help="model for --local: a Hugging Face Llama-family folder or a .gguf file "
                         "(default: the embedded SmolLM2-135M-Instruct)")
@@ -200,8 +201,10 @@ def _add_chat(commands: argparse._SubParsersAction) -> None:
                     "conversation, so the router can reuse the KV cache of the turns before. Type "
                     "/reset to clear the history, /exit (or Ctrl-D) to quit. Reads stdin line by "
                     "line, so it also works with piped input.")
-    p.add_argument("--router", metavar="HOST:PORT", default="127.0.0.1:50051",
-                   help="address of a running pdserve router (default: %(default)s, `pdserve up`'s)")
+    p.add_argument("--router", metavar="HOST:PORT[,HOST:PORT...]", default="127.0.0.1:50051",
+                   help="address of a running pdserve router, or several comma-separated (each turn goes "
+                        "to one, round robin; one that is unavailable is skipped) (default: %(default)s, "
+                        "`pdserve up`'s)")
     p.add_argument("--system", metavar="TEXT", help="system message that opens the conversation")
     p.add_argument("--temperature", type=float,
                    help="sampling temperature; 0 means greedy (default: the router's, which is the served "

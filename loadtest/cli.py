@@ -85,9 +85,9 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
                    help="how to send: grpc = pdserve's Generation API at --router; openai = the "
                         "OpenAI-compatible HTTP API at --url (/v1/chat/completions for chat prompts, "
                         "/v1/completions for token ids, streamed) (default: %(default)s)")
-    p.add_argument("--router", metavar="HOST:PORT",
-                   help="address of the router to load (e.g. 127.0.0.1:50051, `pdserve up`'s); "
-                        "this is A in compare mode (--api grpc)")
+    p.add_argument("--router", metavar="HOST:PORT[,HOST:PORT...]",
+                   help="address of the router to load (e.g. 127.0.0.1:50051, `pdserve up`'s), or several "
+                        "comma-separated, spread round robin; this is A in compare mode (--api grpc)")
     p.add_argument("--url", metavar="URL",
                    help="--api openai: the HTTP API's base URL, e.g. http://127.0.0.1:8000 "
                         "(`pdserve up --http-port`; a trailing /v1 is fine); A in compare mode")

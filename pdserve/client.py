@@ -9,6 +9,9 @@
 
 `AsyncPdserveClient` is the same over `grpc.aio` (`async for`, `await ...result()`).
 
+Either takes several routers, "a:1,b:2": calls are spread over them round robin, and a call that
+fails UNAVAILABLE before its first response is retried on the next one (pdserve/router_targets.py).
+
 A stream's lifecycle: Open -> Streaming -> Finished (a message with finished=true arrived),
 Failed (PdserveError), or Cancelled (`.cancel()`, or leaving its `with` block before the
 end). Cancelling closes the gRPC call; the router sees its context cancelled and frees the
@@ -28,6 +31,7 @@ import grpc
 
 from pdserve.engine.sequence import TokenLogprob  # NOTE: pure, no torch: the client stays light
 from pdserve.roles import CHAT_ROLES
+from pdserve.router_targets import balancing_options, channel_target
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -222,7 +226,7 @@ def error_from(exc: grpc.RpcError, target: str, timeout_s: float | None,
     return PdserveError(name, details or name.lower().replace("_", " "))
 
 
-def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, object]]:
     return [("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes)]
 
@@ -283,9 +287,10 @@ class PdserveClient:
                  max_message_bytes: int = MAX_MESSAGE_BYTES):
         self.target, self.timeout_s = target, timeout_s
         self._metadata, self._wait_for_ready = tuple(metadata or ()), wait_for_ready
-        options = channel_options(max_message_bytes)
-        self._channel = (grpc.secure_channel(target, credentials, options) if credentials
-                         else grpc.insecure_channel(target, options))
+        options = channel_options(max_message_bytes) + balancing_options(target)
+        dial = channel_target(target)
+        self._channel = (grpc.secure_channel(dial, credentials, options) if credentials
+                         else grpc.insecure_channel(dial, options))
         self._stub = pb_grpc.GenerationStub(self._channel)
 
     def stream(self, prompt: str | None = None, *, timeout_s: float | None | _Default = CLIENT_DEFAULT,
@@ -372,9 +377,10 @@ class AsyncPdserveClient:
                  max_message_bytes: int = MAX_MESSAGE_BYTES):
         self.target, self.timeout_s = target, timeout_s
         self._metadata, self._wait_for_ready = tuple(metadata or ()), wait_for_ready
-        options = channel_options(max_message_bytes)
-        self._channel = (grpc.aio.secure_channel(target, credentials, options) if credentials
-                         else grpc.aio.insecure_channel(target, options))
+        options = channel_options(max_message_bytes) + balancing_options(target)
+        dial = channel_target(target)
+        self._channel = (grpc.aio.secure_channel(dial, credentials, options) if credentials
+                         else grpc.aio.insecure_channel(dial, options))
         self._stub = pb_grpc.GenerationStub(self._channel)
 
     def stream(self, prompt: str | None = None, *, timeout_s: float | None | _Default = CLIENT_DEFAULT,
