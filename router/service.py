@@ -284,7 +284,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                            sampling=job.sampling, prefill_here=prefill is None,
                                            detokenize=True, cache_salt=job.cache_salt)
         if prefill is not None:
-            request.first_token, request.rng_state = prefill.first_token, prefill.rng_state
+            request.first_token = prefill.first_token
             if prefill.HasField("first_logprob"):
                 request.first_logprob.CopyFrom(prefill.first_logprob)
         call = self.directory.decode_stub(placement.decode.address).Decode(request,
