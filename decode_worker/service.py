@@ -21,6 +21,7 @@ import time
 
 import grpc
 
+from decode_worker.faults import NO_HOLD
 from pdserve.engine.llm_engine import InvalidRequestError
 from pdserve.engine.sequence import SamplingParams
 from pdserve.worker.convert import (
@@ -35,8 +36,9 @@ from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
-    def __init__(self, parts: WorkerParts) -> None:
+    def __init__(self, parts: WorkerParts, hold=NO_HOLD) -> None:
         self.parts = parts
+        self.hold = hold  # a debug fault plan's stream hold (faults.py); NO_HOLD never waits
 
     def Decode(self, request, context):  # noqa: N802
         """Resume KV transferred here, or prefill here. A request that is malformed, or does not
@@ -71,9 +73,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
 
     def _stream_replies(self, rid: str, stream: RequestStream, used_transfer: bool, started: float,
                         continued: int, context):
-        first, finished, last_sent = True, False, started
+        first, finished, last_sent, sent = True, False, started, 0
         try:
             for out in stream:
+                self.hold.before_reply(rid, sent, context)
                 finished = out.finished
                 if out.finish_reason == "error":
                     context.abort(grpc.StatusCode.INTERNAL, f"the engine failed while decoding {rid} "
@@ -90,6 +93,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                     first = False
                 if out.finished:  # (a continued request's earlier tokens were counted where they were made)
                     self.parts.totals.count(out.usage, out.usage.completion_tokens - continued)
+                sent += len(out.new_token_ids)
                 yield reply
         finally:
             if not finished:
