@@ -156,6 +156,28 @@ def test_streams_whose_decode_worker_stops_mid_stream_go_on_elsewhere_token_for_
         assert cluster.router.servicer.requests_in_flight == 0
 
 
+def test_a_drained_decode_worker_finishes_its_streams_in_place(tiny_loaded, expected):
+    """Drain waits until every Decode call has sent its last reply (on the old code it returned as soon
+    as the engine had finished, while replies were still to be sent, and the stop after it cut them)."""
+    with victim_cluster(tiny_loaded) as (cluster, victim, add_survivor), cf.ThreadPoolExecutor(5) as pool:
+        streams = Streams(cluster, pool)
+        streams.read_until_held()
+        victim.role.hold.wait_held(len(CASES), timeout_s=30)
+        add_survivor()
+        drained = pool.submit(victim.drain, 30.0)
+        with pytest.raises(cf.TimeoutError):
+            drained.result(timeout=1.0)  # every stream is still to send the client the rest
+        victim.role.hold.release()
+        replies = streams.finish()
+        assert drained.result(timeout=30) is True
+        for want, got in zip(expected, replies, strict=True):
+            assert [t for r in got for t in r.token_ids] == want.token_ids
+            assert got[-1].decode_worker == "decode-victim" and not got[-1].migrations
+        assert migration_count(cluster.router, "CANCELLED") == 0
+        assert migration_count(cluster.router, "UNAVAILABLE") == 0
+        wait_until_clean(cluster.prefill, victim, timeout_s=5)
+
+
 def test_with_migration_off_the_stream_ends_with_the_workers_status_naming_the_limit(tiny_loaded):
     case = CASES[1]
     with victim_cluster(tiny_loaded, migration=MigrationPolicy(limit=0)) as (cluster, victim, add_survivor):
