@@ -74,17 +74,18 @@ def engine_config() -> EngineConfig:
     return EngineConfig(cache=CacheConfig(num_blocks=NUM_BLOCKS), device="cpu")
 
 
-def held_decode_worker(loaded) -> WorkerServer:
-    role = DecodeRole(DecodeConfig(fault_plan=DecodeFaultPlan(hold_after_tokens=HOLD_AT)))
+def decode_victim(loaded, hold: bool) -> WorkerServer:
+    plan = DecodeFaultPlan(hold_after_tokens=HOLD_AT) if hold else None
+    role = DecodeRole(DecodeConfig(fault_plan=plan))
     return WorkerServer(WorkerConfig("decode", engine_config(), worker_id="decode-victim"), role, loaded)
 
 
 @contextmanager
-def victim_cluster(loaded, **router_options):
-    """A prefill worker and the victim (which holds its streams) under a router; streams placed now go
-    to the victim. Yields (cluster, victim, add_survivor): add_survivor() starts a second decode
-    worker and lists it, so that a migration has somewhere to go."""
-    victim = held_decode_worker(loaded)
+def victim_cluster(loaded, hold: bool = True, **router_options):
+    """A prefill worker and the victim (which holds its streams, unless hold is False) under a router;
+    streams placed now go to the victim. Yields (cluster, victim, add_survivor): add_survivor() starts
+    a second decode worker and lists it, so that a migration has somewhere to go."""
+    victim = decode_victim(loaded, hold)
     survivor = worker_server(WorkerConfig("decode", engine_config(), worker_id="decode-survivor"), loaded)
     with running_cluster(loaded, workers=[WorkerConfig("prefill"), victim], num_blocks=NUM_BLOCKS,
                          **router_options) as cluster:
@@ -176,6 +177,36 @@ def test_a_drained_decode_worker_finishes_its_streams_in_place(tiny_loaded, expe
         assert migration_count(cluster.router, "CANCELLED") == 0
         assert migration_count(cluster.router, "UNAVAILABLE") == 0
         wait_until_clean(cluster.prefill, victim, timeout_s=5)
+
+
+def test_a_stream_whose_decode_engine_fails_a_step_goes_on_elsewhere(tiny_loaded, expected, monkeypatch):
+    """INTERNAL (the worker's engine failed a step, and it says so) after 11 tokens: the stream moves.
+    The victim's 12th engine step waits until the survivor is listed, then raises."""
+    case, want = CASES[1], expected[1]
+    with victim_cluster(tiny_loaded, hold=False) as (cluster, victim, add_survivor):
+        real_step, steps, go = victim.engine.step, [], threading.Event()
+
+        def fail_the_12th(*args, **kwargs):
+            steps.append(1)
+            if len(steps) == HOLD_AT + 2:
+                go.wait(30)
+                raise RuntimeError("injected step failure")
+            return real_step(*args, **kwargs)
+
+        monkeypatch.setattr(victim.engine, "step", fail_the_12th)
+        call = cluster.stub.Generate(case.request("fails"), timeout=60)
+        replies = []
+        while sum(len(r.token_ids) for r in replies) < HOLD_AT + 1:
+            replies.append(next(call))
+        add_survivor()
+        go.set()
+        replies.extend(call)
+        assert [t for r in replies for t in r.token_ids] == want.token_ids
+        [move] = replies[-1].migrations
+        assert (move.cause, move.after_tokens, move.to_decode_worker) == ("INTERNAL", HOLD_AT + 1,
+                                                                          "decode-survivor")
+        assert migration_count(cluster.router, "INTERNAL") == 1
+        wait_until_clean(victim, timeout_s=5)  # the victim keeps serving, clean
 
 
 def test_with_migration_off_the_stream_ends_with_the_workers_status_naming_the_limit(tiny_loaded):
