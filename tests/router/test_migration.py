@@ -179,6 +179,23 @@ def test_a_drained_decode_worker_finishes_its_streams_in_place(tiny_loaded, expe
         wait_until_clean(cluster.prefill, victim, timeout_s=5)
 
 
+def test_a_drain_whose_grace_runs_out_is_cut_and_its_streams_move(tiny_loaded, expected):
+    """The worker's streams are still held when its drain's grace is over; the stop after it (what
+    the actor does on SIGTERM) cuts them, and the router moves each to the other decode worker."""
+    with victim_cluster(tiny_loaded) as (cluster, victim, add_survivor), cf.ThreadPoolExecutor(4) as pool:
+        streams = Streams(cluster, pool)
+        streams.read_until_held()
+        victim.role.hold.wait_held(len(CASES), timeout_s=30)
+        add_survivor()
+        assert victim.drain(0.2) is False  # the grace ran out with every stream still to finish
+        victim.stop()
+        replies = streams.finish()
+        for want, got in zip(expected, replies, strict=True):
+            assert [t for r in got for t in r.token_ids] == want.token_ids
+            assert [m.from_decode_worker for m in got[-1].migrations] == ["decode-victim"]
+        assert_no_leaks(victim.engine)
+
+
 def test_a_stream_whose_decode_engine_fails_a_step_goes_on_elsewhere(tiny_loaded, expected, monkeypatch):
     """INTERNAL (the worker's engine failed a step, and it says so) after 11 tokens: the stream moves.
     The victim's 12th engine step waits until the survivor is listed, then raises."""
