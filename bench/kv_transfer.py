@@ -180,7 +180,7 @@ class Pair:
     def _finish_on_decode(self, rid: str, prompt: list[int], prefill: worker_pb2.PrefillReply) -> None:
         """Resume the parked KV with P's first token (max_tokens=1 ends it at once): frees D's blocks."""
         request = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=self.sampling,
-                                           first_token=prefill.first_token, rng_state=prefill.rng_state)
+                                           first_token=prefill.first_token)
         replies = list(self.d.Decode(request, timeout=RPC_TIMEOUT_S))
         if not replies or not replies[0].used_transferred_kv:
             raise RuntimeError(f"request {rid}: D did not resume from the transferred KV; the "

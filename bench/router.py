@@ -446,8 +446,8 @@ def warm_up(cluster: Any, address: str) -> None:
                     request_id=rid, prompt_token_ids=ids, sampling=sampling, decode_target=d.address),
                     timeout=300)
                 list(decode_stubs[d.address].Decode(worker_pb2.DecodeRequest(
-                    request_id=rid, prompt_token_ids=ids, sampling=sampling, first_token=reply.first_token,
-                    rng_state=reply.rng_state), timeout=300))
+                    request_id=rid, prompt_token_ids=ids, sampling=sampling, first_token=reply.first_token),
+                    timeout=300))
             list(decode_stubs[d.address].Decode(worker_pb2.DecodeRequest(
                 request_id=f"warm-{d.worker_id}", prompt_token_ids=prompt(), sampling=sampling,
                 prefill_here=True), timeout=300))

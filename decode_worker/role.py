@@ -1,7 +1,8 @@
 """The decode role: what a WorkerServer (pdserve/worker/server.py) serves as a decode worker.
 
     attach: a KVReceiver on the engine (receiver.py) and the KVTransfer service in front of it,
-            with its per-peer cap and time limit (kv_service.py)
+            with its per-peer cap and time limit (kv_service.py); the stream hold of a debug fault
+            plan, when the config has one (faults.py)
     serve:  KVTransfer and the DecodeService (service.py)
     status: bytes and outcomes of the transfers it received
 """
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from decode_worker.faults import NO_HOLD, DecodeFaultPlan, StreamHold
 from decode_worker.kv_service import (
     DEFAULT_MAX_PUSHES_PER_PEER,
     DEFAULT_PUSH_TIME_LIMIT_S,
@@ -33,6 +35,7 @@ class DecodeConfig:
     # An incoming KV push must reach END within this, whatever deadline its sender set. NOTE: a push
     # starts with its prefill (layers stream as computed), so this covers a long prompt's prefill.
     push_time_limit_s: float = DEFAULT_PUSH_TIME_LIMIT_S
+    fault_plan: DecodeFaultPlan | None = None  # debug only (faults.py): None, always, in production
 
     def __post_init__(self) -> None:
         if self.max_pushes_per_peer < 1:
@@ -53,6 +56,8 @@ class DecodeRole:
         self.config = config or DecodeConfig()
         self.receiver: KVReceiver | None = None
         self.kv_servicer: KVTransferServicer | None = None
+        plan = self.config.fault_plan
+        self.hold: StreamHold | None = StreamHold(plan) if plan is not None else None
 
     def attach(self, engine: LLMEngine, layout: KVLayout) -> None:
         c = self.config
@@ -63,7 +68,8 @@ class DecodeRole:
     def serve(self, server: grpc.Server, parts: WorkerParts) -> None:
         assert self.kv_servicer is not None, "attach() the role to an engine first"
         add_kv_transfer_service(self.kv_servicer, server)
-        worker_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(parts), server)
+        servicer = DecodeServicer(parts, self.hold or NO_HOLD)
+        worker_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
 
     def fill_status(self, status: worker_pb2.WorkerStatus) -> None:
         if self.receiver is not None:

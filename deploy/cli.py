@@ -359,6 +359,10 @@ def _add_up_routing(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
     routing.add_argument("--prefill-timeout-s", type=float, metavar="SECONDS",
                          help="the remote prefill's deadline at most, whatever the request's "
                               f"(default: {d.deadlines.prefill_timeout_s:g})")
+    routing.add_argument("--migration-limit", type=int, metavar="N",
+                         help="times one request's stream may move to another decode worker when its own "
+                              "dies, drains past its grace or fails mid-stream (the client sees one "
+                              f"unbroken stream); 0 = never (default: {d.migration.limit})")
 
 
 def _add_up_limits(p: argparse.ArgumentParser, d: ClusterSpec) -> None:

@@ -4,7 +4,7 @@
          --flags given on the command line replace theirs--> ClusterSpec (each part checks its values)
 
 One configuration tree: ClusterSpec composes the engine's CacheConfig and SchedulerConfig
-(pdserve/engine/config.py), the router's PlacementConfig, RequestDeadlines (router/config.py)
+(pdserve/engine/config.py), the router's PlacementConfig, RequestDeadlines, MigrationPolicy (router/config.py)
 and RequestLimits (router/limits.py), the TLS files (pdserve/security/files.py), the audit
 schedule (pdserve/worker/scrubber.py) and the SamplingOverrides over the model's sampling defaults
 (pdserve/engine/sampling_defaults.py), so each setting and its default is declared once, where
@@ -36,7 +36,7 @@ from pdserve.roles import ROLES
 from pdserve.security.files import TLSFiles
 from pdserve.transfer.frames import KVFrames
 from pdserve.worker.scrubber import AuditSchedule
-from router.config import PlacementConfig, RequestDeadlines
+from router.config import MigrationPolicy, PlacementConfig, RequestDeadlines
 from router.limits import RequestLimits
 
 # actor_placement -> Ray scheduling_strategy: spread puts worker actors on different nodes where
@@ -67,6 +67,7 @@ class ClusterSpec:
     placement: PlacementConfig = field(default_factory=PlacementConfig)  # the router's request placement
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask of the router
     deadlines: RequestDeadlines = field(default_factory=RequestDeadlines)  # the router's request deadlines
+    migration: MigrationPolicy = field(default_factory=MigrationPolicy)  # streams whose decode worker breaks
     kv_frames: KVFrames = field(default_factory=KVFrames)  # how prefill workers cut KV transfers
     actor_placement: str = "pack"  # how Ray places the worker actors: ACTOR_PLACEMENTS
     linear_kernel: str = "matmul"  # every worker's matmul kernel: LINEAR_KERNELS (pdserve/engine/linear.py)
@@ -169,7 +170,8 @@ class ClusterSpec:
 
 
 _PARTS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "placement": PlacementConfig,
-          "limits": RequestLimits, "deadlines": RequestDeadlines, "tls": TLSFiles, "audit": AuditSchedule,
+          "limits": RequestLimits, "deadlines": RequestDeadlines, "migration": MigrationPolicy,
+          "tls": TLSFiles, "audit": AuditSchedule,
           "kv_frames": KVFrames, "sampling_overrides": SamplingOverrides}
 
 
@@ -215,6 +217,7 @@ FILE_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "router.cache_isolation": ("cache_isolation", (str,)),
     "router.prefill_deadline_fraction": ("deadlines.prefill_deadline_fraction", _NUMBER),
     "router.prefill_timeout_s": ("deadlines.prefill_timeout_s", _NUMBER),
+    "router.migration_limit": ("migration.limit", (int,)),
     "redis_url": ("redis_url", (str, _NONE)),
     "ray_address": ("ray_address", (str, _NONE)),
     "namespace": ("namespace", (str,)),
@@ -252,7 +255,8 @@ FLAG_FIELDS: dict[str, str] = {
     "max_message_bytes": "limits.max_message_bytes",
     "max_concurrent_streams": "limits.max_concurrent_streams",
     "prefill_deadline_fraction": "deadlines.prefill_deadline_fraction",
-    "prefill_timeout_s": "deadlines.prefill_timeout_s", "cache_isolation": "cache_isolation",
+    "prefill_timeout_s": "deadlines.prefill_timeout_s", "migration_limit": "migration.limit",
+    "cache_isolation": "cache_isolation",
     "tls_cert": "tls.cert", "tls_key": "tls.key", "tls_ca": "tls.ca",
     "tls_require_client_cert": "tls.require_client_cert", "tls_client_cert": "tls.client_cert",
     "tls_client_key": "tls.client_key", "api_token_file": "api_token_file",

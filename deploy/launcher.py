@@ -137,7 +137,7 @@ class LocalCluster:
                               http_port=s.http_port or None,
                               served_model_name=s.served_model_name or served_model_name(s.model_path),
                               limits=replace(s.limits, max_context_tokens=max_context_tokens),
-                              deadlines=s.deadlines, cache_isolation=s.cache_isolation,
+                              deadlines=s.deadlines, migration=s.migration, cache_isolation=s.cache_isolation,
                               security=self.security, sampling_defaults=sampling_defaults)
         return redis_router(config, tokenizer, self.redis_url, s.namespace)
 

@@ -40,6 +40,8 @@ DEFAULT_TIMEOUT_S = 120.0
 MAX_MESSAGE_BYTES = 64 * 2**20
 USAGE_FIELDS = ("prompt_tokens", "cached_tokens", "computed_tokens", "completion_tokens")
 TIMING_FIELDS = ("queue_ms", "prefill_ms", "transfer_ms", "ttft_ms")
+MIGRATION_FIELDS = ("cause", "from_decode_worker", "to_decode_worker", "after_tokens", "replayed_tokens",
+                    "cached_tokens", "gap_ms")
 # Substrings of gRPC's own status details when no connection could be made at all.
 _NO_CONNECTION = ("failed to connect", "connection refused", "dns resolution failed",
                   "connections to all backends failing")
@@ -89,6 +91,9 @@ class Completion:
     prefill_worker: str | None  # None: the prompt was prefilled on the decode worker
     decode_worker: str
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when asked for
+    # Each move of the stream to another decode worker after its own broke (MIGRATION_FIELDS); the
+    # tokens and text are one unbroken stream all the same.
+    migrations: list[dict[str, Any]] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         """The object `pdserve generate --json` prints."""
@@ -204,7 +209,8 @@ class _Collector:
             usage={k: getattr(last.usage, k) for k in USAGE_FIELDS},
             timings={k: getattr(last.timings, k) for k in TIMING_FIELDS},
             prefill_worker=last.prefill_worker or None, decode_worker=last.decode_worker,
-            logprobs=list(self.logprobs))
+            logprobs=list(self.logprobs),
+            migrations=[{k: getattr(m, k) for k in MIGRATION_FIELDS} for m in last.migrations])
 
 
 def _token_logprob(p: pb.TokenLogprob) -> TokenLogprob:

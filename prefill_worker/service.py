@@ -27,7 +27,7 @@ import grpc
 
 from pdserve.engine.llm_engine import InvalidRequestError
 from pdserve.transfer.errors import FailureKind, TransferFailed
-from pdserve.worker.convert import logprob_to_proto, rng_state_to_bytes, usage_to_proto
+from pdserve.worker.convert import logprob_to_proto, usage_to_proto
 from pdserve.worker.engine_loop import RequestStream
 from pdserve.worker.metrics import TRANSFER_OK
 from pdserve.worker.service import WorkerParts, on_call_end, sampling_or_abort
@@ -102,8 +102,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         self._count_send(TRANSFER_OK, push.bytes_sent)
         self.parts.totals.count(last.usage, generated=0)
         reply = worker_pb2.PrefillReply(
-            first_token=last.new_token_ids[0], rng_state=rng_state_to_bytes(last.rng_state),
-            usage=usage_to_proto(last.usage), bytes_sent=push.bytes_sent, blocks_sent=push.blocks_written,
+            first_token=last.new_token_ids[0], usage=usage_to_proto(last.usage), bytes_sent=push.bytes_sent,
+            blocks_sent=push.blocks_written,
             prefill_ms=(computed - started) * 1e3, transfer_ms=(time.perf_counter() - computed) * 1e3)
         if last.logprobs:
             reply.first_logprob.CopyFrom(logprob_to_proto(last.logprobs[0]))

@@ -49,3 +49,17 @@ class RequestDeadlines:
         for name in ("prefill_timeout_s", "default_timeout_s"):
             if not getattr(self, name) > 0:
                 raise FieldError(name, "must be > 0 seconds", getattr(self, name))
+
+
+@dataclass(frozen=True)
+class MigrationPolicy:
+    """What the router does when a decode stream breaks after tokens reached the client (its worker
+    died, drained past its grace, or failed): it continues the stream on another decode worker with
+    prompt + the tokens so far (router/service.py), at most `limit` times per request. 0: never; the
+    stream ends with the worker's status, as before migration existed."""
+
+    limit: int = 3
+
+    def __post_init__(self) -> None:
+        if self.limit < 0:
+            raise FieldError("limit", "must be >= 0 moves per request (0: never migrate)", self.limit)

@@ -5,6 +5,7 @@ Every Generate call ends in exactly one `pdserve_router_requests_total{code=...}
 this endpoint. Latencies are from the router's receipt of the request:
     ttft  receipt -> first token sent        itl  gap between token-carrying messages
     e2e   receipt -> last message sent       decision  tokenize + index match + score
+    migration_gap  the last token before a stream broke -> the first token after it (router/service.py)
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ class RouterMetrics:
         self.decode_retries = Counter("pdserve_router_decode_retries",
                                       "Requests moved to another decode worker because theirs was "
                                       "unavailable (down or draining) before the first token", registry=r)
+        self.migrations = Counter("pdserve_router_migrations",
+                                  "Streams continued on another decode worker after theirs broke mid-stream, "
+                                  "by the status the stream broke with", ["cause"], registry=r)
+        self.migration_gap = Histogram("pdserve_router_migration_gap_seconds",
+                                       "From the last token before a migration to the first after it",
+                                       buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("pdserve_router_ttft_seconds", "Time to first token at the router",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("pdserve_router_itl_seconds", "Gap between successive token messages",

@@ -38,7 +38,7 @@ from pdserve.metrics import MetricsEndpoint
 from pdserve.security import SecurityConfig
 from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from router.admin import AdminServicer, RouterIdentity
-from router.config import PlacementConfig, RequestDeadlines
+from router.config import MigrationPolicy, PlacementConfig, RequestDeadlines
 from router.http.server import HttpFrontDoor, ModelCard
 from router.limits import RequestLimits
 from router.metrics import RouterMetrics
@@ -66,6 +66,7 @@ class RouterConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     limits: RequestLimits = field(default_factory=RequestLimits)
     deadlines: RequestDeadlines = field(default_factory=RequestDeadlines)
+    migration: MigrationPolicy = field(default_factory=MigrationPolicy)  # streams whose decode worker breaks
     # none: any request may reuse any other's cached prefix; token: only requests of the same API token
     # (their blocks are hashed with a salt of the token's: pdserve/engine/hashing.py request_salt).
     cache_isolation: str = "none"
@@ -113,7 +114,7 @@ class RouterServer:
                                  if config.metrics_port is not None else None)
         self.servicer = GenerationServicer(tokenizer, self.directory, self.placer, config.deadlines,
                                            self.metrics, config.limits, config.cache_isolation,
-                                           config.sampling_defaults)
+                                           config.sampling_defaults, config.migration)
         self.admin = AdminServicer(self.directory, self.placer, lambda: self.servicer.requests_in_flight,
                                    self.identity, self.servicer.predictions.accuracy)
         self.health = health.HealthServicer()

@@ -1,8 +1,21 @@
 """The public Generation service: tokenize -> place -> (remote prefill) -> decode -> stream.
 
-Lifecycle of a request at the router:
-    received -> prefilling (on a prefill worker, KV streaming to the decode worker)
+Lifecycle of a request at the router (_Phase):
+    received -> placed -> prefilling (on a prefill worker, KV streaming to the decode worker)
              -> decoding (tokens streaming back) -> finished | aborted
+    decoding --the decode worker breaks the stream--> broken, then
+        nothing sent yet, and it was down, draining or full (RETRY_ON_ANOTHER_DECODE) -> placed again
+        tokens sent, and it was gone or failed (MIGRATE_ON) -> migrating -> placed again, with
+            prompt + every token sent so far as the prompt (the new worker reuses what its prefix
+            cache holds of it, or recomputes it), the same sampling and seed, and the tokens so
+            far as generated_token_ids: its engine counts them as output (max_tokens, stop
+            strings, text), and draws by (seed, position), so the client sees one unbroken
+            stream, token for token the one an uninterrupted run sends. At most
+            MigrationPolicy.limit moves (--migration-limit); each is counted by cause
+            (pdserve_router_migrations_total) and listed in the last message (migrations).
+        anything else -> aborted with the worker's status
+    Every worker a request broke on is excluded from its later placements.
+A request that sets no seed gets one here, so that every stream can be continued exactly.
 A failed remote prefill (worker down, transfer failed, or either stalled past the prefill
 phase's own deadline: router/config.py RequestDeadlines) falls back to prefill on the decode
 worker, so the output stays exact; bad input is INVALID_ARGUMENT before any worker is
@@ -19,10 +32,13 @@ client's id.
 
 from __future__ import annotations
 
+import enum
 import logging
+import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -34,7 +50,7 @@ from pdserve.security.auth import bearer_token, tenant_cache_salt
 from pdserve.worker.convert import sampling_from_proto, sampling_with_defaults
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 from router import limits as lim
-from router.config import RequestDeadlines
+from router.config import MigrationPolicy, RequestDeadlines
 from router.least_load import NoWorkerError
 from router.limits import RequestLimits, StreamLimitReached
 from router.metrics import RouterMetrics
@@ -51,6 +67,31 @@ NOT_FALLBACK = {grpc.StatusCode.INVALID_ARGUMENT}
 # A decode worker that answers these before the first token did nothing for the request: it is dead or
 # draining (UNAVAILABLE), or full (RESOURCE_EXHAUSTED: its own call limit); another may start afresh.
 RETRY_ON_ANOTHER_DECODE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# A stream that breaks with these after tokens reached the client lost its worker, not its request:
+# UNAVAILABLE (the connection broke: the process died; it drained past its grace; it is out of
+# service), CANCELLED while the client's own call is live (the worker's server stopped and cancelled
+# it), INTERNAL (its engine failed a step; the worker says so and keeps serving), RESOURCE_EXHAUSTED
+# (the worker it was moving to is full). It moves on. INVALID_ARGUMENT, DEADLINE_EXCEEDED and the
+# rest are the request's own: another worker would answer the same.
+MIGRATE_ON = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
+              grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+class _Phase(enum.Enum):
+    """Where a request stands at the router (the lifecycle in the module docstring)."""
+
+    RECEIVED = "received"
+    PLACED = "placed"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    MIGRATING = "migrating"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+def random_seed() -> int:
+    """A seed for a request that gave none (any uint64)."""
+    return int.from_bytes(os.urandom(8), "little")
 
 
 @dataclass(frozen=True)
@@ -66,17 +107,29 @@ class _Job:
 
 @dataclass
 class _Trace:
-    """Per-request timing and accounting, filled as the request moves."""
+    """Per-request timing and accounting, filled as the request moves; what a migration carries."""
 
     received: float = field(default_factory=time.perf_counter)
+    phase: _Phase = _Phase.RECEIVED
     prefill_started: float | None = None
     first_token: float | None = None
     last_token: float | None = None
     prefill_ms: float = 0.0
     transfer_ms: float = 0.0
-    prefill_usage: generation_pb2.Usage | None = None
+    prompt_usage: generation_pb2.Usage | None = None  # the prompt's cached/computed where first served
     usage: generation_pb2.Usage | None = None  # the final one, as sent to the client
     code: str | None = None  # gRPC status name once decided; None while running
+    generated: list[int] = field(default_factory=list)  # every token sent to the client
+    migrations: list[generation_pb2.Migration] = field(default_factory=list)
+    moving: generation_pb2.Migration | None = None  # the migration whose first token is still to come
+
+
+@dataclass(frozen=True)
+class _Break:
+    """How a decode stream ended early: the status it broke with."""
+
+    code: grpc.StatusCode
+    details: str
 
 
 class InvalidPrompt(ValueError):
@@ -124,12 +177,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: Tokenizer, directory: WorkerDirectory, placer: Placer,
                  deadlines: RequestDeadlines, metrics: RouterMetrics | None = None,
                  limits: RequestLimits | None = None, cache_isolation: str = "none",
-                 sampling_defaults: SamplingDefaults = NEUTRAL) -> None:
+                 sampling_defaults: SamplingDefaults = NEUTRAL, migration: MigrationPolicy | None = None,
+                 pick_seed: Callable[[], int] = random_seed) -> None:
         self.tokenizer, self.directory, self.placer, self.deadlines = tokenizer, directory, placer, deadlines
         self.metrics = metrics or RouterMetrics()
         self.limits = limits or RequestLimits()
         self.cache_isolation = cache_isolation
         self.sampling_defaults = sampling_defaults  # what a request's unset temperature/top_p/top_k become
+        self.migration = migration or MigrationPolicy()
+        self.pick_seed = pick_seed  # the seed of a request that sets none
         self.requests_in_flight = 0
         self.predictions = PredictionTracker()
         self._lock = threading.Lock()
@@ -169,20 +225,44 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         rid = request.request_id or uuid.uuid4().hex
         worker_rid = f"{rid}.{uuid.uuid4().hex[:12]}" if request.request_id else rid
         job = _Job(rid, worker_rid, prompt, sampling, self._cache_salt(context))
-        unavailable: set[str] = set()  # decode workers that refused or died before the first token
+        failed: set[str] = set()  # decode workers this request broke on: not placed on again
         while True:
-            placement = self._place(job, request, trace, context, exclude=unavailable)
+            placement = self._place(job, request, trace, context, exclude=failed)
             with self.directory.track(placement.decode, placement.prefill):
                 prefill = self._remote_prefill(job, placement, trace, context)
-                retry = yield from self._decode(job, placement, prefill, trace, context)
-            if not retry:
+                broke = yield from self._decode(job, placement, prefill, trace, context)
+            if broke is None:
                 return
-            unavailable.add(placement.decode.worker_id)
+            failed.add(placement.decode.worker_id)
+            self._after_break(job, placement, broke, trace, context)
+
+    def _after_break(self, job: _Job, placement: Placement, broke: _Break, trace: _Trace, context) -> None:
+        """A decode stream broke and the client is still there: return to place the request again
+        (a retry before anything was sent, or a migration), or end it with the worker's status."""
+        worker = placement.decode.worker_id
+        if not trace.generated and broke.code in RETRY_ON_ANOTHER_DECODE:
+            log.warning("request %s: decode worker %s refused it before the first token (%s: %s); "
+                        "retrying on another", job.rid, worker, broke.code.name, broke.details)
             self.metrics.decode_retries.inc()
+            return
+        if not trace.generated or broke.code not in MIGRATE_ON:
+            self._abort(trace, context, broke.code, broke.details or broke.code.name)
+        if len(trace.migrations) >= self.migration.limit:
+            self._abort(trace, context, broke.code,
+                        f"decode worker {worker} broke the stream after {len(trace.generated)} tokens "
+                        f"({broke.code.name}: {broke.details}); it has moved {len(trace.migrations)} times, "
+                        f"the router's migration limit (--migration-limit {self.migration.limit})")
+        log.warning("request %s: decode worker %s broke the stream after %d tokens (%s: %s); continuing it "
+                    "on another", job.rid, worker, len(trace.generated), broke.code.name, broke.details)
+        self.metrics.migrations.labels(cause=broke.code.name).inc()
+        trace.moving = generation_pb2.Migration(cause=broke.code.name, from_decode_worker=worker,
+                                                after_tokens=len(trace.generated))
+        trace.migrations.append(trace.moving)
+        trace.phase = _Phase.MIGRATING
 
     @staticmethod
     def _abort(trace: _Trace, context, code: grpc.StatusCode, message: str):
-        trace.code = code.name
+        trace.code, trace.phase = code.name, _Phase.ABORTED
         context.abort(code, message)
 
     def _refuse(self, trace: _Trace, context, message: str, retry_after_s: float):
@@ -214,6 +294,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except ValueError as e:
             self._abort(trace, context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         sampling.max_tokens = max_tokens
+        if not sampling.HasField("seed"):  # NOTE: so that a migrated stream draws what this one would have
+            sampling.seed = self.pick_seed()
         return prompt, sampling
 
     def _cache_salt(self, context) -> bytes:
@@ -226,10 +308,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return tenant_cache_salt(token)
 
     def _place(self, job: _Job, request, trace: _Trace, context, exclude=frozenset()) -> Placement:
+        """Where to serve prompt + the tokens sent so far (a migration replays them)."""
+        replay = [*job.prompt, *trace.generated]
         try:
             with self.metrics.decision.time():
-                return self.placer.place(job.prompt, request.routing, dict(request.routing_weights), exclude,
-                                         cache_salt=job.cache_salt)
+                placement = self.placer.place(replay, request.routing, dict(request.routing_weights), exclude,
+                                              cache_salt=job.cache_salt)
         except NoWorkerError as e:
             self._abort(trace, context, grpc.StatusCode.UNAVAILABLE, str(e))
         except AdmissionRefused as e:
@@ -238,6 +322,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._refuse(trace, context, f"{e}{hint}", e.retry_after_s)
         except ValueError as e:
             self._abort(trace, context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        trace.phase = _Phase.PLACED
+        if trace.moving is not None:
+            trace.moving.to_decode_worker = placement.decode.worker_id
+            trace.moving.replayed_tokens = len(replay)
+        return placement
 
     def _timeout(self, context) -> float:
         remaining = context.time_remaining()
@@ -250,8 +339,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _remote_prefill(self, job: _Job, placement: Placement, trace: _Trace, context):
         if placement.prefill is None:
             return None
-        trace.prefill_started = time.perf_counter()
-        request = worker_pb2.PrefillRequest(request_id=job.worker_rid, prompt_token_ids=job.prompt,
+        trace.phase = _Phase.PREFILLING
+        if not trace.generated:
+            trace.prefill_started = time.perf_counter()
+        request = worker_pb2.PrefillRequest(request_id=job.worker_rid,
+                                            prompt_token_ids=[*job.prompt, *trace.generated],
                                             sampling=job.sampling, decode_target=placement.decode.address,
                                             decode_cached_blocks=placement.decode_cached_blocks,
                                             cache_salt=job.cache_salt)
@@ -265,8 +357,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise _ClientGone from None
         except grpc.RpcError as e:
             return self._prefill_failed(e, job.worker_rid, placement, trace, context)
-        trace.prefill_ms, trace.transfer_ms = reply.prefill_ms, reply.transfer_ms
-        trace.prefill_usage = reply.usage
+        if not trace.generated:  # (a migration's replay is accounted in its Migration)
+            trace.prefill_ms, trace.transfer_ms = reply.prefill_ms, reply.transfer_ms
         self.metrics.remote_prefills.labels(outcome="ok").inc()
         return reply
 
@@ -279,58 +371,59 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return None
 
     def _decode(self, job: _Job, placement: Placement, prefill, trace: _Trace, context):
-        """Stream the decode worker's replies; True (retry elsewhere) when it was unavailable or full
-        before the first token, so nothing has reached the client yet and another worker can start
-        afresh."""
+        """Relay the decode worker's replies. None when the stream finished (or the client left);
+        the _Break when the worker broke it and the client is still there (_after_break decides)."""
         request = worker_pb2.DecodeRequest(request_id=job.worker_rid, prompt_token_ids=job.prompt,
                                            sampling=job.sampling, prefill_here=prefill is None,
-                                           detokenize=True, cache_salt=job.cache_salt)
+                                           detokenize=True, cache_salt=job.cache_salt,
+                                           generated_token_ids=trace.generated)
         if prefill is not None:
-            request.first_token, request.rng_state = prefill.first_token, prefill.rng_state
+            request.first_token = prefill.first_token
             if prefill.HasField("first_logprob"):
                 request.first_logprob.CopyFrom(prefill.first_logprob)
         call = self.directory.decode_stub(placement.decode.address).Decode(request,
                                                                            timeout=self._timeout(context))
         if not context.add_callback(call.cancel):  # the client is already gone
             call.cancel()
-        sent = False
+        trace.phase = _Phase.DECODING
         try:
             for reply in call:
-                sent = True
-                yield self._response(job.rid, reply, placement, prefill, trace)
+                yield self._response(job, reply, placement, prefill, trace)
         except grpc.RpcError as e:
-            if e.code() in RETRY_ON_ANOTHER_DECODE and not sent and context.is_active():
-                log.warning("request %s: decode worker %s refused it before the first token (%s: %s); "
-                            "retrying on another", job.rid, placement.decode.worker_id, e.code().name,
-                            e.details())
-                return True
             if context.is_active():
-                self._abort(trace, context, e.code(), e.details() or e.code().name)
-        return False
+                return _Break(e.code(), e.details() or "")
+        return None
 
-    def _response(self, rid, reply, placement: Placement, prefill, trace: _Trace):
+    def _response(self, job: _Job, reply, placement: Placement, prefill, trace: _Trace):
         now = time.perf_counter()
         if trace.first_token is None:
             trace.first_token = now
             self.metrics.ttft.observe(now - trace.received)
+            trace.prompt_usage = prefill.usage if prefill is not None else reply.usage
             if prefill is None:
                 trace.prefill_ms = reply.prefill_ms
+        elif trace.moving is not None:
+            self._moved(trace.moving, reply, prefill, now - trace.last_token)
+            trace.moving = None
         if reply.token_ids:
             if trace.last_token is not None:
                 self.metrics.itl.observe(now - trace.last_token)
             trace.last_token = now
+            trace.generated.extend(reply.token_ids)
             self.metrics.generated_tokens.inc(len(reply.token_ids))
-        out = generation_pb2.GenerateResponse(request_id=rid, text=reply.text, token_ids=reply.token_ids,
+        out = generation_pb2.GenerateResponse(request_id=job.rid, text=reply.text, token_ids=reply.token_ids,
                                               finished=reply.finished, finish_reason=reply.finish_reason,
                                               logprobs=reply.logprobs)
         if reply.finished:
-            trace.code = "OK"
-            trace.usage = _usage(reply.usage, trace.prefill_usage)
+            trace.code, trace.phase = "OK", _Phase.FINISHED
+            trace.usage = _usage(len(job.prompt), trace.prompt_usage, reply.usage)
             out.usage.CopyFrom(trace.usage)
             out.timings.CopyFrom(_timings(trace))
             out.decode_worker = placement.decode.worker_id
             out.prefill_worker = placement.prefill.worker_id if prefill is not None else ""
-            self._check_prediction(placement, prefill, trace.usage)
+            out.migrations.extend(trace.migrations)
+            if not trace.migrations:  # a replay's placement was not what the index was asked about
+                self._check_prediction(placement, prefill, trace.usage)
         return out
 
     def _check_prediction(self, placement: Placement, prefill, usage: generation_pb2.Usage) -> None:
@@ -357,13 +450,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         future.add_done_callback(lambda f: self.metrics.index_resyncs.labels(worker=worker_id,
                                                                              outcome=outcome(f)).inc())
 
+    def _moved(self, migration: generation_pb2.Migration, first, prefill, gap_s: float) -> None:
+        """The first reply after a migration: what its replay cost, and the gap the client saw."""
+        migration.cached_tokens = (prefill.usage if prefill is not None else first.usage).cached_tokens
+        migration.gap_ms = gap_s * 1e3
+        self.metrics.migration_gap.observe(gap_s)
 
-def _usage(decode: generation_pb2.Usage, prefill: generation_pb2.Usage | None) -> generation_pb2.Usage:
-    if prefill is None:
-        return decode
-    return generation_pb2.Usage(prompt_tokens=prefill.prompt_tokens, cached_tokens=prefill.cached_tokens,
-                                computed_tokens=prefill.computed_tokens,
-                                completion_tokens=decode.completion_tokens)
+
+def _usage(prompt_tokens: int, prompt: generation_pb2.Usage,
+           last: generation_pb2.Usage) -> generation_pb2.Usage:
+    """The whole request's: its prompt, cached and computed where it was first served, and every token
+    generated (the last decode worker counts those sent before a migration too)."""
+    return generation_pb2.Usage(prompt_tokens=prompt_tokens, cached_tokens=prompt.cached_tokens,
+                                computed_tokens=prompt.computed_tokens,
+                                completion_tokens=last.completion_tokens)
 
 
 def _timings(trace: _Trace) -> generation_pb2.Timings:

@@ -121,7 +121,7 @@ def test_an_unknown_key_is_named_with_the_file_and_a_suggestion(tmp_path, text, 
                       "routing, min_remote_prefill_tokens, max_in_flight_per_decode, max_prompt_tokens, "
                       "max_tokens_limit, max_message_bytes, "
                       "max_concurrent_streams, cache_isolation, prefill_deadline_fraction, "
-                      "prefill_timeout_s, got 50051"),
+                      "prefill_timeout_s, migration_limit, got 50051"),
     ("- model: x", "expected a mapping of keys (model, host, prefill, decode, actor_placement, "
                    "linear_kernel, gpus_per_worker, cache, scheduler, router, redis_url, ray_address, "
                    "namespace, max_restarts, worker_env, tls, auth, audit, default_temperature, "
@@ -411,6 +411,21 @@ def test_cache_isolation_and_the_prefill_deadline_reach_the_spec_from_file_and_f
         ClusterSpec(cache_isolation="token")
     with pytest.raises(ValueError, match=r"prefill_deadline_fraction .* must be in \(0, 1\)"):
         spec_from_mapping({"router": {"prefill_deadline_fraction": 1.0}})
+
+
+def test_the_migration_limit_reaches_the_spec_from_file_and_flag(tmp_path):
+    from deploy.cli import build_parser
+    from deploy.up import spec_from_args
+    from router.config import MigrationPolicy
+
+    assert ClusterSpec().migration == MigrationPolicy(limit=3)
+    config = write(tmp_path, "router: {migration_limit: 5}\n")
+    assert spec_from_args(build_parser().parse_args(["up", "--config", str(config)])).migration.limit == 5
+    args = build_parser().parse_args(["up", "--config", str(config), "--migration-limit", "0"])
+    assert spec_from_args(args).migration.limit == 0  # the flag over the file; 0 turns migration off
+    with pytest.raises(ValueError, match=r"router.migration_limit \(--migration-limit\) must be >= 0 moves "
+                                         r"per request \(0: never migrate\), got -1"):
+        spec_from_mapping({"router": {"migration_limit": -1}})
 
 
 def test_the_kv_frame_size_reaches_the_prefill_workers_from_file_and_flag(tmp_path, capsys):

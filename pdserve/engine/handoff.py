@@ -14,8 +14,9 @@ Decode side. One incoming prompt's KV is a Reservation, and goes
     PARKED    the KV is complete and the prompt's full blocks are committed to the prefix cache
               (their BlockStored events go out); it waits for its Decode call until expires_at,
               after which the engine's next step frees it.
-    resumed   claim() checked the resuming request against what was parked (prompt, cache_salt,
-              first_token, sampling, rng_state, first_logprob) and handed the blocks to the caller:
+    resumed   claim() checked the resuming request against what was parked (prompt, or prompt +
+              generated for a continued stream, cache_salt, first_token, sampling, first_logprob)
+              and handed the blocks to the caller:
               the engine's new sequence owns them from then on. A check that fails drops the parked
               KV, so a bad resume leaves nothing held.
 
@@ -38,16 +39,12 @@ import time
 from collections.abc import Callable, Container
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError
 from pdserve.engine.hashing import hash_blocks, request_salt
 from pdserve.engine.sequence import SamplingParams, TokenLogprob
-from pdserve.engine.validation import EngineLimits, InvalidRequestError, check_cache_salt, check_rng_state
+from pdserve.engine.validation import EngineLimits, InvalidRequestError, check_cache_salt
 from pdserve.units import ceil_div
-
-if TYPE_CHECKING:
-    import torch
 
 
 class TransferRejected(RuntimeError):
@@ -131,22 +128,22 @@ class KVHandoff:
             self._publish_events()
 
     def claim(self, request_id: str, prompt_token_ids: list[int], first_token: int, sampling: SamplingParams,
-              rng_state: torch.Tensor | None, cache_salt: bytes,
-              first_logprob: TokenLogprob | None = None) -> Reservation | None:
+              cache_salt: bytes, first_logprob: TokenLogprob | None = None,
+              generated: tuple[int, ...] = ()) -> Reservation | None:
         """Hand the KV parked for request_id to a resuming request; the caller owns its blocks then.
 
         None when nothing is parked under request_id. InvalidRequestError when the request does
         not match what was parked or a field is out of range: the parked KV is freed then.
-        rng_state: the prefill engine's generator state after it sampled first_token, or None;
-        first_logprob: first_token's logprob from the prefill engine, exactly when sampling asks.
+        first_logprob: first_token's logprob from the prefill engine, exactly when sampling asks;
+        generated: a continued stream's tokens so far, whose KV came after the prompt's.
         """
         with self._lock:
             reservation = self._parked.get(request_id)
             if reservation is None:
                 return None
             try:
-                self._check_resume(reservation, prompt_token_ids, first_token, sampling, rng_state,
-                                   cache_salt, first_logprob)
+                self._check_resume(reservation, prompt_token_ids, first_token, sampling, cache_salt,
+                                   first_logprob, generated)
             except InvalidRequestError:
                 self.drop(request_id)
                 raise
@@ -222,25 +219,27 @@ class KVHandoff:
                 del held[reservation.request_id]
 
     def _check_resume(self, reservation: Reservation, prompt: list[int], first_token: int,
-                      sampling: SamplingParams, rng_state: torch.Tensor | None, cache_salt: bytes,
-                      first_logprob: TokenLogprob | None) -> None:
+                      sampling: SamplingParams, cache_salt: bytes, first_logprob: TokenLogprob | None,
+                      generated: tuple[int, ...]) -> None:
         rid = reservation.request_id
         if rid in self._in_flight:
             raise InvalidRequestError(f"request_id {rid!r} is already in flight")
-        if list(prompt) != reservation.prompt_token_ids:
-            raise InvalidRequestError(_prompt_mismatch(rid, prompt, reservation.prompt_token_ids))
+        replayed = [*prompt, *generated]
+        if replayed != reservation.prompt_token_ids:
+            raise InvalidRequestError(_prompt_mismatch(rid, replayed, reservation.prompt_token_ids,
+                                                       bool(generated)))
         if cache_salt != reservation.cache_salt:
             raise InvalidRequestError(f"cache_salt differs from the one request {rid!r}'s KV was transferred "
                                       "under; send Decode the cache_salt that was sent to Prefill")
         self._limits.check_token("first_token", first_token)
         self._limits.check_sampling(sampling)
         self._limits.check_first_logprob(first_token, first_logprob, sampling)
-        if rng_state is not None:
-            check_rng_state(rng_state)
+        self._limits.check_continuation(len(prompt), generated, sampling)
 
 
-def _prompt_mismatch(request_id: str, given: list[int], parked: list[int]) -> str:
+def _prompt_mismatch(request_id: str, given: list[int], parked: list[int], continued: bool) -> str:
     at = next((i for i, (a, b) in enumerate(zip(given, parked)) if a != b), min(len(given), len(parked)))
-    return (f"prompt_token_ids ({len(given)} tokens) differ from the prompt whose KV was transferred for "
-            f"request {request_id!r} ({len(parked)} tokens), first at token {at}; send Decode the prompt "
-            "that was sent to Prefill")
+    what = "prompt_token_ids + generated_token_ids" if continued else "prompt_token_ids"
+    return (f"{what} ({len(given)} tokens) differ from the prompt whose KV was transferred for request "
+            f"{request_id!r} ({len(parked)} tokens), first at token {at}; send Decode the prompt that was "
+            "sent to Prefill")

@@ -1,8 +1,11 @@
 """The engine: requests in, tokens out, one step at a time.
 
-    add_request -> validate -> Sequence (WAITING)
+    add_request -> validate -> Sequence (WAITING); with `generated`, a continued request (a stream
+        migrated from another worker): the tokens an earlier run generated are replayed with the
+        prompt (or found in the prefix cache) and count as its output (engine/sequence.py)
     step():  scheduler.schedule -> model_runner.run -> scheduler.after_step
-             -> sample (and the logprobs of the rows that asked) -> detokenize / stop checks
+             -> sample (each random row's draw keyed by its seed and the token's position:
+                engine/sampler.py; and the logprobs of the rows that asked) -> detokenize / stop checks
              -> finished sequences release
              their blocks -> KV events drained to the publisher
     abort(request_id): blocks released at once, wherever the request is.
@@ -15,9 +18,10 @@ its lifecycle in that module's docstring); the engine steps it and joins resumed
         answer drops the request, which finishes as "abort" in that step's outputs). The
         sender pins the blocks it reads (handoff.pin / unpin).
     decode side: handoff.reserve -> (blocks written by the receiver) -> handoff.park ->
-        resume_transferred(prompt, first_token, first_logprob): handoff.claim checks the request against what
-        was parked, and the request joins the continuous batch (scheduler.add_running). A resume
-        that is refused or raises frees the parked KV; step() frees parked KV past its expiry.
+        resume_transferred(prompt, first_token, first_logprob, generated): handoff.claim checks
+        the request against what was parked, and the request joins the continuous batch
+        (scheduler.add_running). A resume that is refused or raises frees the parked KV; step()
+        frees parked KV past its expiry.
 
 Locking: self.lock (an RLock) guards requests, blocks and the hand-off state, so gRPC threads
 may call in while the engine loop steps.
@@ -41,7 +45,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -55,7 +59,7 @@ from pdserve.engine.hashing import BlockHash, engine_salt
 from pdserve.engine.linear import select_linear
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
-from pdserve.engine.sampler import sample, token_logprobs
+from pdserve.engine.sampler import sample, token_logprobs, uniform
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.engine.sequence import SamplingParams, Sequence, SequenceStatus, TokenLogprob, Usage
 from pdserve.engine.tokenizer import Tokenizer
@@ -97,7 +101,6 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     usage: Usage
-    rng_state: torch.Tensor | None = None  # the request's generator after its last sample; set when finished
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token; empty: not asked
 
 
@@ -155,26 +158,44 @@ class LLMEngine:
 
     # --- requests ---------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams,
-                    request_id: str | None = None, detokenize: bool = True, cache_salt: bytes = b"") -> str:
+                    request_id: str | None = None, detokenize: bool = True, cache_salt: bytes = b"",
+                    generated: Iterable[int] = ()) -> str:
         """Queue a request; InvalidRequestError (nothing queued) when it is malformed. cache_salt:
-        the request's own prefix-cache salt (pdserve/engine/hashing.py request_salt)."""
+        the request's own prefix-cache salt (pdserve/engine/hashing.py request_salt). generated:
+        continue a request after the tokens an earlier run of it generated (same prompt, same
+        sampling): they count as output, and what follows is what that run would have drawn."""
         request_id = request_id or uuid.uuid4().hex
+        generated = tuple(generated)
         with self.lock:
-            self._validate(request_id, prompt_token_ids, sampling)
+            self._validate(request_id, prompt_token_ids, sampling, generated)
             check_cache_salt(cache_salt)
-            seq = self._new_sequence(request_id, prompt_token_ids, sampling, detokenize, cache_salt)
+            seq = self._new_sequence(request_id, prompt_token_ids, sampling, detokenize, cache_salt,
+                                     generated)
             self.scheduler.add(seq)
         return request_id
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                      detokenize: bool, cache_salt: bytes) -> Sequence:
+                      detokenize: bool, cache_salt: bytes, generated: tuple[int, ...] = ()) -> Sequence:
+        # NOTE: a request without a seed gets one here; behind a router it always has one (the
+        # router picks it, router/service.py), so that its stream can be continued exactly.
+        seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little")
         seq = Sequence(request_id, list(prompt_token_ids), sampling, next(self._arrivals),
-                       cache_salt=cache_salt)
-        seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(7), "little")
-        seq.generator = torch.Generator().manual_seed(seed)
+                       seed=seed, cache_salt=cache_salt, generated=generated)
         self._sequences[request_id] = seq
         self._detokenize[request_id] = detokenize and self.tokenizer is not None
+        if generated and self._detokenize[request_id]:
+            seq.text = self._text_before(generated)
         return seq
+
+    def _text_before(self, generated: tuple[int, ...]) -> str:
+        """The text an uninterrupted run had sent when it had generated these tokens: that of the
+        longest prefix of them that does not end inside a UTF-8 character (_update_text held the
+        rest back), so the next delta carries what it held."""
+        for end in range(len(generated), 0, -1):
+            text = self.tokenizer.decode(list(generated[:end]))
+            if not text.endswith("\ufffd"):
+                return text
+        return ""
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is; its blocks are released now. False if unknown."""
@@ -187,11 +208,13 @@ class LLMEngine:
             self._publish_events()
             return True
 
-    def _validate(self, request_id: str, ids: list[int], sampling: SamplingParams) -> None:
+    def _validate(self, request_id: str, ids: list[int], sampling: SamplingParams,
+                  generated: tuple[int, ...]) -> None:
         if request_id in self._sequences:
             raise InvalidRequestError(f"request_id {request_id!r} is already in flight")
         self.limits.check_prompt(ids)
         self.limits.check_sampling(sampling)
+        self.limits.check_continuation(len(ids), generated, sampling)
 
     # --- the step -------------------------------------------------------------------
     def step(self, observer: StepObserver | None = None) -> list[RequestOutput]:
@@ -212,7 +235,7 @@ class LLMEngine:
         self.scheduler.after_step(chunks)
         seqs = [c.seq for c in sampled]
         params = [s.sampling for s in seqs]
-        tokens = sample(logits, params, [s.generator for s in seqs])
+        tokens = sample(logits, params, [uniform(s.seed, s.num_tokens) for s in seqs])
         logprobs = token_logprobs(logits, tokens, params)
         return [self._append_token(seq, tok, lp) for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True)]
 
@@ -230,14 +253,12 @@ class LLMEngine:
         reason = self._finish_reason(seq, token)
         if reason == "stop_string":
             delta, reason = self._truncate_at_stop(seq, delta), "stop"
-        rng_state = None
         if reason is not None:
             self._sequences.pop(seq.request_id, None)
             self._detokenize.pop(seq.request_id, None)
-            rng_state = seq.generator.get_state()
             status = SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH
             self.scheduler.finish(seq, status)
-        return RequestOutput(seq.request_id, [token], delta, reason is not None, reason, seq.usage, rng_state,
+        return RequestOutput(seq.request_id, [token], delta, reason is not None, reason, seq.usage,
                              [] if logprob is None else [logprob])
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -290,12 +311,13 @@ class LLMEngine:
 
     # --- KV handoff: a transferred request joins the batch -----------------------------------
     def resume_transferred(self, request_id: str, prompt_token_ids: list[int], first_token: int,
-                           sampling: SamplingParams, rng_state: torch.Tensor | None = None,
-                           detokenize: bool = True, cache_salt: bytes = b"",
-                           first_logprob: TokenLogprob | None = None) -> RequestOutput | None:
+                           sampling: SamplingParams, detokenize: bool = True, cache_salt: bytes = b"",
+                           first_logprob: TokenLogprob | None = None,
+                           generated: Iterable[int] = ()) -> RequestOutput | None:
         """Continue a parked transfer: its prompt's KV is here, first_token came from prefill, and
         with it first_logprob when sampling.logprobs asks (the prefill engine computed it from the
-        logits first_token was sampled from; this engine never sees them).
+        logits first_token was sampled from; this engine never sees them). generated: as in
+        add_request; the transferred KV is then of prompt + generated, the prefill worker's prompt.
 
         Returns the output for first_token (it may already finish the request), or None when
         nothing is parked under request_id (the caller prefills locally). Raises
@@ -303,28 +325,29 @@ class LLMEngine:
         of range; the parked KV is freed then, as it is when anything else raises, so a bad
         resume leaves nothing held.
         """
+        generated = tuple(generated)
         with self.lock:
-            reservation = self.handoff.claim(request_id, prompt_token_ids, first_token, sampling, rng_state,
-                                             cache_salt, first_logprob)
+            reservation = self.handoff.claim(request_id, prompt_token_ids, first_token, sampling, cache_salt,
+                                             first_logprob, generated)
             if reservation is None:
                 return None
             seq = None
             try:
-                seq = self._resumed_sequence(reservation, sampling, rng_state, detokenize)
+                seq = self._resumed_sequence(reservation, sampling, detokenize, generated)
                 return self._append_token(seq, first_token, first_logprob)
             except BaseException:
                 self._undo_resume(reservation, seq)
                 raise
 
-    def _resumed_sequence(self, reservation: Reservation, sampling: SamplingParams,
-                          rng_state: torch.Tensor | None, detokenize: bool) -> Sequence:
-        seq = self._new_sequence(reservation.request_id, reservation.prompt_token_ids, sampling, detokenize,
-                                 reservation.cache_salt)
-        if rng_state is not None:
-            seq.generator.set_state(rng_state)
+    def _resumed_sequence(self, reservation: Reservation, sampling: SamplingParams, detokenize: bool,
+                          generated: tuple[int, ...]) -> Sequence:
+        transferred = reservation.prompt_token_ids  # prompt + generated (claim checked it)
+        prompt = transferred[:len(transferred) - len(generated)]
+        seq = self._new_sequence(reservation.request_id, prompt, sampling, detokenize, reservation.cache_salt,
+                                 generated)
         seq.block_ids = list(reservation.block_ids)
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        seq.num_committed_blocks = seq.num_prompt_tokens // self.block_size
+        seq.num_computed_tokens = seq.num_tokens
+        seq.num_committed_blocks = seq.num_tokens // self.block_size
         seq.admitted_once = True
         seq.usage.cached_tokens = reservation.num_cached_blocks * self.block_size
         self.scheduler.add_running(seq)

@@ -1,9 +1,20 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with a per-request generator; and the
+"""Token sampling: greedy, temperature, top-k, top-p, drawn by a counter, not a generator; and the
 log-probabilities of what was sampled.
 
-Greedy rows are one batched argmax. Random rows are sampled one at a time with
-their own torch.Generator, so a request's output depends only on its seed and
-its logits, never on which other requests shared the batch.
+Greedy rows are one batched argmax. A random row is sampled by inverse transform: its uniform
+draw u = uniform(seed, position) is a keyed hash of the request's seed and the absolute position
+of the token being drawn (its index in prompt + output), and the token is the first whose
+cumulative probability (after temperature, top-k, top-p) exceeds u. There is no generator state:
+
+- the token at position p depends only on (seed, p) and that step's logits, never on which other
+  requests shared the batch, nor on how many draws came before it;
+- so a stream continued elsewhere draws exactly the tokens an uninterrupted one would: a first
+  token sampled on a prefill worker, the rest on a decode worker, or a stream that moves to
+  another decode worker mid-way with prompt + the tokens so far (router/service.py). Only the
+  seed crosses the wire.
+
+NOTE: uniform() is a contract between workers (a prefill worker and a decode worker of different
+releases must draw alike): its known answers are pinned in tests/engine/test_sampling.py.
 
 Logprobs (token_logprobs) are log_softmax of the same raw float32 rows sample() receives, before
 temperature and the filters, for the rows whose request asked only.
@@ -11,24 +22,45 @@ temperature and the filters, for the rows whose request asked only.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from pdserve.engine.sequence import SamplingParams, TokenLogprob
 
+_MANTISSA_BITS = 53  # a double's: every draw is a multiple of 2**-53 in [0, 1)
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator]) -> list[int]:
-    """logits: [B, V] float32, one row per sequence; returns one token id per row."""
+
+def uniform(seed: int, position: int) -> float:
+    """The draw for the token at `position` of a request with `seed` (both in [0, 2**64)): the first
+    53 bits of BLAKE2b keyed with the seed over the position, as a float in [0, 1)."""
+    digest = hashlib.blake2b(position.to_bytes(8, "little"), key=seed.to_bytes(8, "little"),
+                             digest_size=8).digest()
+    return (int.from_bytes(digest, "little") >> (64 - _MANTISSA_BITS)) / 2**_MANTISSA_BITS
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[float]) -> list[int]:
+    """logits: [B, V] float32, one row per sequence; draws: each row's uniform(seed, position) (a
+    greedy row ignores its own). Returns one token id per row."""
     tokens = logits.argmax(dim=-1).tolist()
-    for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
+    for row, (p, u) in enumerate(zip(params, draws, strict=True)):
         if not p.greedy:
-            tokens[row] = sample_row(logits[row], p, gen)
+            tokens[row] = sample_row(logits[row], p, u)
     return tokens
 
 
-def sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
-    probs = filtered_probs(logits, p)
-    return int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
+def sample_row(logits: torch.Tensor, p: SamplingParams, u: float) -> int:
+    return inverse_cdf(filtered_probs(logits, p), u)
+
+
+def inverse_cdf(probs: torch.Tensor, u: float) -> int:
+    """The first token whose cumulative probability exceeds u times the total (summed in float64).
+    A token of probability 0 is never picked: its cumulative value equals its predecessor's."""
+    cdf = probs.detach().cpu().double().cumsum(0)
+    token = int(torch.searchsorted(cdf, u * float(cdf[-1]), right=True))
+    if token < cdf.shape[0]:
+        return token
+    return int(torch.nonzero(probs).flatten()[-1])  # u * total rounded up to the total: the last with mass
 
 
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

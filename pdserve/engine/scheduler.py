@@ -183,7 +183,7 @@ class Scheduler:
             return
         seq.admitted_once = True
         seq.usage.cached_tokens = cached_tokens
-        seq.usage.computed_tokens = seq.num_prompt_tokens - cached_tokens
+        seq.usage.computed_tokens = seq.num_tokens - cached_tokens  # a continued one replays its output too
 
     def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, ceil_div(num_tokens, self.block_size) - len(seq.block_ids))

@@ -9,6 +9,12 @@ Lifecycle of a Sequence:
 
 A RUNNING sequence is prefilling while num_computed_tokens < len(prompt) and
 decoding afterwards; chunked prefill may take several steps.
+
+A continued sequence (a stream migrated from another worker: router/service.py) starts with the
+tokens an earlier run of the same request generated after its prompt (`generated`): they are
+computed like the prompt (or taken from the prefix cache), but count as output: completion
+tokens, max_tokens, stop strings, the text. Sampling draws by (seed, position) (engine/sampler.py),
+so the tokens it goes on to draw are the ones the earlier run would have drawn.
 """
 
 from __future__ import annotations
@@ -16,7 +22,6 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from pdserve.engine.hashing import ROOT_PARENT, BlockHash, hash_block
 
@@ -91,9 +96,13 @@ class TokenLogprob:
 
 @dataclass
 class Usage:
+    """A continued sequence's prompt_tokens is its original prompt's; its completion_tokens count the
+    tokens generated before it was continued too; its cached and computed tokens are of what it
+    replayed at admission (prompt + those tokens)."""
+
     prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
-    computed_tokens: int = 0  # prompt tokens this request had to compute
+    cached_tokens: int = 0  # tokens served from the prefix cache at admission
+    computed_tokens: int = 0  # tokens this request had to compute at admission
     completion_tokens: int = 0
     preemptions: int = 0
 
@@ -116,14 +125,16 @@ class Sequence:
     num_committed_blocks: int = 0
     admitted_once: bool = False
     usage: Usage = field(default_factory=Usage)
-    generator: Any = None  # the engine's per-request RNG (torch.Generator)
+    seed: int = 0  # the key of its draws (engine/sampler.py uniform): sampling.seed, or the engine's pick
+    generated: tuple[int, ...] = ()  # a continued sequence: what an earlier run generated (see above)
     cache_salt: bytes = b""  # the request's own prefix-cache salt (a tenant's); b"": none
     text: str = ""
     _block_hashes: list[BlockHash] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.token_ids = list(self.prompt_token_ids)
+        self.token_ids = [*self.prompt_token_ids, *self.generated]
         self.usage.prompt_tokens = len(self.prompt_token_ids)
+        self.usage.completion_tokens = len(self.generated)
 
     @property
     def num_tokens(self) -> int:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from pdserve.engine.hashing import MAX_CACHE_SALT_BYTES
 from pdserve.engine.sequence import SamplingParams, TokenLogprob
 
@@ -49,6 +47,24 @@ class EngineLimits:
             raise InvalidRequestError(f"sampling.logprobs is {sampling.logprobs:,}; this engine's vocabulary "
                                       f"has {self.vocab_size:,} tokens to rank")
 
+    def check_continuation(self, prompt_tokens: int, generated: tuple[int, ...],
+                           sampling: SamplingParams) -> None:
+        """A continued request (engine/sequence.py): its generated tokens are in the vocabulary, fit
+        the context with the prompt, and leave at least one token of max_tokens to generate."""
+        if not generated:
+            return
+        for token in generated:
+            self.check_token("generated token id", token)
+        total = prompt_tokens + len(generated)
+        if total >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({prompt_tokens:,} tokens) and generated ({len(generated):,}) have {total:,} "
+                f"tokens; this engine's context is {self.max_model_len:,} (they must leave room for 1 more)")
+        if len(generated) >= sampling.max_tokens:
+            raise InvalidRequestError(
+                f"generated has {len(generated):,} tokens and sampling.max_tokens is "
+                f"{sampling.max_tokens:,}: nothing is left to generate (a finished request is not continued)")
+
     def check_first_logprob(self, first_token: int, logprob: TokenLogprob | None,
                             sampling: SamplingParams) -> None:
         """A resumed request's first-token logprob came over the wire from the prefill worker: it must
@@ -81,12 +97,3 @@ class EngineLimits:
 def check_cache_salt(value: bytes) -> None:
     if len(value) > MAX_CACHE_SALT_BYTES:
         raise InvalidRequestError(f"cache_salt has {len(value)} bytes; at most {MAX_CACHE_SALT_BYTES}")
-
-
-def check_rng_state(rng_state: torch.Tensor) -> None:
-    """rng_state must be a state of the engine's per-request generator (a CPU torch.Generator)."""
-    try:
-        torch.Generator().set_state(rng_state)
-    except (RuntimeError, TypeError, ValueError) as e:
-        raise InvalidRequestError(f"rng_state ({rng_state.numel()} bytes) is not a state of this "
-                                  f"engine's generator: {e}") from None

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
-
 from pdserve.engine.sampling_defaults import NEUTRAL, SAMPLING_FIELDS, SamplingDefaults
 from pdserve.engine.sequence import SamplingParams, TokenLogprob, Usage
 from protos.pdserve.v1 import generation_pb2
@@ -74,11 +72,3 @@ def logprobs_from_proto(protos: Iterable[generation_pb2.TokenLogprob]) -> list[T
 def usage_to_proto(u: Usage) -> generation_pb2.Usage:
     return generation_pb2.Usage(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
                                 computed_tokens=u.computed_tokens, completion_tokens=u.completion_tokens)
-
-
-def rng_state_to_bytes(state: torch.Tensor | None) -> bytes:
-    return b"" if state is None else bytes(state.numpy().tobytes())
-
-
-def rng_state_from_bytes(data: bytes) -> torch.Tensor | None:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None

@@ -18,9 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
-
-import torch
+from collections.abc import Callable, Iterable, Iterator
 
 from pdserve.engine.llm_engine import InvalidRequestError, LLMEngine, RequestOutput, StepObserver
 from pdserve.engine.sequence import SamplingParams, TokenLogprob, Usage
@@ -78,12 +76,14 @@ class EngineLoop:
 
     # --- requests ---------------------------------------------------------------------
     def submit(self, prompt: list[int], sampling: SamplingParams, request_id: str, *,
-               detokenize: bool = True, cache_salt: bytes = b"") -> RequestStream:
-        """Queue a request; InvalidRequestError (nothing registered) when it is malformed."""
+               detokenize: bool = True, cache_salt: bytes = b"",
+               generated: Iterable[int] = ()) -> RequestStream:
+        """Queue a request (generated: a continued one's tokens so far, LLMEngine.add_request);
+        InvalidRequestError (nothing registered) when it is malformed."""
         stream = self._register(request_id)
         try:
             self.engine.add_request(prompt, sampling, request_id=request_id, detokenize=detokenize,
-                                    cache_salt=cache_salt)
+                                    cache_salt=cache_salt, generated=generated)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -91,14 +91,14 @@ class EngineLoop:
         return stream
 
     def resume(self, request_id: str, prompt: list[int], first_token: int, sampling: SamplingParams,
-               rng_state: torch.Tensor | None, detokenize: bool = True, cache_salt: bytes = b"",
-               first_logprob: TokenLogprob | None = None) -> RequestStream | None:
+               detokenize: bool = True, cache_salt: bytes = b"", first_logprob: TokenLogprob | None = None,
+               generated: Iterable[int] = ()) -> RequestStream | None:
         """Continue a transferred request; None when its KV is not parked here, InvalidRequestError
         (nothing registered, the parked KV freed) when the request does not fit it."""
         stream = self._register(request_id)
         try:
-            first = self.engine.resume_transferred(request_id, prompt, first_token, sampling, rng_state,
-                                                   detokenize, cache_salt, first_logprob)
+            first = self.engine.resume_transferred(request_id, prompt, first_token, sampling, detokenize,
+                                                   cache_salt, first_logprob, generated)
         except BaseException:
             self._streams.pop(request_id, None)
             raise

@@ -59,6 +59,7 @@ from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 log = logging.getLogger(__name__)
 
 SPARE_THREADS = 16  # beyond the limited calls: Status, Abort, Health.Check, and refusing extra calls
+WORKER_CALLS = "the worker's calls"  # the limit on the role's calls and Audit (call_limits below)
 
 
 @dataclass(frozen=True)
@@ -200,16 +201,21 @@ class WorkerServer:
 
     def drain(self, grace_s: float) -> bool:
         """Take no new requests (health NOT_SERVING; Prefill and fresh Decode calls are UNAVAILABLE)
-        and wait up to grace_s for in-flight ones, including KV on its way here, to finish.
-        True when everything finished in time. stop() afterwards."""
+        and wait up to grace_s for in-flight ones, including KV on its way here, to finish: every
+        request out of the engine and every call of the role's services over (a Decode stream has
+        sent its last reply: the engine finishes a request before its replies have all gone out, and
+        stop() cuts what is still to send). True when everything finished in time. stop() afterwards."""
         self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         self.state.serving = False
         deadline = time.monotonic() + grace_s
-        while self.loop.num_streams() or self.engine.load().used_blocks:
+        while self.loop.num_streams() or self.engine.load().used_blocks or self._calls_in_flight():
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.05)
         return True
+
+    def _calls_in_flight(self) -> int:
+        return self.call_limiter.counts()[WORKER_CALLS].in_flight
 
     def stop(self, grace_s: float = 0.0) -> None:
         self.health.enter_graceful_shutdown()
@@ -228,6 +234,6 @@ def call_limits(config: WorkerConfig, role_services: Sequence[ServiceDescriptor]
     the Worker service but the quick control calls."""
     worker = worker_pb2.DESCRIPTOR.services_by_name["Worker"]
     prefixes = (service_prefix(worker), *(service_prefix(s) for s in role_services))
-    calls = CallLimit("the worker's calls", config.max_concurrent_calls, "WorkerConfig.max_concurrent_calls",
+    calls = CallLimit(WORKER_CALLS, config.max_concurrent_calls, "WorkerConfig.max_concurrent_calls",
                       prefixes, exclude=method_paths(worker, "Status", "Abort"))
     return [health_watch_limit(config.max_health_watches, "WorkerConfig.max_health_watches"), calls]

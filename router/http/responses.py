@@ -14,7 +14,8 @@ Text deltas come from the decode worker already whole: it holds back a token tha
 UTF-8 character until the character is complete (pdserve/engine/llm_engine.py _update_text).
 
 The "pdserve" object carries what OpenAI's shapes have no place for (the workers that served the
-request, computed tokens, the router's timings); standard clients ignore it.
+request, computed tokens, the router's timings, each move of the stream to another decode worker);
+standard clients ignore it.
 """
 
 from __future__ import annotations
@@ -41,7 +42,15 @@ def extension_json(last: pb.GenerateResponse) -> dict:
     return {"request_id": last.request_id, "prefill_worker": last.prefill_worker,
             "decode_worker": last.decode_worker, "computed_tokens": last.usage.computed_tokens,
             "timings": {"queue_ms": t.queue_ms, "prefill_ms": t.prefill_ms, "transfer_ms": t.transfer_ms,
-                        "ttft_ms": t.ttft_ms}}
+                        "ttft_ms": t.ttft_ms},
+            "migrations": [migration_json(m) for m in last.migrations]}
+
+
+def migration_json(m: pb.Migration) -> dict:
+    return {"cause": m.cause, "from_decode_worker": m.from_decode_worker,
+            "to_decode_worker": m.to_decode_worker, "after_tokens": m.after_tokens,
+            "replayed_tokens": m.replayed_tokens,
+            "cached_tokens": m.cached_tokens, "gap_ms": m.gap_ms}
 
 
 @dataclass

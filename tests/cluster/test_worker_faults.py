@@ -1,9 +1,10 @@
 """Workers dying and draining under real streams: 1 prefill + 2 decode on local Ray, SmolLM2.
 
 SIGKILL of a decode worker: requests that reach it before the router notices are retried on
-the other decode worker (exact output); Ray restarts it under a new epoch, and its old index
+the other decode worker (exact output), and streams under way on it move to the other one and
+go on token for token (router/service.py); Ray restarts it under a new epoch, and its old index
 entries are never counted. SIGTERM drains: the worker leaves the registry at once, takes no
-new requests, and lets its in-flight streams finish.
+new requests, and lets its in-flight streams finish there, with no migration.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import signal
+import threading
 import time
+from dataclasses import dataclass, field
 
 import pytest
 import ray
@@ -23,9 +26,18 @@ from pdserve.engine.sequence import SamplingParams
 from pdserve.index.redis_index import RedisPrefixIndex
 from tests.conftest import make_engine
 from tests.helpers.kv_audit import audit_failures
-from tests.helpers.ray_cluster import client_of, start_cluster, wait_until_cluster_clean, worker_addresses
+from tests.helpers.ray_cluster import (
+    client_of,
+    start_cluster,
+    wait_until_cluster_clean,
+    worker_addresses,
+    worker_status,
+)
 
 TOPICS = ["rivers", "owls", "bread", "trains", "glaciers", "violins"]
+MORE_TOPICS = ["lighthouses", "bees", "volcanoes", "chess", "tides", "maps"]
+STREAM_TOKENS = 64
+BREAK_AFTER = (10, 30)  # every stream has this many tokens (inclusive) when the worker is killed
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +54,68 @@ def expected(smollm_loaded):
     results = make_engine(smollm_loaded).generate(prompts, SamplingParams(temperature=0, max_tokens=40),
                                                   detokenize=False)
     return prompts, [r.token_ids for r in results]
+
+
+def mixed_sampling(i: int) -> SamplingParams:
+    """Even streams greedy, odd ones seeded with top-k and top-p: every field set, so the router's
+    defaults do not apply and the engine below samples alike."""
+    if i % 2 == 0:
+        return SamplingParams(temperature=0, max_tokens=STREAM_TOKENS, ignore_eos=True)
+    return SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=100 + i, max_tokens=STREAM_TOKENS,
+                          ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def mixed(smollm_loaded):
+    """12 streams of 64 tokens, greedy and seeded, and what an uninterrupted run of each gives."""
+    texts = [f"Tell me about {t} in a few sentences." for t in TOPICS + MORE_TOPICS]
+    prompts = [smollm_loaded.tokenizer.apply_chat_template([{"role": "user", "content": x}]) for x in texts]
+    params = [mixed_sampling(i) for i in range(len(prompts))]
+    results = make_engine(smollm_loaded).generate(prompts, params, detokenize=False)
+    return prompts, params, [r.token_ids for r in results]
+
+
+def request_fields(p: SamplingParams) -> dict:
+    fields = dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, max_tokens=p.max_tokens,
+                  ignore_eos=p.ignore_eos)
+    return fields if p.seed is None else fields | {"seed": p.seed}
+
+
+@dataclass
+class Reader:
+    """One stream read on a thread of its own: the tokens it has so far, then its end."""
+
+    stream: object
+    tokens: list[int] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)  # when each token-carrying message came
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def read(self) -> tuple[str, object]:
+        try:
+            for response in self.stream:
+                with self.lock:
+                    self.tokens.extend(response.token_ids)
+                    self.arrivals.append(time.monotonic())
+            return "ok", self.stream.result()
+        except PdserveError as e:
+            return e.code, str(e)
+
+    def count(self) -> int:
+        with self.lock:
+            return len(self.tokens)
+
+
+def open_streams(client, prompts, params, pool) -> tuple[list[Reader], list[cf.Future]]:
+    readers = [Reader(client.stream(token_ids=p, **request_fields(s))) for p, s in zip(prompts, params)]
+    return readers, [pool.submit(r.read) for r in readers]
+
+
+def wait_until_every_stream_has(readers: list[Reader], tokens: int, timeout_s: float = 120.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while min(r.count() for r in readers) < tokens:
+        assert time.monotonic() < deadline, f"streams at {[r.count() for r in readers]} tokens, {timeout_s} s"
+        time.sleep(0.005)
+    return [r.count() for r in readers]
 
 
 def describe(cluster, worker_id: str) -> dict:
@@ -89,51 +163,73 @@ def test_killed_decode_worker_requests_retry_elsewhere_and_it_restarts_under_a_n
     assert not audit_failures(worker_addresses(cluster_1p2d))
 
 
-def finish_or_fail(stream) -> tuple[str, object, float]:
-    """("ok", completion, end time) or (status code, message, end time)."""
-    try:
-        return "ok", stream.result(), time.monotonic()
-    except PdserveError as e:
-        return e.code, str(e), time.monotonic()
+def migrations_counted(cluster) -> float:
+    registry = cluster.router.metrics.registry
+    return registry.get_sample_value("pdserve_router_migrations_total", {"cause": "UNAVAILABLE"}) or 0.0
 
 
-def test_streams_under_way_on_a_killed_decode_worker_end_unavailable_within_10_s(cluster_1p2d, expected):
-    prompts, tokens = expected
-    with client_of(cluster_1p2d) as client, cf.ThreadPoolExecutor(4) as pool:
-        streams = [client.stream(token_ids=p, temperature=0, max_tokens=40) for p in prompts[:4]]
-        assert all(first.token_ids for first in pool.map(lambda s: next(iter(s)), streams))
-        victim = "decode-1"
+def test_streams_under_way_on_a_killed_decode_worker_move_to_the_other_and_go_on_token_for_token(
+        cluster_1p2d, mixed):
+    prompts, params, tokens = mixed
+    counted_before = migrations_counted(cluster_1p2d)
+    with client_of(cluster_1p2d) as client, cf.ThreadPoolExecutor(len(prompts)) as pool:
+        readers, ends = open_streams(client, prompts, params, pool)
+        counts = wait_until_every_stream_has(readers, BREAK_AFTER[0])
+        victim = "decode-0"
+        held = cluster_1p2d.router.directory.in_flight(victim)
         before = describe(cluster_1p2d, victim)
         os.kill(before["pid"], signal.SIGKILL)
         killed_at = time.monotonic()
-        ends = list(pool.map(finish_or_fail, streams))
-    failed = [(code, message) for code, message, _ in ends if code != "ok"]
-    assert failed and {code for code, _ in failed} == {"UNAVAILABLE"}, failed  # least_load put 2 there
-    assert max(end for _, _, end in ends) - killed_at < 10.0
-    for i, (code, done, _) in enumerate(ends):
-        if code == "ok":
-            assert done.decode_worker != victim and done.token_ids == tokens[i]
-    wait_for_epoch(cluster_1p2d, victim, above=before["epoch"])
+        assert max(counts) <= BREAK_AFTER[1], counts
+        assert held == len(prompts) // 2  # least_load put half of them there
+        done = [end.result() for end in ends]
+    assert [code for code, _ in done] == ["ok"] * len(prompts), done
+    assert [d.token_ids for _, d in done] == tokens  # greedy and seeded alike: one unbroken stream
+    moved = [d for _, d in done if d.migrations]
+    assert len(moved) == held
+    for d in moved:
+        [m] = d.migrations
+        assert (m["cause"], m["from_decode_worker"], m["to_decode_worker"]) == ("UNAVAILABLE", victim,
+                                                                                "decode-1")
+        assert BREAK_AFTER[0] <= m["after_tokens"] < STREAM_TOKENS
+        assert d.usage["completion_tokens"] == STREAM_TOKENS
+    assert migrations_counted(cluster_1p2d) - counted_before == held
+    gaps = [next(t for t in r.arrivals if t > killed_at) - killed_at for r, (_, d) in zip(readers, done)
+            if d.migrations]
+    assert max(gaps) < 10.0, gaps  # the first token after the kill reached the client within 10 s
+
+    after = wait_for_epoch(cluster_1p2d, victim, above=before["epoch"])
+    assert after["pid"] != before["pid"]
+    restarted = worker_status(cluster_1p2d)[victim]
+    assert (restarted.free_blocks, restarted.cached_blocks) == (restarted.num_blocks, 0)  # an empty pool
     wait_until_cluster_clean(cluster_1p2d)
     assert not audit_failures(worker_addresses(cluster_1p2d))
 
 
-def test_sigterm_drains_in_flight_streams_and_routes_new_work_elsewhere(cluster_1p2d, expected):
-    prompts, tokens = expected
-    with client_of(cluster_1p2d) as client, cf.ThreadPoolExecutor(8) as pool:
-        streams = [client.stream(token_ids=p, temperature=0, max_tokens=40) for p in prompts[:4]]
-        firsts = list(pool.map(lambda s: next(iter(s)), streams))  # every stream is under way
-        assert all(f.token_ids for f in firsts)
+def test_sigterm_drains_in_flight_streams_in_place_and_routes_new_work_elsewhere(cluster_1p2d, expected,
+                                                                                 mixed):
+    prompts, params, tokens = mixed
+    late_prompts, late_tokens = expected
+    counted_before = migrations_counted(cluster_1p2d)
+    with client_of(cluster_1p2d) as client, cf.ThreadPoolExecutor(len(prompts) + 2) as pool:
+        readers, ends = open_streams(client, prompts, params, pool)
+        wait_until_every_stream_has(readers, BREAK_AFTER[0])
         victim = "decode-0"
+        held = cluster_1p2d.router.directory.in_flight(victim)
         before = describe(cluster_1p2d, victim)
         os.kill(before["pid"], signal.SIGTERM)
         time.sleep(1.0)  # one registry refresh
         assert victim not in {w.worker_id for w in cluster_1p2d.router.directory.workers()}
-        late = [pool.submit(client.generate, token_ids=p, temperature=0, max_tokens=8) for p in prompts[4:]]
-        finished = list(pool.map(lambda s: s.result(), streams))
-        assert [f.token_ids for f in finished] == tokens[:4]
-        assert victim in {f.decode_worker for f in finished}  # streams it had in flight finished there
-        assert {f.result().decode_worker for f in late} == {"decode-1"}
+        late = [pool.submit(client.generate, token_ids=p, temperature=0, max_tokens=8)
+                for p in late_prompts[:2]]
+        done = [end.result() for end in ends]
+        assert [f.result().decode_worker for f in late] == ["decode-1"] * 2
+        assert [f.result().token_ids for f in late] == [t[:8] for t in late_tokens[:2]]
+    assert [code for code, _ in done] == ["ok"] * len(prompts), done
+    assert [d.token_ids for _, d in done] == tokens
+    assert held == len(prompts) // 2
+    assert sum(d.decode_worker == victim for _, d in done) == held  # they finished where they were
+    assert not any(d.migrations for _, d in done) and migrations_counted(cluster_1p2d) == counted_before
     after = wait_for_epoch(cluster_1p2d, victim, above=before["epoch"])
     assert after["pid"] != before["pid"]
     wait_until_cluster_clean(cluster_1p2d)

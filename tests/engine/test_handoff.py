@@ -7,7 +7,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError
 from pdserve.engine.events import BlockStored
@@ -69,9 +68,9 @@ def test_park_commits_the_full_blocks_chained_and_claim_hands_them_over(rig):
     assert rig.handoff.is_parked("a") and rig.handoff.num_parked() == 1
     h0, h1 = hash_blocks(PROMPT, BS, SALT)
     assert rig.events == [BlockStored(h0, None, (1, 2, 3, 4), 0), BlockStored(h1, h0, (5, 6, 7, 8), 1)]
-    claimed = rig.handoff.claim("a", PROMPT, 7, GREEDY, None, b"")
+    claimed = rig.handoff.claim("a", PROMPT, 7, GREEDY, b"")
     assert claimed is r and not rig.handoff.is_parked("a")
-    assert rig.handoff.claim("a", PROMPT, 7, GREEDY, None, b"") is None  # claimed once only
+    assert rig.handoff.claim("a", PROMPT, 7, GREEDY, b"") is None  # claimed once only
     assert [rig.pool.ref_count(b) for b in r.block_ids] == [1, 1, 1]  # the claimer holds them now
     rig.handoff.release(claimed)
     rig.assert_clean()
@@ -172,7 +171,9 @@ def test_expiry_frees_only_parked_kv_past_its_time(rig):
     (dict(cache_salt=b"tenant"), "cache_salt differs"),
     (dict(first_token=100), "first_token 100 is outside the vocabulary [0, 100)"),
     (dict(sampling=SamplingParams(stop_token_ids=(100,))), "sampling.stop_token_ids has 100"),
-    (dict(rng_state=torch.zeros(3, dtype=torch.uint8)), "rng_state (3 bytes) is not a state"),
+    (dict(prompt_token_ids=PROMPT[:-2], generated=tuple(PROMPT[-2:]), sampling=SamplingParams(max_tokens=2)),
+     "generated has 2 tokens and sampling.max_tokens is 2: nothing is left to generate"),
+    (dict(generated=(3,)), "prompt_token_ids + generated_token_ids (10 tokens) differ"),
     (dict(sampling=ASKING), "first_logprob is missing but sampling.logprobs is 2"),
     (dict(first_logprob=FIRST_LOGPROB), "first_logprob is given but sampling.logprobs is None"),
     (dict(sampling=ASKING, first_logprob=TokenLogprob(8, -0.25, FIRST_LOGPROB.top)),
@@ -186,7 +187,7 @@ def test_expiry_frees_only_parked_kv_past_its_time(rig):
 ])
 def test_a_refused_claim_frees_the_parked_kv(rig, change, message):
     rig.handoff.park(rig.handoff.reserve("a", PROMPT, 0))
-    resume = dict(request_id="a", prompt_token_ids=PROMPT, first_token=7, sampling=GREEDY, rng_state=None,
+    resume = dict(request_id="a", prompt_token_ids=PROMPT, first_token=7, sampling=GREEDY,
                   cache_salt=b"") | change
     with pytest.raises(InvalidRequestError) as refused:
         rig.handoff.claim(**resume)
@@ -201,7 +202,7 @@ def test_neither_a_reservation_nor_a_claim_may_shadow_a_request_in_flight(rig):
     with pytest.raises(InvalidRequestError, match="already in flight"):
         rig.handoff.reserve("a", PROMPT, 0)
     with pytest.raises(InvalidRequestError, match="already in flight"):
-        rig.handoff.claim("a", PROMPT, 7, GREEDY, None, b"")
+        rig.handoff.claim("a", PROMPT, 7, GREEDY, b"")
     rig.assert_clean()
 
 

@@ -1,10 +1,13 @@
-"""Sampling: seeds reproduce, filters behave, stop conditions end requests."""
+"""Sampling: seeds reproduce, draws are a function of (seed, position), filters behave, stop
+conditions end requests. (A continued request drawing the tokens of an uninterrupted one:
+tests/engine/test_continuation.py; the same distribution as transformers': tests/engine/test_oracle.py.)"""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from pdserve.engine.sampler import filtered_probs
+from pdserve.engine.sampler import filtered_probs, inverse_cdf, uniform
 from pdserve.engine.sequence import SamplingParams
 from tests.conftest import assert_no_leaks, make_engine
 
@@ -25,6 +28,31 @@ def test_same_seed_same_output_regardless_of_batch_mates(tiny_loaded):
     assert run(make_engine(tiny_loaded), SamplingParams(temperature=1.0, seed=8, max_tokens=12,
                                                         ignore_eos=True))[0] != alone
     assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("seed, position, draw", [
+    (0, 0, 0.12311943861730146),
+    (0, 1, 0.5826717794384204),
+    (7, 100, 0.40216906306862643),
+    (2**64 - 1, 2**64 - 1, 0.7640688705659031),
+])
+def test_the_draw_of_a_seed_and_position_is_pinned(seed, position, draw):
+    """Known answers: a prefill worker and a decode worker (or two decode workers a stream moves
+    between) must draw alike, whatever release each runs; a change here changes every seeded output."""
+    assert uniform(seed, position) == draw
+
+
+def test_inverse_cdf_follows_the_distribution_and_never_picks_a_token_without_mass():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.25, 0.25, 0.0])  # exact in binary: the boundaries are 0.5, 0.75
+    assert inverse_cdf(probs, 0.0) == 1
+    assert inverse_cdf(probs, 0.5 - 1e-9) == 1 and inverse_cdf(probs, 0.5) == 3
+    assert inverse_cdf(probs * 3, 0.75) == 4  # a total other than 1 is scaled, not cut
+    assert inverse_cdf(probs, 1 - 2**-53) == 4  # the largest draw: the last token with mass
+    draws = [uniform(5, p) for p in range(20_000)]
+    counts = torch.bincount(torch.tensor([inverse_cdf(probs, u) for u in draws]), minlength=6)
+    frequencies = counts.double() / len(draws)
+    assert counts[[0, 2, 5]].tolist() == [0, 0, 0]
+    assert (frequencies - probs.double()).abs().max() < 0.015  # about 4 standard deviations at n = 20,000
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy(tiny_loaded):

@@ -104,7 +104,7 @@ class Rig:
         request = worker_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt,
                                            sampling=sampling_to_proto(sampling), prefill_here=reply is None)
         if reply is not None:
-            request.first_token, request.rng_state = reply.first_token, reply.rng_state
+            request.first_token = reply.first_token
             if reply.HasField("first_logprob"):
                 request.first_logprob.CopyFrom(reply.first_logprob)
         replies = list(self.stub(worker or self.decode).Decode(request, timeout=60))

@@ -68,7 +68,7 @@ def test_a_decode_call_must_carry_the_cache_salt_its_kv_was_sent_under(tiny_load
         with pytest.raises(grpc.RpcError) as refused:
             list(stub(decode).Decode(worker_pb2.DecodeRequest(
                 request_id="salted", prompt_token_ids=PROMPT, sampling=sampling_to_proto(GREEDY),
-                first_token=reply.first_token, rng_state=reply.rng_state, cache_salt=b"tenant-b"),
+                first_token=reply.first_token, cache_salt=b"tenant-b"),
                 timeout=30))
         assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert "cache_salt" in refused.value.details()

@@ -64,7 +64,7 @@ def decode_tokens(decode: WorkerProcess, request_id: str, prompt: list[int],
     request = worker_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt,
                                        sampling=sampling_to_proto(GREEDY), prefill_here=reply is None)
     if reply is not None:
-        request.first_token, request.rng_state = reply.first_token, reply.rng_state
+        request.first_token = reply.first_token
     replies = list(decode.stub.Decode(request, timeout=120))
     return [t for r in replies for t in r.token_ids], replies[0].used_transferred_kv
 

@@ -46,8 +46,8 @@ def remote_prefill_then_decode(prefill: WorkerServer, decode: WorkerServer, rid:
     reply = stub(prefill).Prefill(worker_pb2.PrefillRequest(
         request_id=rid, prompt_token_ids=PROMPT, sampling=sampling, decode_target=decode.address), timeout=30)
     replies = list(stub(decode).Decode(worker_pb2.DecodeRequest(
-        request_id=rid, prompt_token_ids=PROMPT, sampling=sampling, first_token=reply.first_token,
-        rng_state=reply.rng_state), timeout=30))
+        request_id=rid, prompt_token_ids=PROMPT, sampling=sampling, first_token=reply.first_token),
+        timeout=30))
     assert replies[0].used_transferred_kv
     return [t for r in replies for t in r.token_ids]
 

@@ -43,8 +43,8 @@ def first_token_out_of_range(request: worker_pb2.DecodeRequest) -> None:
     request.first_token = 10**7
 
 
-def malformed_rng_state(request: worker_pb2.DecodeRequest) -> None:
-    request.rng_state = b"\x01" * 10
+def generated_tokens_the_transfer_lacks(request: worker_pb2.DecodeRequest) -> None:
+    request.generated_token_ids.extend([5, 6])  # a continuation of a prompt whose KV ends before them
 
 
 def logprobs_asked_only_at_decode(request: worker_pb2.DecodeRequest) -> None:
@@ -59,7 +59,7 @@ def a_first_logprob_nobody_asked_for(request: worker_pb2.DecodeRequest) -> None:
     (first_token_out_of_range, "first_token 10000000 is outside the vocabulary"),
     (other_prompt, "differ from the prompt whose KV was transferred"),
     (shorter_prompt, "prompt_token_ids (49 tokens) differ"),
-    (malformed_rng_state, "rng_state (10 bytes) is not a state of this engine's generator"),
+    (generated_tokens_the_transfer_lacks, "prompt_token_ids + generated_token_ids (52 tokens) differ"),
     (bad_top_p, "top_p must be in (0, 1]"),
     (bad_stop_token, "sampling.stop_token_ids has 10000000"),
     (logprobs_asked_only_at_decode, "first_logprob is missing but sampling.logprobs is 2"),
@@ -70,7 +70,7 @@ def test_a_bad_field_is_invalid_argument_and_frees_the_parked_kv(rig, tiny_loade
     reply = rig.remote_prefill(rid, PROMPT)
     assert rig.decode.status().parked_transfers == 1
     request = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=PROMPT, first_token=reply.first_token,
-                                       rng_state=reply.rng_state, sampling=sampling_to_proto(GREEDY))
+                                       sampling=sampling_to_proto(GREEDY))
     spoil(request)
     with pytest.raises(grpc.RpcError) as failure:
         list(rig.stub(rig.decode).Decode(request, timeout=30))

@@ -168,7 +168,7 @@ def test_kv_pushes_are_capped_per_peer_before_anything_is_reserved(start_worker,
         decode_target=ipv4), timeout=30)
     replies = list(stub(decode.address).Decode(worker_pb2.DecodeRequest(
         request_id="after", prompt_token_ids=PROMPT, sampling=sampling_to_proto(SAMPLING),
-        first_token=reply.first_token, rng_state=reply.rng_state), timeout=30))
+        first_token=reply.first_token), timeout=30))
     assert replies[0].used_transferred_kv
     assert [t for r in replies for t in r.token_ids] == expected_tokens(tiny_loaded)
     assert wait_for(lambda: prefill.status().held_blocks == 0)
@@ -226,7 +226,7 @@ def test_an_honest_push_within_the_limit_goes_through(start_worker, tiny_loaded)
         decode_target=decode.address), timeout=30)
     replies = list(stub(decode.address).Decode(worker_pb2.DecodeRequest(
         request_id="honest", prompt_token_ids=PROMPT, sampling=sampling_to_proto(SAMPLING),
-        first_token=reply.first_token, rng_state=reply.rng_state), timeout=30))
+        first_token=reply.first_token), timeout=30))
     assert replies[0].used_transferred_kv
     assert [t for r in replies for t in r.token_ids] == expected_tokens(tiny_loaded)
     assert decode.status().transfer_outcomes == {"done": 1}

@@ -46,7 +46,7 @@ def test_remote_prefill_then_decode_matches_one_engine(workers, tiny_loaded):
     assert reply.blocks_sent == 3 * tiny_loaded.config.num_layers and reply.usage.prompt_tokens == 47
     tokens, replies = decode_tokens(stub(decode).Decode(worker_pb2.DecodeRequest(
         request_id="a", prompt_token_ids=PROMPT, sampling=sampling_to_proto(GREEDY),
-        first_token=reply.first_token, rng_state=reply.rng_state), timeout=30))
+        first_token=reply.first_token), timeout=30))
     assert replies[0].used_transferred_kv and replies[-1].finished
     assert tokens == expected
     assert replies[-1].usage.completion_tokens == 10

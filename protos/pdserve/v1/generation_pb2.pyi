@@ -117,8 +117,26 @@ class TokenLogprob(_message.Message):
     top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
+class Migration(_message.Message):
+    __slots__ = ("cause", "from_decode_worker", "to_decode_worker", "after_tokens", "replayed_tokens", "cached_tokens", "gap_ms")
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    FROM_DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    TO_DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    AFTER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GAP_MS_FIELD_NUMBER: _ClassVar[int]
+    cause: str
+    from_decode_worker: str
+    to_decode_worker: str
+    after_tokens: int
+    replayed_tokens: int
+    cached_tokens: int
+    gap_ms: float
+    def __init__(self, cause: _Optional[str] = ..., from_decode_worker: _Optional[str] = ..., to_decode_worker: _Optional[str] = ..., after_tokens: _Optional[int] = ..., replayed_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., gap_ms: _Optional[float] = ...) -> None: ...
+
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finished", "finish_reason", "usage", "timings", "prefill_worker", "decode_worker", "logprobs")
+    __slots__ = ("request_id", "text", "token_ids", "finished", "finish_reason", "usage", "timings", "prefill_worker", "decode_worker", "logprobs", "migrations")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +147,7 @@ class GenerateResponse(_message.Message):
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -139,4 +158,5 @@ class GenerateResponse(_message.Message):
     prefill_worker: str
     decode_worker: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    migrations: _containers.RepeatedCompositeFieldContainer[Migration]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., migrations: _Optional[_Iterable[_Union[Migration, _Mapping]]] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pdserve.v1 import generation_pb2 as protos_dot_pdserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/worker.proto\x12\npdserve.v1\x1a\"protos/pdserve/v1/generation.proto\"\xb5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x15\n\rdecode_target\x18\x04 \x01(\t\x12\x1c\n\x14\x64\x65\x63ode_cached_blocks\x18\x05 \x01(\r\x12\x12\n\ncache_salt\x18\x06 \x01(\x0c\"\xdb\x01\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x11\n\trng_state\x18\x02 \x01(\x0c\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x12\n\nbytes_sent\x18\x04 \x01(\x04\x12\x13\n\x0b\x62locks_sent\x18\x05 \x01(\r\x12\x12\n\nprefill_ms\x18\x06 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x07 \x01(\x01\x12/\n\rfirst_logprob\x18\x08 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x97\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x14\n\x0cprefill_here\x18\x04 \x01(\x08\x12\x18\n\x0b\x66irst_token\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x11\n\trng_state\x18\x06 \x01(\x0c\x12\x12\n\ndetokenize\x18\x07 \x01(\x08\x12\x12\n\ncache_salt\x18\x08 \x01(\x0c\x12/\n\rfirst_logprob\x18\t \x01(\x0b\x32\x18.pdserve.v1.TokenLogprobB\x0e\n\x0c_first_token\"\xd6\x01\n\x0b\x44\x65\x63odeReply\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x1b\n\x13used_transferred_kv\x18\x06 \x01(\x08\x12\x12\n\nprefill_ms\x18\x07 \x01(\x01\x12*\n\x08logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x14\n\x12ResyncIndexRequest\")\n\x10ResyncIndexReply\x12\x15\n\rcached_blocks\x18\x01 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rStatusRequest\"\x8e\x07\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0c\n\x04node\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x17\n\x0f\x61\x63tive_requests\x18\x06 \x01(\r\x12\x18\n\x10waiting_requests\x18\x07 \x01(\r\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\t \x01(\r\x12\x15\n\rcached_blocks\x18\n \x01(\r\x12\x13\n\x0bused_blocks\x18\x0b \x01(\r\x12\x18\n\x10parked_transfers\x18\x0c \x01(\r\x12\x13\n\x0bheld_blocks\x18\r \x01(\r\x12\x12\n\nbytes_sent\x18\x0e \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x0f \x01(\x04\x12I\n\x11transfer_outcomes\x18\x10 \x03(\x0b\x32..pdserve.v1.WorkerStatus.TransferOutcomesEntry\x12\x19\n\x11model_fingerprint\x18\x11 \x01(\t\x12\x12\n\nblock_size\x18\x12 \x01(\r\x12\x1b\n\x13prompt_tokens_total\x18\x13 \x01(\x04\x12\x1b\n\x13\x63\x61\x63hed_tokens_total\x18\x14 \x01(\x04\x12\x1e\n\x16generated_tokens_total\x18\x15 \x01(\x04\x12\x17\n\x0fmetrics_address\x18\x16 \x01(\t\x12\x0f\n\x07serving\x18\x17 \x01(\x08\x12\x41\n\rsend_outcomes\x18\x18 \x03(\x0b\x32*.pdserve.v1.WorkerStatus.SendOutcomesEntry\x12\x19\n\x11preemptions_total\x18\x19 \x01(\x04\x12\x1f\n\x17kv_audited_blocks_total\x18( \x01(\x04\x12!\n\x19kv_audit_mismatches_total\x18) \x01(\x04\x12\x1e\n\x16kv_audit_evicted_total\x18* \x01(\x04\x12\x1e\n\x16kv_audit_seconds_total\x18+ \x01(\x01\x1a\x37\n\x15TransferOutcomesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x33\n\x11SendOutcomesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x1e\n\x0c\x41uditRequest\x12\x0e\n\x06sample\x18\x01 \x01(\r\"\x9f\x02\n\nAuditReply\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rcached_blocks\x18\x02 \x01(\r\x12\x0f\n\x07\x63hecked\x18\x03 \x01(\r\x12\r\n\x05\x65xact\x18\x04 \x01(\r\x12\x12\n\nmismatched\x18\x05 \x01(\r\x12\x0f\n\x07\x65victed\x18\x06 \x01(\r\x12\x16\n\x0e\x65victed_in_use\x18\x07 \x01(\r\x12\x0f\n\x07skipped\x18\x08 \x01(\r\x12\x0c\n\x04rule\x18\t \x01(\t\x12\x12\n\nelapsed_ms\x18\n \x01(\x01\x12\x14\n\x0cmax_abs_diff\x18\x0b \x01(\x01\x12\x14\n\x0cmax_rel_diff\x18\x0c \x01(\x01\x12\x10\n\x08\x63omplete\x18\r \x01(\x08\x12\x19\n\x11recomputed_tokens\x18\x0e \x01(\x04\x32\x8a\x02\n\x06Worker\x12\x39\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x16.pdserve.v1.AbortReply\x12=\n\x06Status\x12\x19.pdserve.v1.StatusRequest\x1a\x18.pdserve.v1.WorkerStatus\x12\x39\n\x05\x41udit\x12\x18.pdserve.v1.AuditRequest\x1a\x16.pdserve.v1.AuditReply\x12K\n\x0bResyncIndex\x12\x1e.pdserve.v1.ResyncIndexRequest\x1a\x1c.pdserve.v1.ResyncIndexReply2Q\n\x0ePrefillService\x12?\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x18.pdserve.v1.PrefillReply2O\n\rDecodeService\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeReply0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/worker.proto\x12\npdserve.v1\x1a\"protos/pdserve/v1/generation.proto\"\xb5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x15\n\rdecode_target\x18\x04 \x01(\t\x12\x1c\n\x14\x64\x65\x63ode_cached_blocks\x18\x05 \x01(\r\x12\x12\n\ncache_salt\x18\x06 \x01(\x0c\"\xd9\x01\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x12\n\nbytes_sent\x18\x04 \x01(\x04\x12\x13\n\x0b\x62locks_sent\x18\x05 \x01(\r\x12\x12\n\nprefill_ms\x18\x06 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x07 \x01(\x01\x12/\n\rfirst_logprob\x18\x08 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprobJ\x04\x08\x02\x10\x03R\trng_state\"\xb2\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x14\n\x0cprefill_here\x18\x04 \x01(\x08\x12\x18\n\x0b\x66irst_token\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x12\n\ndetokenize\x18\x07 \x01(\x08\x12\x12\n\ncache_salt\x18\x08 \x01(\x0c\x12/\n\rfirst_logprob\x18\t \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x1b\n\x13generated_token_ids\x18\n \x03(\rB\x0e\n\x0c_first_tokenJ\x04\x08\x06\x10\x07R\trng_state\"\xd6\x01\n\x0b\x44\x65\x63odeReply\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x1b\n\x13used_transferred_kv\x18\x06 \x01(\x08\x12\x12\n\nprefill_ms\x18\x07 \x01(\x01\x12*\n\x08logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x14\n\x12ResyncIndexRequest\")\n\x10ResyncIndexReply\x12\x15\n\rcached_blocks\x18\x01 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rStatusRequest\"\x8e\x07\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0c\n\x04node\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x17\n\x0f\x61\x63tive_requests\x18\x06 \x01(\r\x12\x18\n\x10waiting_requests\x18\x07 \x01(\r\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\t \x01(\r\x12\x15\n\rcached_blocks\x18\n \x01(\r\x12\x13\n\x0bused_blocks\x18\x0b \x01(\r\x12\x18\n\x10parked_transfers\x18\x0c \x01(\r\x12\x13\n\x0bheld_blocks\x18\r \x01(\r\x12\x12\n\nbytes_sent\x18\x0e \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x0f \x01(\x04\x12I\n\x11transfer_outcomes\x18\x10 \x03(\x0b\x32..pdserve.v1.WorkerStatus.TransferOutcomesEntry\x12\x19\n\x11model_fingerprint\x18\x11 \x01(\t\x12\x12\n\nblock_size\x18\x12 \x01(\r\x12\x1b\n\x13prompt_tokens_total\x18\x13 \x01(\x04\x12\x1b\n\x13\x63\x61\x63hed_tokens_total\x18\x14 \x01(\x04\x12\x1e\n\x16generated_tokens_total\x18\x15 \x01(\x04\x12\x17\n\x0fmetrics_address\x18\x16 \x01(\t\x12\x0f\n\x07serving\x18\x17 \x01(\x08\x12\x41\n\rsend_outcomes\x18\x18 \x03(\x0b\x32*.pdserve.v1.WorkerStatus.SendOutcomesEntry\x12\x19\n\x11preemptions_total\x18\x19 \x01(\x04\x12\x1f\n\x17kv_audited_blocks_total\x18( \x01(\x04\x12!\n\x19kv_audit_mismatches_total\x18) \x01(\x04\x12\x1e\n\x16kv_audit_evicted_total\x18* \x01(\x04\x12\x1e\n\x16kv_audit_seconds_total\x18+ \x01(\x01\x1a\x37\n\x15TransferOutcomesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x33\n\x11SendOutcomesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x1e\n\x0c\x41uditRequest\x12\x0e\n\x06sample\x18\x01 \x01(\r\"\x9f\x02\n\nAuditReply\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rcached_blocks\x18\x02 \x01(\r\x12\x0f\n\x07\x63hecked\x18\x03 \x01(\r\x12\r\n\x05\x65xact\x18\x04 \x01(\r\x12\x12\n\nmismatched\x18\x05 \x01(\r\x12\x0f\n\x07\x65victed\x18\x06 \x01(\r\x12\x16\n\x0e\x65victed_in_use\x18\x07 \x01(\r\x12\x0f\n\x07skipped\x18\x08 \x01(\r\x12\x0c\n\x04rule\x18\t \x01(\t\x12\x12\n\nelapsed_ms\x18\n \x01(\x01\x12\x14\n\x0cmax_abs_diff\x18\x0b \x01(\x01\x12\x14\n\x0cmax_rel_diff\x18\x0c \x01(\x01\x12\x10\n\x08\x63omplete\x18\r \x01(\x08\x12\x19\n\x11recomputed_tokens\x18\x0e \x01(\x04\x32\x8a\x02\n\x06Worker\x12\x39\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x16.pdserve.v1.AbortReply\x12=\n\x06Status\x12\x19.pdserve.v1.StatusRequest\x1a\x18.pdserve.v1.WorkerStatus\x12\x39\n\x05\x41udit\x12\x18.pdserve.v1.AuditRequest\x1a\x16.pdserve.v1.AuditReply\x12K\n\x0bResyncIndex\x12\x1e.pdserve.v1.ResyncIndexRequest\x1a\x1c.pdserve.v1.ResyncIndexReply2Q\n\x0ePrefillService\x12?\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x18.pdserve.v1.PrefillReply2O\n\rDecodeService\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeReply0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,35 +39,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=83
   _globals['_PREFILLREQUEST']._serialized_end=264
   _globals['_PREFILLREPLY']._serialized_start=267
-  _globals['_PREFILLREPLY']._serialized_end=486
-  _globals['_DECODEREQUEST']._serialized_start=489
-  _globals['_DECODEREQUEST']._serialized_end=768
-  _globals['_DECODEREPLY']._serialized_start=771
-  _globals['_DECODEREPLY']._serialized_end=985
-  _globals['_RESYNCINDEXREQUEST']._serialized_start=987
-  _globals['_RESYNCINDEXREQUEST']._serialized_end=1007
-  _globals['_RESYNCINDEXREPLY']._serialized_start=1009
-  _globals['_RESYNCINDEXREPLY']._serialized_end=1050
-  _globals['_ABORTREQUEST']._serialized_start=1052
-  _globals['_ABORTREQUEST']._serialized_end=1086
-  _globals['_ABORTREPLY']._serialized_start=1088
-  _globals['_ABORTREPLY']._serialized_end=1115
-  _globals['_STATUSREQUEST']._serialized_start=1117
-  _globals['_STATUSREQUEST']._serialized_end=1132
-  _globals['_WORKERSTATUS']._serialized_start=1135
-  _globals['_WORKERSTATUS']._serialized_end=2045
-  _globals['_WORKERSTATUS_TRANSFEROUTCOMESENTRY']._serialized_start=1937
-  _globals['_WORKERSTATUS_TRANSFEROUTCOMESENTRY']._serialized_end=1992
-  _globals['_WORKERSTATUS_SENDOUTCOMESENTRY']._serialized_start=1994
-  _globals['_WORKERSTATUS_SENDOUTCOMESENTRY']._serialized_end=2045
-  _globals['_AUDITREQUEST']._serialized_start=2047
-  _globals['_AUDITREQUEST']._serialized_end=2077
-  _globals['_AUDITREPLY']._serialized_start=2080
-  _globals['_AUDITREPLY']._serialized_end=2367
-  _globals['_WORKER']._serialized_start=2370
-  _globals['_WORKER']._serialized_end=2636
-  _globals['_PREFILLSERVICE']._serialized_start=2638
-  _globals['_PREFILLSERVICE']._serialized_end=2719
-  _globals['_DECODESERVICE']._serialized_start=2721
-  _globals['_DECODESERVICE']._serialized_end=2800
+  _globals['_PREFILLREPLY']._serialized_end=484
+  _globals['_DECODEREQUEST']._serialized_start=487
+  _globals['_DECODEREQUEST']._serialized_end=793
+  _globals['_DECODEREPLY']._serialized_start=796
+  _globals['_DECODEREPLY']._serialized_end=1010
+  _globals['_RESYNCINDEXREQUEST']._serialized_start=1012
+  _globals['_RESYNCINDEXREQUEST']._serialized_end=1032
+  _globals['_RESYNCINDEXREPLY']._serialized_start=1034
+  _globals['_RESYNCINDEXREPLY']._serialized_end=1075
+  _globals['_ABORTREQUEST']._serialized_start=1077
+  _globals['_ABORTREQUEST']._serialized_end=1111
+  _globals['_ABORTREPLY']._serialized_start=1113
+  _globals['_ABORTREPLY']._serialized_end=1140
+  _globals['_STATUSREQUEST']._serialized_start=1142
+  _globals['_STATUSREQUEST']._serialized_end=1157
+  _globals['_WORKERSTATUS']._serialized_start=1160
+  _globals['_WORKERSTATUS']._serialized_end=2070
+  _globals['_WORKERSTATUS_TRANSFEROUTCOMESENTRY']._serialized_start=1962
+  _globals['_WORKERSTATUS_TRANSFEROUTCOMESENTRY']._serialized_end=2017
+  _globals['_WORKERSTATUS_SENDOUTCOMESENTRY']._serialized_start=2019
+  _globals['_WORKERSTATUS_SENDOUTCOMESENTRY']._serialized_end=2070
+  _globals['_AUDITREQUEST']._serialized_start=2072
+  _globals['_AUDITREQUEST']._serialized_end=2102
+  _globals['_AUDITREPLY']._serialized_start=2105
+  _globals['_AUDITREPLY']._serialized_end=2392
+  _globals['_WORKER']._serialized_start=2395
+  _globals['_WORKER']._serialized_end=2661
+  _globals['_PREFILLSERVICE']._serialized_start=2663
+  _globals['_PREFILLSERVICE']._serialized_end=2744
+  _globals['_DECODESERVICE']._serialized_start=2746
+  _globals['_DECODESERVICE']._serialized_end=2825
 # @@protoc_insertion_point(module_scope)

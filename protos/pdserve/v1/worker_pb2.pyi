@@ -24,9 +24,8 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., decode_target: _Optional[str] = ..., decode_cached_blocks: _Optional[int] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("first_token", "rng_state", "usage", "bytes_sent", "blocks_sent", "prefill_ms", "transfer_ms", "first_logprob")
+    __slots__ = ("first_token", "usage", "bytes_sent", "blocks_sent", "prefill_ms", "transfer_ms", "first_logprob")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    RNG_STATE_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
@@ -34,36 +33,35 @@ class PrefillReply(_message.Message):
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     first_token: int
-    rng_state: bytes
     usage: _generation_pb2.Usage
     bytes_sent: int
     blocks_sent: int
     prefill_ms: float
     transfer_ms: float
     first_logprob: _generation_pb2.TokenLogprob
-    def __init__(self, first_token: _Optional[int] = ..., rng_state: _Optional[bytes] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., bytes_sent: _Optional[int] = ..., blocks_sent: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., first_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+    def __init__(self, first_token: _Optional[int] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., bytes_sent: _Optional[int] = ..., blocks_sent: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., first_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_here", "first_token", "rng_state", "detokenize", "cache_salt", "first_logprob")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_here", "first_token", "detokenize", "cache_salt", "first_logprob", "generated_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_HERE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    RNG_STATE_FIELD_NUMBER: _ClassVar[int]
     DETOKENIZE_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
     prefill_here: bool
     first_token: int
-    rng_state: bytes
     detokenize: bool
     cache_salt: bytes
     first_logprob: _generation_pb2.TokenLogprob
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., prefill_here: _Optional[bool] = ..., first_token: _Optional[int] = ..., rng_state: _Optional[bytes] = ..., detokenize: _Optional[bool] = ..., cache_salt: _Optional[bytes] = ..., first_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+    generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., prefill_here: _Optional[bool] = ..., first_token: _Optional[int] = ..., detokenize: _Optional[bool] = ..., cache_salt: _Optional[bytes] = ..., first_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeReply(_message.Message):
     __slots__ = ("token_ids", "text", "finished", "finish_reason", "usage", "used_transferred_kv", "prefill_ms", "logprobs")
