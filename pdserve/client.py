@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,7 @@ from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_TIMEOUT_S = 120.0
+MAX_RESUMES = 2  # client-side resumes of one stream whose router died mid-way
 MAX_MESSAGE_BYTES = 64 * 2**20
 USAGE_FIELDS = ("prompt_tokens", "cached_tokens", "computed_tokens", "completion_tokens")
 TIMING_FIELDS = ("queue_ms", "prefill_ms", "transfer_ms", "ttft_ms")
@@ -189,8 +190,11 @@ class _Collector:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     last: pb.GenerateResponse | None = None
+    seed: int | None = None  # the first message's: what a resume sends again
 
     def add(self, response: pb.GenerateResponse) -> None:
+        if self.seed is None:
+            self.seed = response.seed
         self.request_id = self.request_id or response.request_id
         self.text.append(response.text)
         self.token_ids.extend(response.token_ids)
@@ -240,23 +244,51 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
 # --- sync ---------------------------------------------------------------------------------------
 
 class GenerationStream:
-    """One Generate call. Iterate for the raw GenerateResponse messages, or use deltas()."""
+    """One Generate call. Iterate for the raw GenerateResponse messages, or use deltas().
 
-    def __init__(self, call: Any, target: str, timeout_s: float | None):
+    Client-side resume: when the call fails UNAVAILABLE after tokens arrived (its router died), and
+    the client can reopen it, the same request is sent again with those tokens as its continuation and
+    the seed the first message named (protos: GenerateRequest.continuation), at most MAX_RESUMES
+    times; with several routers the channel sends it to another. The stream goes on where it broke.
+    """
+
+    def __init__(self, call: Any, target: str, timeout_s: float | None,
+                 request: pb.GenerateRequest | None = None,
+                 reopen: Callable[[pb.GenerateRequest], Any] | None = None):
         self._call, self._target, self._timeout_s = call, target, timeout_s
+        self._request, self._reopen = request, reopen
         self._collector = _Collector()
         self._received_any = self._cancelled = False
+        self.resumes = 0
 
     def __iter__(self) -> Iterator[pb.GenerateResponse]:
-        try:
-            for response in self._call:
-                self._received_any = True
-                self._collector.add(response)
-                yield response
-        except grpc.RpcError as exc:
-            if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
+        while True:
+            try:
+                for response in self._call:
+                    self._received_any = True
+                    self._collector.add(response)
+                    yield response
                 return
-            raise error_from(exc, self._target, self._timeout_s, self._received_any) from None
+            except grpc.RpcError as exc:
+                if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
+                    return
+                if not self._resumable(exc):
+                    raise error_from(exc, self._target, self._timeout_s, self._received_any) from None
+                self._call = self._reopen(self._resumed_request())
+                self.resumes += 1
+
+    def _resumable(self, exc: grpc.RpcError) -> bool:
+        return (self._reopen is not None and self._request is not None and self.resumes < MAX_RESUMES
+                and exc.code() == grpc.StatusCode.UNAVAILABLE and bool(self._collector.token_ids)
+                and self._collector.last is None)
+
+    def _resumed_request(self) -> pb.GenerateRequest:
+        request = pb.GenerateRequest()
+        request.CopyFrom(self._request)
+        request.sampling.seed = self._collector.seed or 0
+        del request.continuation.ids[:]
+        request.continuation.ids.extend(self._collector.token_ids)
+        return request
 
     def deltas(self) -> Iterator[Delta]:
         """The text and token ids of each message that carries any."""
@@ -304,9 +336,10 @@ class PdserveClient:
         """Start a request; `fields` are request_from's keywords (messages, token_ids, max_tokens...)."""
         request = request_from(prompt, **fields)
         deadline = self.timeout_s if timeout_s is CLIENT_DEFAULT else timeout_s
-        call = self._stub.Generate(request, timeout=deadline, metadata=self._metadata or None,
-                                   wait_for_ready=self._wait_for_ready)
-        return GenerationStream(call, self.target, deadline)
+        def open_call(r: pb.GenerateRequest) -> Any:
+            return self._stub.Generate(r, timeout=deadline, metadata=self._metadata or None,
+                                       wait_for_ready=self._wait_for_ready)
+        return GenerationStream(open_call(request), self.target, deadline, request, open_call)
 
     def generate(self, prompt: str | None = None, *,
                  timeout_s: float | None | _Default = CLIENT_DEFAULT, **fields: Any) -> Completion:

@@ -225,6 +225,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         rid = request.request_id or uuid.uuid4().hex
         worker_rid = f"{rid}.{uuid.uuid4().hex[:12]}" if request.request_id else rid
         job = _Job(rid, worker_rid, prompt, sampling, self._cache_salt(context))
+        trace.generated = self._continuation(request, sampling, trace, context)
         failed: set[str] = set()  # decode workers this request broke on: not placed on again
         while True:
             placement = self._place(job, request, trace, context, exclude=failed)
@@ -297,6 +298,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not sampling.HasField("seed"):  # NOTE: so that a migrated stream draws what this one would have
             sampling.seed = self.pick_seed()
         return prompt, sampling
+
+    def _continuation(self, request, sampling: generation_pb2.SamplingParams, trace: _Trace,
+                      context) -> list[int]:
+        """The tokens a resumed request already streamed (client-side resume), checked: in the
+        vocabulary, and fewer than max_tokens. Empty for a fresh request."""
+        ids = list(request.continuation.ids)
+        bad = next((t for t in ids if t >= self.tokenizer.vocab_size), None)
+        if bad is not None:
+            self._abort(trace, context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"continuation token id {bad} is outside the vocabulary "
+                        f"[0, {self.tokenizer.vocab_size})")
+        if ids and len(ids) >= sampling.max_tokens:
+            self._abort(trace, context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"continuation has {len(ids):,} tokens and max_tokens is {sampling.max_tokens:,}: "
+                        "nothing is left to generate")
+        return ids
 
     def _cache_salt(self, context) -> bytes:
         """Under --cache-isolation token, the caller's tenant salt: its blocks match only its own."""
@@ -395,13 +412,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return None
 
     def _response(self, job: _Job, reply, placement: Placement, prefill, trace: _Trace):
-        now = time.perf_counter()
+        now, first = time.perf_counter(), False
         if trace.first_token is None:
             trace.first_token = now
             self.metrics.ttft.observe(now - trace.received)
             trace.prompt_usage = prefill.usage if prefill is not None else reply.usage
             if prefill is None:
                 trace.prefill_ms = reply.prefill_ms
+            first = True
         elif trace.moving is not None:
             self._moved(trace.moving, reply, prefill, now - trace.last_token)
             trace.moving = None
@@ -414,6 +432,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         out = generation_pb2.GenerateResponse(request_id=job.rid, text=reply.text, token_ids=reply.token_ids,
                                               finished=reply.finished, finish_reason=reply.finish_reason,
                                               logprobs=reply.logprobs)
+        if first:
+            out.seed = job.sampling.seed  # what a client-side resume must send again
         if reply.finished:
             trace.code, trace.phase = "OK", _Phase.FINISHED
             trace.usage = _usage(len(job.prompt), trace.prompt_usage, reply.usage)

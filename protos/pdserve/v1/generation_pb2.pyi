@@ -49,7 +49,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "chat", "token_ids", "raw", "sampling", "routing", "routing_weights")
+    __slots__ = ("request_id", "text", "chat", "token_ids", "raw", "sampling", "routing", "routing_weights", "continuation")
     class RoutingWeightsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ROUTING_FIELD_NUMBER: _ClassVar[int]
     ROUTING_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     chat: ChatMessages
@@ -73,7 +74,8 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     routing: str
     routing_weights: _containers.ScalarMap[str, float]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., raw: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., routing: _Optional[str] = ..., routing_weights: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    continuation: TokenIds
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., raw: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., routing: _Optional[str] = ..., routing_weights: _Optional[_Mapping[str, float]] = ..., continuation: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "cached_tokens", "computed_tokens", "completion_tokens")
@@ -136,7 +138,7 @@ class Migration(_message.Message):
     def __init__(self, cause: _Optional[str] = ..., from_decode_worker: _Optional[str] = ..., to_decode_worker: _Optional[str] = ..., after_tokens: _Optional[int] = ..., replayed_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., gap_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finished", "finish_reason", "usage", "timings", "prefill_worker", "decode_worker", "logprobs", "migrations")
+    __slots__ = ("request_id", "text", "token_ids", "finished", "finish_reason", "usage", "timings", "prefill_worker", "decode_worker", "logprobs", "migrations", "seed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +150,7 @@ class GenerateResponse(_message.Message):
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -159,4 +162,5 @@ class GenerateResponse(_message.Message):
     decode_worker: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     migrations: _containers.RepeatedCompositeFieldContainer[Migration]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., migrations: _Optional[_Iterable[_Union[Migration, _Mapping]]] = ...) -> None: ...
+    seed: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., migrations: _Optional[_Iterable[_Union[Migration, _Mapping]]] = ..., seed: _Optional[int] = ...) -> None: ...
