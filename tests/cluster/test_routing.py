@@ -49,6 +49,35 @@ def test_chat_turns_stay_on_their_decode_worker_without_transfer(cluster_2p2d):
     assert prefill_workers[1:] == [None, None, None], prefill_workers
 
 
+def test_chat_turns_alternating_between_two_routers_stay_on_one_decode_worker(cluster_2p2d, smollm_loaded):
+    """Two routers over one Redis index (each with its own mirror of it): prefix affinity holds across
+    them, so turns 2 to 4 go to the decode worker that holds the chat, with no transfer."""
+    from dataclasses import replace
+
+    from pdserve.client import PdserveClient
+    from router.redis_backend import redis_router
+
+    config = replace(cluster_2p2d.router.config, port=0, metrics_port=None, http_port=None)
+    namespace = cluster_2p2d.spec.namespace
+    second = redis_router(config, smollm_loaded.tokenizer, cluster_2p2d.redis_url, namespace)
+    second.start()
+    messages = [{"role": "system", "content": SYSTEM[:1400]}]
+    decode_workers, prefill_workers = [], []
+    try:
+        with client_of(cluster_2p2d) as first, PdserveClient(second.address, timeout_s=300) as other:
+            for turn in range(4):
+                messages.append({"role": "user", "content": f"Tell me fact number {turn} about foxes."})
+                done = (first, other)[turn % 2].generate(messages=messages, temperature=0, max_tokens=24)
+                messages.append({"role": "assistant", "content": done.text})
+                decode_workers.append(done.decode_worker)
+                prefill_workers.append(done.prefill_worker)
+    finally:
+        second.stop()
+    assert len(set(decode_workers)) == 1, decode_workers
+    assert prefill_workers[1:] == [None, None, None], prefill_workers
+    wait_until_cluster_clean(cluster_2p2d)
+
+
 REDIS_DOWN_S = 30.0
 
 
