@@ -1,8 +1,9 @@
 """Time to first token of a disaggregated prefill against the same prefill on the decode worker.
 
     python -m bench.kv_transfer [--json] [--quick] [--reps N] [--prompt-tokens 2048] [--threads N]
+                                [--kv-dtype D] [--bytes-dtypes float32,float16,bfloat16,int8,fp8]
 
-Two parts, one run:
+Three parts, one run:
 
   wire   bench.kv_transfer_wire's comparison, called as is: KV blocks through gRPC
          KVTransfer.Push against the same bytes through a raw TCP socket, 64 and 512 MiB,
@@ -21,6 +22,10 @@ Two parts, one run:
          ttft_ratio = disaggregated / local, medians over reps, the two alternating rep by
          rep (which goes first swaps every rep). Each rep's disaggregated request is then
          finished on D (Decode with the first token, untimed), so nothing stays parked.
+  bytes  for each of --bytes-dtypes, a P and D pair of that KV dtype (processes as above) and one
+         disaggregated prefill of --bytes-tokens tokens (whole blocks): PrefillReply.bytes_sent per
+         prompt token, the scales of int8/fp8 included, checked against the KV formula; and its
+         ratio to float32's and float16's (kv_bytes_per_token, kv_bytes_per_token_vs_float32, ...).
 
 Every request gets a prompt no worker has seen: the same random body behind a first token
 of its own. There is no RPC to clear a worker's prefix cache, and none is needed: block
@@ -58,7 +63,7 @@ from bench.common import (
     warn_if_busy,
 )
 from bench.kv_transfer_wire import MIB, Case, keep_freed_memory, measure
-from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.config import KV_DTYPES, CacheConfig, EngineConfig, kv_bytes_per_token
 from pdserve.engine.sequence import SamplingParams
 from pdserve.grpc_options import message_options
 from pdserve.transfer.frames import DEFAULT_MAX_CHUNK_BYTES
@@ -80,10 +85,11 @@ class Sizes:
     wire_reps: int = 3
     prompt_tokens: int = 2048
     reps: int = 3
+    bytes_tokens: int = 512  # the bytes part's prompt: whole blocks, so bytes per token is exact
 
 
 FULL = Sizes()
-QUICK = Sizes(wire_mib=(16, 64), wire_reps=1, prompt_tokens=512, reps=1)
+QUICK = Sizes(wire_mib=(16, 64), wire_reps=1, prompt_tokens=512, reps=1, bytes_tokens=64)
 
 
 # --- the workers ------------------------------------------------------------------------------
@@ -234,6 +240,45 @@ def bench_wire(sizes: Sizes) -> dict[str, Any]:
             "wire_mib": headline["mib"], "wire_cases": rows}
 
 
+def bench_bytes_per_token(sizes: Sizes, threads: int, kv_dtypes: list[str]) -> dict[str, Any]:
+    """KV bytes one disaggregated prefill sends per prompt token, for each KV dtype."""
+    n = sizes.bytes_tokens
+    body = [FIRST_TOKEN_BASE * 2 + j for j in range(n)]
+    per_token: dict[str, float] = {}
+    for kv_dtype in kv_dtypes:
+        progress(f"bytes: one {n}-token prefill through a {kv_dtype} prefill and decode worker")
+        workers = [WorkerProcess.spawn(role, threads, kv_dtype, 2 * ceil_div(n, BLOCK_SIZE) + 16)
+                   for role in ("prefill", "decode")]
+        try:
+            for w in workers:
+                w.wait_ready()
+            pair = Pair(workers[0].address, workers[1].address)
+            try:
+                sent = pair.disaggregated(f"bytes-{kv_dtype}", prompt_for(body, 0)).bytes_sent
+            finally:
+                pair.close()
+        finally:
+            for w in workers:
+                w.stop()
+        per_token[kv_dtype] = sent / n
+    return {"kv_bytes_per_token": per_token, "bytes_tokens": n,
+            **{f"kv_bytes_per_token_vs_{base}": {d: b / per_token[base] for d, b in per_token.items()}
+               for base in ("float32", "float16") if base in per_token}}
+
+
+def check_bytes_against_the_formula(result: dict[str, Any]) -> None:
+    """Each dtype's bytes on the wire per token must be what the KV formula says SmolLM2's cost."""
+    from pdserve.engine.weights import default_model_path
+    from pdserve.plan import read_kv_shape
+
+    shape = read_kv_shape(default_model_path())
+    for kv_dtype, sent in result["kv_bytes_per_token"].items():
+        expected = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, kv_dtype)
+        if sent != expected:
+            raise RuntimeError(f"{kv_dtype}: {sent} bytes a token went over the wire; the KV formula "
+                               f"says {expected}")
+
+
 def bench_ttft(sizes: Sizes, threads: int, kv_dtype: str) -> dict[str, Any]:
     blocks_per_prompt = ceil_div(sizes.prompt_tokens, BLOCK_SIZE)
     num_blocks = 4 * blocks_per_prompt + 16  # room for a reservation, a local prefill and spare
@@ -294,7 +339,8 @@ def _run_reps(pair: Pair, sizes: Sizes) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     sizes = QUICK if args.quick else FULL
-    given = {"reps": args.reps, "wire_reps": args.reps, "prompt_tokens": args.prompt_tokens}
+    given = {"reps": args.reps, "wire_reps": args.reps, "prompt_tokens": args.prompt_tokens,
+             "bytes_tokens": args.bytes_tokens}
     overrides = {k: v for k, v in given.items() if v is not None}
     sizes = Sizes(**{**asdict(sizes), **overrides})
     threads = set_threads(args.threads)
@@ -302,6 +348,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     load_at_start = warn_if_busy(threads)
     result = bench_wire(sizes)
     result.update(bench_ttft(sizes, args.threads, args.kv_dtype))
+    result.update(bench_bytes_per_token(sizes, args.threads, args.bytes_dtypes))
+    check_bytes_against_the_formula(result)
     notes = [f"the prefill and decode workers are two processes sharing {cores} cores "
              f"({args.threads} torch thread(s) each), with the client and anything else running",
              "wire: bench.kv_transfer_wire, float16 pools of Llama-3-8B-like blocks, codec raw, "
@@ -328,7 +376,12 @@ def report(r: dict[str, Any]) -> str:
         f"(median of {r['reps']} reps, device {r['device']})",
         ttft,
         f"KV per request: {r['bytes_per_request'] / 1e6:.1f} MB "
-        f"({r['layer_blocks_per_request']:,} layer-blocks, {r['kv_dtype']})",
+        f"({r['layer_blocks_per_request']:,} layer-blocks, {r['kv_dtype']})", "",
+        f"KV bytes sent per prompt token ({r['bytes_tokens']}-token prefills, scales included)",
+        format_table(["dtype", "bytes/token", "x float32's", "x float16's"],
+                     [[d, b, r.get("kv_bytes_per_token_vs_float32", {}).get(d, "-"),
+                       r.get("kv_bytes_per_token_vs_float16", {}).get(d, "-")]
+                      for d, b in r["kv_bytes_per_token"].items()]), "",
         *(f"note: {note}" for note in r["notes"]),
     ])
 
@@ -345,15 +398,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads in each worker process and in this one (default 1: the two workers "
                         "share the machine's cores)")
-    p.add_argument("--kv-dtype", choices=["float32", "float16", "bfloat16"], default="float32",
-                   help="KV cache dtype of the two workers (default float32, as `pdserve up`)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32",
+                   help="KV cache dtype of the TTFT part's two workers (default float32, as `pdserve up`)")
+    p.add_argument("--bytes-dtypes", type=lambda t: [d for d in t.split(",") if d], default=list(KV_DTYPES),
+                   help="KV dtypes of the bytes part, comma-separated; each gets its own pair of workers "
+                        f"(default: {','.join(KV_DTYPES)})")
+    p.add_argument("--bytes-tokens", type=int, default=None,
+                   help="prompt length of the bytes part, a multiple of the block size 16 "
+                        "(default 512; 64 with --quick)")
     p.add_argument("--serve-worker", choices=["prefill", "decode"], help=argparse.SUPPRESS)
     p.add_argument("--num-blocks", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    for name in ("reps", "prompt_tokens"):
+    for name in ("reps", "prompt_tokens", "bytes_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.bytes_tokens is not None and args.bytes_tokens % BLOCK_SIZE:
+        p.error(f"--bytes-tokens must be a multiple of the block size {BLOCK_SIZE}, got {args.bytes_tokens}")
+    unknown = [d for d in args.bytes_dtypes if d not in KV_DTYPES]
+    if unknown or not args.bytes_dtypes:
+        p.error(f"--bytes-dtypes: {','.join(unknown) or 'nothing'}; give some of {','.join(KV_DTYPES)}")
     if args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
     return args

@@ -49,7 +49,7 @@ import grpc
 import torch
 
 from bench.common import bench_parser, environment, format_table, median, progress, publish, ratio, timed
-from pdserve.engine.model_runner import TORCH_DTYPES
+from pdserve.engine.kv_format import KV_FORMATS, TORCH_DTYPES
 from pdserve.kvwire import (
     ChecksumError,
     KVLayout,
@@ -99,13 +99,13 @@ def grpc_options(extra: Sequence[str] = ()) -> list[tuple[str, int | str]]:
 
 def make_pool(mib: int, kv_dtype: str, layers: int = 32, block_size: int = 16, kv_heads: int = 8,
               head_dim: int = 128, fill: bool = True) -> torch.Tensor:
-    """A pool kv[layers, 2, blocks, block_size, kv_heads, head_dim] of `mib` MiB (random bytes, or
+    """A pool kv[layers, 2, blocks, block_size, kv_heads, row] of `mib` MiB (random bytes, or
     zeros), blocks = mib MiB / (layers x block bytes); a Llama-3-8B-like head geometry."""
-    dtype = TORCH_DTYPES[kv_dtype]
-    per_block = 2 * block_size * kv_heads * head_dim * dtype.itemsize * layers
+    dtype, row = TORCH_DTYPES[kv_dtype], KV_FORMATS[kv_dtype].row_width(head_dim)
+    per_block = 2 * block_size * kv_heads * row * dtype.itemsize * layers
     if (mib * MIB) % per_block:
         raise ValueError(f"{mib} MiB is not a whole number of {per_block}-byte blocks")
-    shape = (layers, 2, mib * MIB // per_block, block_size, kv_heads, head_dim)
+    shape = (layers, 2, mib * MIB // per_block, block_size, kv_heads, row)
     if not fill:
         return torch.zeros(shape, dtype=dtype)
     raw = torch.randint(0, 256, (mib * MIB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
@@ -541,8 +541,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = bench_parser("python -m bench.kv_transfer_wire", __doc__)
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[64, 512],
                    help="MiB of KV per transfer, comma-separated (default 64,512)")
-    p.add_argument("--dtype", choices=list(TORCH_DTYPES), default="float16",
-                   help="element type of the synthetic KV pool (default: %(default)s)")
+    # NOTE: the float dtypes only: an int8/fp8 row (head_dim + 4 bytes) makes no whole number of
+    # blocks in a power-of-two MiB, and the wire moves bytes alike whatever they mean.
+    p.add_argument("--dtype", choices=[n for n, f in KV_FORMATS.items() if not f.scale_elements],
+                   default="float16", help="element type of the synthetic KV pool (default: %(default)s)")
     p.add_argument("--reps", type=int, default=3, help="timed transfers per size and peer; the median is "
                                                        "reported (default: %(default)s)")
     p.add_argument("--chunk-mib", type=float, default=DEFAULT_MAX_CHUNK_BYTES / MIB,

@@ -88,7 +88,7 @@ class KVReceiver:
         begin = _decode(header)
         if not isinstance(begin, TransferBegin):
             raise TransferFailed(FailureKind.INVALID_ARGUMENT, "the first frame must be BEGIN")
-        mismatch = self.layout.first_mismatch(begin.layout)
+        mismatch = begin.layout.first_mismatch(self.layout)  # the sender's first, as the message names them
         if mismatch is not None:
             raise TransferFailed(FailureKind.FAILED_PRECONDITION, f"KV layout mismatch: {mismatch}")
         _check_begin(begin, self.layout.block_size)

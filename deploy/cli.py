@@ -60,8 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_plan(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
         "plan", help="KV cache memory for a model shape and context length",
-        description="KV bytes = 2 x layers x kv_heads x head_dim x bytes per element, per token. "
-                    "Give the shape with --layers/--kv-heads/--head-dim, or read it with --model.")
+        description="KV bytes = 2 x layers x kv_heads x (head_dim x bytes per element + scale bytes), "
+                    "per token; int8 and fp8 keep a 4-byte float32 scale per token, KV head and K|V, the "
+                    "float dtypes none. Give the shape with --layers/--kv-heads/--head-dim, or read it "
+                    "with --model.")
     p.add_argument("--model", metavar="PATH",
                    help="read layers, KV heads and head dim from a Hugging Face model folder "
                         "(config.json) or a .gguf file, instead of --layers/--kv-heads/--head-dim")
@@ -71,7 +73,8 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
                         "fewer than attention heads under grouped-query attention)")
     p.add_argument("--head-dim", type=int, help="dimension of one attention head, e.g. 128")
     p.add_argument("--dtype", choices=KV_DTYPES, default=CacheConfig().kv_dtype,
-                   help="element type of the KV cache (default: %(default)s, the engine's default)")
+                   help="element type of the KV cache; int8 and fp8 count their scales (default: "
+                        "%(default)s, the engine's default)")
     p.add_argument("--tokens", type=int, required=True, help="tokens per sequence (prompt + output)")
     p.add_argument("--sequences", type=int, default=1,
                    help="sequences held at once (default: %(default)s)")
@@ -104,8 +107,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     s = plan.shape
     print(f"KV cache: {s.num_layers} layers x {s.num_kv_heads} KV heads x head_dim {s.head_dim}, "
           f"{plan.dtype}")
+    scales = f"{plan.scale_bytes_per_token:,} B of them scales" if plan.scale_bytes_per_token else ""
     rows = [
-        ("per token", plan.bytes_per_token, ""),
+        ("per token", plan.bytes_per_token, scales),
         ("per sequence", plan.bytes_per_sequence, f"{plan.tokens:,} tokens"),
         ("total", plan.bytes_total, f"{plan.sequences:,} x {plan.tokens:,} tokens"),
     ]
@@ -162,7 +166,8 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=cache.block_size,
                    help="tokens per KV cache block for --local (default: %(default)s)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=cache.kv_dtype,
-                   help="KV cache element type for --local (default: %(default)s)")
+                   help="KV cache element type for --local; int8 and fp8 quantize K/V per token and KV "
+                        "head (default: %(default)s)")
     p.add_argument("--num-blocks", type=int,
                    help=f"KV cache blocks for --local (default: as many as {cache.kv_cache_gib:g} GiB holds)")
     p.add_argument("--max-batched-tokens", type=int, default=sched.max_num_batched_tokens,
@@ -320,7 +325,8 @@ def _add_up_cache(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
     cache = p.add_argument_group("KV cache and batching", "every worker's engine")
     cache.add_argument("--block-size", type=int, help=f"tokens per KV block (default: {d.cache.block_size})")
     cache.add_argument("--kv-dtype", choices=KV_DTYPES,
-                       help=f"KV cache element type (default: {d.cache.kv_dtype})")
+                       help="KV cache element type; int8 and fp8 quantize K/V per token and KV head with a "
+                            f"float32 scale, about 3.8x float32's tokens (default: {d.cache.kv_dtype})")
     cache.add_argument("--num-blocks", type=int, metavar="N",
                        help="KV blocks per worker (default: derived from --kv-cache-gib)")
     cache.add_argument("--kv-cache-gib", type=float,

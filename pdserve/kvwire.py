@@ -8,8 +8,10 @@ One transfer is one `KVTransfer.Push` call: a stream of (header, payload) frames
     END                        header only: totals, so a lost or extra frame is noticed
 
 Headers are msgpack maps carrying "v" (WIRE_VERSION) and "kind". A LAYER payload is one
-contiguous tensor [n_blocks, 2, block_size, kv_heads, head_dim], so each block is one byte
-range with its own checksum:
+contiguous tensor [n_blocks, 2, block_size, kv_heads, row] in the pool's dtype, a row being
+head_dim values or, for int8/fp8, head_dim codes and their float32 scale
+(pdserve/engine/kv_format.py), so each block, scales included, is one byte range with its
+own checksum:
 
     payload  | pos p0: K rows | V rows | pos p1: K rows | V rows | ...
              '------ block_bytes -----'
@@ -21,7 +23,9 @@ writes nothing further, frees its reservation and fails the call; the caller rec
 prompt. A block that did not verify is never used, so the output stays exact.
 
 Compatibility: WIRE_VERSION covers the header schema, the payload layout and the checksum
-algorithm. Changing any of them (xxh3_64 -> crc32 included) is a new version.
+algorithm. Changing any of them (xxh3_64 -> crc32 included) is a new version. A new KV dtype
+is not: its name travels in the layout, which both ends must share, and a receiver that does
+not know the name refuses the BEGIN (fail closed, tests/test_kvwire.py).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import msgpack
 import torch
 import xxhash
 
-from pdserve.engine.model_runner import TORCH_DTYPES
+from pdserve.engine.kv_format import KV_FORMATS, TORCH_DTYPES
 from pdserve.transfer.frames import DEFAULT_MAX_CHUNK_BYTES
 from pdserve.units import ceil_div
 
@@ -96,12 +100,13 @@ class KVLayout:
 
     @property
     def block_shape(self) -> tuple[int, int, int, int]:
-        """One block of one layer on the wire: (K|V, offset, kv_head, head_dim)."""
-        return (2, self.block_size, self.num_kv_heads, self.head_dim)
+        """One block of one layer on the wire: (K|V, offset, kv_head, row); a row is head_dim
+        elements, and the scale's for int8/fp8."""
+        return (2, self.block_size, self.num_kv_heads, KV_FORMATS[self.kv_dtype].row_width(self.head_dim))
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of K and V of one block of one layer."""
+        """Bytes of K and V of one block of one layer, scales included."""
         return math.prod(self.block_shape) * self.torch_dtype.itemsize
 
     def first_mismatch(self, other: KVLayout) -> str | None:
@@ -127,15 +132,16 @@ class KVLayout:
 
     @classmethod
     def of_cache(cls, kv_cache: torch.Tensor, model_fingerprint: str) -> KVLayout:
-        """The layout of an engine pool kv[layer, K|V, block, offset, kv_head, head_dim]."""
+        """The layout of an engine pool kv[layer, K|V, block, offset, kv_head, row]."""
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
-            raise ValueError(f"expected a KV pool [layers, 2, blocks, block_size, kv_heads, head_dim], "
+            raise ValueError(f"expected a KV pool [layers, 2, blocks, block_size, kv_heads, row], "
                              f"got shape {tuple(kv_cache.shape)}")
         if kv_cache.dtype not in _DTYPE_NAMES:
             raise ValueError(f"KV pool dtype {kv_cache.dtype} has no wire name; "
                              f"use one of {', '.join(TORCH_DTYPES)}")
-        layers, _, _, block_size, kv_heads, head_dim = kv_cache.shape
-        return cls(model_fingerprint, block_size, _DTYPE_NAMES[kv_cache.dtype], layers, kv_heads, head_dim)
+        layers, _, _, block_size, kv_heads, row = kv_cache.shape
+        name = _DTYPE_NAMES[kv_cache.dtype]
+        return cls(model_fingerprint, block_size, name, layers, kv_heads, KV_FORMATS[name].head_dim(row))
 
 
 @dataclass(frozen=True)
@@ -204,7 +210,7 @@ class LayerChunkHeader:
                             f"{', '.join(TORCH_DTYPES)}")
         if len(self.shape) != 5 or self.shape[0] != n or self.shape[1] != 2 or min(self.shape) < 1:
             raise WireError(f"layer {self.layer}: payload shape {list(self.shape)} is not "
-                            f"[{n} blocks, 2, block_size, kv_heads, head_dim]")
+                            f"[{n} blocks, 2, block_size, kv_heads, row]")
         if len(self.checksums) != n or any(not 0 <= c < _U64 for c in self.checksums):
             raise WireError(f"layer {self.layer}: need {n} checksums in [0, 2**64), "
                             f"got {list(self.checksums)}")
@@ -285,7 +291,7 @@ def encode_layer(kv_cache: torch.Tensor, layer: int, block_ids: Sequence[int], p
     it (ChecksumError) rather than use it (tests/test_kvwire.py pins both)."""
     if len(block_ids) != len(positions):
         raise ValueError(f"{len(block_ids)} block ids but {len(positions)} positions")
-    by_block = kv_cache[layer].transpose(0, 1)  # view: [num_blocks, 2, block_size, kv_heads, head_dim]
+    by_block = kv_cache[layer].transpose(0, 1)  # view: [num_blocks, 2, block_size, kv_heads, row]
     block_bytes = by_block[0].numel() * kv_cache.element_size()
     per_chunk = max(1, min(len(block_ids), max_chunk_bytes // block_bytes))
     ids = torch.as_tensor(block_ids, dtype=torch.long, device=kv_cache.device)
@@ -321,7 +327,7 @@ def _encode_chunk(blocks: torch.Tensor, layer: int, positions: Sequence[int],
 
 def decode_layer(header: LayerChunkHeader, payload: bytes | memoryview, layout: KVLayout) -> torch.Tensor:
     """Verify a LAYER frame against the receiver's layout and its checksums; return its blocks
-    as a zero-copy [n, 2, block_size, kv_heads, head_dim] view of `payload` (read-only when
+    as a zero-copy [n, 2, block_size, kv_heads, row] view of `payload` (read-only when
     payload is bytes: copy it out with write_layer, never write into it)."""
     _check_against_layout(header, layout)
     raw = memoryview(payload).cast("B")
@@ -354,8 +360,8 @@ def _check_against_layout(header: LayerChunkHeader, layout: KVLayout) -> None:
 
 
 def write_layer(kv_cache: torch.Tensor, layer: int, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
-    """Copy `blocks` [n, 2, block_size, kv_heads, head_dim] into pool blocks `block_ids` of `layer`."""
-    pool = kv_cache[layer]  # [2, num_blocks, block_size, kv_heads, head_dim]
+    """Copy `blocks` [n, 2, block_size, kv_heads, row] into pool blocks `block_ids` of `layer`."""
+    pool = kv_cache[layer]  # [2, num_blocks, block_size, kv_heads, row]
     expected = (len(block_ids), 2, *pool.shape[2:])
     if tuple(blocks.shape) != expected or blocks.dtype != kv_cache.dtype:
         raise ValueError(f"blocks are {list(blocks.shape)} {blocks.dtype}; pool layer {layer} needs "

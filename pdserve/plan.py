@@ -1,6 +1,7 @@
 """KV cache memory planning: how many bytes a context costs, and how many fit.
 
-    bytes per token    = 2 (K and V) x layers x kv_heads x head_dim x bytes per element
+    bytes per token    = 2 (K and V) x layers x kv_heads x (head_dim x bytes per element + scale bytes)
+                         (the scale: 0 bytes for float32/float16/bfloat16, a float32 for int8 and fp8)
     bytes per sequence = bytes per token x tokens
     bytes total        = bytes per sequence x sequences
 
@@ -17,7 +18,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.engine.config import KV_DTYPE_BYTES, kv_bytes_per_token
+from pdserve.engine.config import KV_DTYPE_TABLE, KV_DTYPES, kv_bytes_per_token
 from pdserve.units import GIB
 
 
@@ -37,6 +38,7 @@ class KVPlan:
     tokens: int
     sequences: int
     bytes_per_token: int
+    scale_bytes_per_token: int  # of bytes_per_token: the int8/fp8 scales (0 for the float dtypes)
     bytes_per_sequence: int
     bytes_total: int
     memory_gib: float | None = None
@@ -53,6 +55,7 @@ class KVPlan:
             "tokens": self.tokens,
             "sequences": self.sequences,
             "bytes_per_token": self.bytes_per_token,
+            "scale_bytes_per_token": self.scale_bytes_per_token,
             "bytes_per_sequence": self.bytes_per_sequence,
             "bytes_total": self.bytes_total,
         }
@@ -88,8 +91,8 @@ def plan_kv(
         ("sequences", "--sequences", sequences),
     ):
         _require_positive_int(name, flag, value)
-    if dtype not in KV_DTYPE_BYTES:
-        raise ValueError(f"dtype (--dtype) must be one of {', '.join(KV_DTYPE_BYTES)}, got {dtype!r}")
+    if dtype not in KV_DTYPES:
+        raise ValueError(f"dtype (--dtype) must be one of {', '.join(KV_DTYPES)}, got {dtype!r}")
     if memory_gib is not None and not (memory_gib > 0 and math.isfinite(memory_gib)):
         raise ValueError(f"memory_gib (--memory-gib) must be a finite number > 0, got {memory_gib}")
 
@@ -106,6 +109,7 @@ def plan_kv(
         tokens=tokens,
         sequences=sequences,
         bytes_per_token=per_token,
+        scale_bytes_per_token=2 * num_layers * num_kv_heads * KV_DTYPE_TABLE[dtype].scale_bytes,
         bytes_per_sequence=per_sequence,
         bytes_total=per_sequence * sequences,
         memory_gib=memory_gib,

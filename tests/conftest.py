@@ -166,11 +166,11 @@ MIN_GREEDY_MARGIN = 1e-4  # a hundred times what batching moves a logit by
 
 def greedy_margin(engine: LLMEngine, prompt: list[int], max_tokens: int) -> float:
     """The smallest gap between the two largest logits along prompt's greedy continuation (a dense
-    recompute of the whole sequence at each step, no cache)."""
+    recompute of the whole sequence at each step, no cache; K/V rounded as the engine's cache stores them)."""
     ids, smallest = list(prompt), float("inf")
     with torch.inference_mode():
         for _ in range(max_tokens):
-            logits = engine.model.reference_logits(ids)[-1]
+            logits = engine.model.reference_logits(ids, engine.config.cache.kv_dtype)[-1]
             top = torch.topk(logits, 2).values
             smallest = min(smallest, float(top[0] - top[1]))
             ids.append(int(logits.argmax()))

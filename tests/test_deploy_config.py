@@ -144,8 +144,8 @@ def test_a_wrong_type_is_named_with_the_file(tmp_path, text, message):
                                    "round_robin, got 'fastest'"),
     ("actor_placement: scatter",
      "actor_placement (--actor-placement) must be one of pack, spread, got 'scatter'"),
-    ("cache: {kv_dtype: int8}", "cache.kv_dtype (--kv-dtype) must be one of float32, float16, bfloat16, "
-                                "got 'int8'"),
+    ("cache: {kv_dtype: int4}", "cache.kv_dtype (--kv-dtype) must be one of float32, float16, bfloat16, "
+                                "int8, fp8, got 'int4'"),
     ("router: {metrics_port: 70000}",
      "router.metrics_port (--metrics-port) must be in [0, 65535], got 70000"),
     ("decode: {resources: {decode: -1}}", "decode.resources.decode must be >= 0, got -1.0"),

@@ -7,7 +7,7 @@ import msgpack
 import pytest
 import torch
 
-from pdserve.engine.model_runner import TORCH_DTYPES
+from pdserve.engine.kv_format import KV_FORMATS, TORCH_DTYPES
 from pdserve.kvwire import (
     WIRE_VERSION,
     ChecksumError,
@@ -22,14 +22,15 @@ from pdserve.kvwire import (
     write_layer,
 )
 
-DTYPES = ["float32", "float16", "bfloat16"]
+DTYPES = ["float32", "float16", "bfloat16", "int8", "fp8"]
 
 
 def make_pool(kv_dtype: str, num_blocks: int = 24, layers: int = 3, block_size: int = 4,
               kv_heads: int = 2, head_dim: int = 8, seed: int = 0, random: bool = True) -> torch.Tensor:
-    """A pool kv[layer, K|V, block, offset, kv_head, head_dim] of random bit patterns (NaNs included)."""
+    """A pool kv[layer, K|V, block, offset, kv_head, row] of random bit patterns (NaNs included; an
+    int8/fp8 row is head_dim codes and 4 scale bytes)."""
     dtype = TORCH_DTYPES[kv_dtype]
-    shape = (layers, 2, num_blocks, block_size, kv_heads, head_dim)
+    shape = (layers, 2, num_blocks, block_size, kv_heads, KV_FORMATS[kv_dtype].row_width(head_dim))
     nbytes = torch.Size(shape).numel() * dtype.itemsize
     if not random:
         return torch.zeros(shape, dtype=dtype)
@@ -218,7 +219,7 @@ GOOD_LAYER = dict(v=WIRE_VERSION, kind="layer", transfer_id="t", layer=0, positi
     (pack(**{**GOOD_LAYER, "checksums": [-1]}), r"checksums in \[0, 2\*\*64\)"),
     (pack(**{**GOOD_LAYER, "shape": [1, 3, 16, 3, 64]}), "is not \\[1 blocks, 2"),
     (pack(**{**GOOD_LAYER, "positions": [], "shape": [0, 2, 16, 3, 64], "checksums": []}), "is not"),
-    (pack(**{**GOOD_LAYER, "dtype": "int8"}), "dtype 'int8'"),
+    (pack(**{**GOOD_LAYER, "dtype": "int4"}), "dtype 'int4'"),
     (pack(v=WIRE_VERSION, kind="end", transfer_id="t", total_blocks=-1, total_bytes=0), "negative totals"),
     (pack(v=WIRE_VERSION, kind="begin", transfer_id="t", request_id="r", layout={"block_size": 16},
           prompt_token_ids=[], num_tokens=0, decode_cached_blocks=0, positions=[]),
@@ -231,13 +232,14 @@ def test_malformed_headers_are_wire_errors(data, message):
 
 def test_begin_with_a_bad_layout_value_is_a_wire_error():
     fields = msgpack.unpackb(begin().encode())
-    data = pack(**{**fields, "layout": {**fields["layout"], "kv_dtype": "fp8"}})
-    with pytest.raises(WireError, match="layout: kv_dtype 'fp8' is not one of"):
+    data = pack(**{**fields, "layout": {**fields["layout"], "kv_dtype": "int4"}})
+    with pytest.raises(WireError, match="layout: kv_dtype 'int4' is not one of"):
         decode_header(data)
 
 
 @pytest.mark.parametrize("field, value", [
-    ("model_fingerprint", "e" * 64), ("block_size", 32), ("kv_dtype", "bfloat16"), ("num_layers", 31),
+    ("model_fingerprint", "e" * 64), ("block_size", 32), ("kv_dtype", "bfloat16"), ("kv_dtype", "int8"),
+    ("kv_dtype", "fp8"), ("num_layers", 31),
     ("num_kv_heads", 4), ("head_dim", 128), ("wire_version", WIRE_VERSION + 1),
 ])
 def test_first_mismatch_names_the_differing_field(field, value):
@@ -265,6 +267,34 @@ def test_layout_dict_round_trip_and_validation():
         KVLayout.of_cache(torch.zeros(2, 3, 4), "fp")
     with pytest.raises(ValueError, match="no wire name"):
         KVLayout.of_cache(torch.zeros(1, 2, 1, 1, 1, 1, dtype=torch.float64), "fp")
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_a_quantized_block_travels_with_its_scales(kv_dtype):
+    """An int8/fp8 block on the wire is its K rows then its V rows, each row head_dim codes and the
+    row's float32 scale: 2 x block_size x kv_heads x (head_dim + 4) bytes, all under the block's
+    checksum. The receiving pool reads back the sender's values."""
+    fmt = KV_FORMATS[kv_dtype]
+    sender, receiver = make_pool(kv_dtype, random=False), make_pool(kv_dtype, random=False)
+    values = torch.randn(3, 2, 24, 4, 2, 8, generator=torch.Generator().manual_seed(3))
+    sender.copy_(fmt.store(values))
+    layout = KVLayout.of_cache(sender, "fp")
+    assert (layout.head_dim, layout.block_bytes) == (8, 2 * 4 * 2 * (8 + 4))
+    (header, payload), = layer_frames(sender, 2, [5, 9], [0, 1])
+    assert header.dtype == kv_dtype and header.shape == (2, 2, 4, 2, 12)
+    write_layer(receiver, 2, [0, 1], decode_layer(header, payload, layout))
+    assert torch.equal(fmt.load(receiver[2, :, :2]), fmt.load(sender[2, :, [5, 9]]))
+    scale_byte = layout.block_bytes - 1  # the last V row's scale, in the first block
+    corrupt = bytearray(payload)
+    corrupt[scale_byte] ^= 0x40
+    with pytest.raises(ChecksumError, match="block position 0"):
+        decode_layer(header, bytes(corrupt), layout)
+
+
+def test_layouts_count_the_scales():
+    assert dataclasses.replace(LAYOUT, kv_dtype="int8").block_bytes == 2 * 16 * 3 * (64 + 4)
+    assert dataclasses.replace(LAYOUT, kv_dtype="fp8").block_bytes == 2 * 16 * 3 * (64 + 4)
+    assert dataclasses.replace(LAYOUT, kv_dtype="float32").block_bytes == 2 * 16 * 3 * 64 * 4
 
 
 def test_begin_carries_the_requests_cache_salt():

@@ -53,6 +53,23 @@ def test_fit_can_be_zero():
     assert plan.tokens_that_fit == 8192
 
 
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_int8_and_fp8_count_a_float32_scale_per_token_kv_head_and_k_or_v(dtype):
+    plan = plan_kv(32, 8, 128, dtype, tokens=1)
+    assert plan.bytes_per_token == 2 * 32 * 8 * (128 + 4) == 67_584
+    assert plan.scale_bytes_per_token == 2 * 32 * 8 * 4 == 2_048
+    assert llama_8b(1).scale_bytes_per_token == 0
+
+
+def test_at_equal_memory_int8_fits_over_3_5x_float32s_tokens_and_1_8x_float16s():
+    """SmolLM2's shape (30 layers, 3 KV heads, head_dim 64): a row of 64 codes and a 4-byte scale is 68
+    bytes against float32's 256 and float16's 128, so 3.76x and 1.88x the tokens in the same memory."""
+    fit = {d: plan_kv(30, 3, 64, d, tokens=1, memory_gib=1).tokens_that_fit
+           for d in ("float32", "float16", "int8")}
+    assert fit["int8"] / fit["float32"] >= 3.5 and fit["int8"] / fit["float16"] >= 1.8
+    assert fit["int8"] == GIB // (2 * 30 * 3 * 68)
+
+
 def test_no_memory_means_no_fit_numbers():
     plan = llama_8b(4096)
     assert plan.sequences_that_fit is None and plan.tokens_that_fit is None
@@ -68,7 +85,8 @@ def test_no_memory_means_no_fit_numbers():
         ({"tokens": 0}, "tokens (--tokens) must be >= 1, got 0"),
         ({"sequences": 0}, "sequences (--sequences) must be >= 1, got 0"),
         ({"tokens": 1.5}, "tokens (--tokens) must be a whole number, got 1.5"),
-        ({"dtype": "int8"}, "dtype (--dtype) must be one of float32, float16, bfloat16, got 'int8'"),
+        ({"dtype": "int4"},
+         "dtype (--dtype) must be one of float32, float16, bfloat16, int8, fp8, got 'int4'"),
         ({"memory_gib": 0}, "memory_gib (--memory-gib) must be a finite number > 0, got 0"),
         ({"memory_gib": float("inf")}, "memory_gib (--memory-gib) must be a finite number > 0, got inf"),
     ],
@@ -151,6 +169,15 @@ def test_plan_table(capsys):
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "128.00 KiB" in out and "2.00 GiB" in out and "does NOT fit" in out
+    assert "scales" not in out
+
+
+def test_plan_table_names_the_scales(capsys):
+    argv = ["plan", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--dtype", "int8",
+            "--tokens", "1"]
+    assert cli.main(argv) == 0
+    per_token = capsys.readouterr().out.splitlines()[1]
+    assert "67,584 B" in per_token and per_token.endswith("2,048 B of them scales")
 
 
 @pytest.mark.parametrize(

@@ -10,10 +10,25 @@ from dataclasses import dataclass, field
 
 from pdserve.field_error import FieldError
 
-# The KV cache's element types, named as torch names them, and their bytes: the one dtype table
-# (pdserve/engine/model_runner.py TORCH_DTYPES maps the same names to torch's dtypes).
-KV_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-KV_DTYPES = tuple(KV_DTYPE_BYTES)
+
+@dataclass(frozen=True)
+class KVDtype:
+    """How one K (or V) row of one token and one KV head is stored: head_dim elements of
+    element_bytes, and scale_bytes beside them (a float32 scale for the quantized dtypes)."""
+
+    element_bytes: int
+    scale_bytes: int = 0
+
+    def row_bytes(self, head_dim: int) -> int:
+        return head_dim * self.element_bytes + self.scale_bytes
+
+
+# The KV cache's element types, the one dtype table: float32/float16/bfloat16 as torch names them;
+# int8 and fp8 (torch.float8_e4m3fn) are symmetric per-token, per-KV-head quantizations with a float32
+# scale per row (pdserve/engine/kv_format.py holds their torch side).
+KV_DTYPE_TABLE = {"float32": KVDtype(4), "float16": KVDtype(2), "bfloat16": KVDtype(2),
+                  "int8": KVDtype(1, 4), "fp8": KVDtype(1, 4)}
+KV_DTYPES = tuple(KV_DTYPE_TABLE)
 
 
 @dataclass(frozen=True)
@@ -49,10 +64,11 @@ class ModelConfig:
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> int:
-    """KV bytes = 2 (K and V) x layers x kv_heads x head_dim x bytes per element, per token."""
-    if kv_dtype not in KV_DTYPE_BYTES:
+    """KV bytes = 2 (K and V) x layers x kv_heads x (head_dim x bytes per element + scale bytes),
+    per token; the scale is 0 bytes for float32/float16/bfloat16 and 4 for int8 and fp8."""
+    if kv_dtype not in KV_DTYPE_TABLE:
         raise ValueError(f"kv dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    return 2 * num_layers * num_kv_heads * head_dim * KV_DTYPE_BYTES[kv_dtype]
+    return 2 * num_layers * num_kv_heads * KV_DTYPE_TABLE[kv_dtype].row_bytes(head_dim)
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,12 @@ decode tokens and prefill chunks of several sequences:
                                      the chunk starts at 0, else gathered)
     --> norm --> lm_head on the sampled rows only
 
-KV cache layout: kv[layer, 0|1, block, offset, kv_head, head_dim], so the K
-(or V) rows of one block of one layer are contiguous bytes, which is what the
-KV wire codec sends. The cache may be stored in float16/bfloat16; compute is
-float32 on CPU.
+KV cache layout: kv[layer, 0|1, block, offset, kv_head, row], so the K (or V)
+rows of one block of one layer are contiguous bytes, which is what the KV wire
+codec sends. A row is head_dim values in float32/float16/bfloat16, or head_dim
+int8/fp8 codes and their scale (pdserve/engine/kv_format.py); compute is float32.
+Every path writes rows with the pool's format and attends over what it reads
+back, a fresh prefill included, so no path sees other K/V values than another.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.kv_format import KV_FORMATS, KVFormat, format_of
 from pdserve.engine.linear import Linear, MatmulLinear
 from pdserve.units import ceil_div
 
@@ -157,10 +160,11 @@ class LlamaModel:
         # NOTE: per-step tensors shared by every layer are built once here, not per layer:
         # at batch 1 a decode step is dominated by the count of small ops, not by FLOPs.
         rot = self.rope.at(positions)
+        fmt = format_of(kv_cache.dtype)
         decode_groups = self._decode_groups(meta, kv_cache.shape[3]) if meta.num_decode else []
         for i, w in enumerate(self.layers):
             h = h + self._attention(rms_norm(h, w["ln1"], self.config.rms_norm_eps), rot,
-                                    w, kv_cache[i], meta, decode_groups)
+                                    w, kv_cache[i], fmt, meta, decode_groups)
             h = h + self._mlp(rms_norm(h, w["ln2"], self.config.rms_norm_eps), w)
             if on_layer_done is not None:
                 on_layer_done(i)
@@ -180,23 +184,22 @@ class LlamaModel:
         q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
         return q, k, qkv[:, self.q_size + self.kv_size:].view(-1, c.num_kv_heads, c.head_dim)
 
-    def _attention(self, x, rot, w, layer_cache: torch.Tensor, meta: AttentionMetadata,
+    def _attention(self, x, rot, w, layer_cache: torch.Tensor, fmt: KVFormat, meta: AttentionMetadata,
                    decode_groups: list[DecodeGroup]):
         q, k, v = self._qkv(x, rot, w)
-        if layer_cache.dtype != k.dtype:
-            # NOTE: round fresh K/V to the cache dtype so every path (fresh prefill, prefix
-            # hit, transferred, decode) attends over the very same values.
-            k, v = k.to(layer_cache.dtype), v.to(layer_cache.dtype)
-        layer_cache[0, meta.slot_blocks, meta.slot_offsets] = k
-        layer_cache[1, meta.slot_blocks, meta.slot_offsets] = v
-        k, v = k.float(), v.float()
+        # NOTE: fresh K/V attend as the pool gives them back (rounded, or quantized and scaled),
+        # so every path (fresh prefill, prefix hit, transferred, decode) sees the very same values.
+        k_rows, v_rows = fmt.store(k), fmt.store(v)  # k itself for float32: no copy
+        layer_cache[0, meta.slot_blocks, meta.slot_offsets] = k_rows
+        layer_cache[1, meta.slot_blocks, meta.slot_offsets] = v_rows
+        k, v = fmt.load(k_rows), fmt.load(v_rows)
         out = torch.empty_like(q)
         nd = meta.num_decode
         if nd:
-            out[:nd] = self._decode_attention(q[:nd], layer_cache, decode_groups)
+            out[:nd] = self._decode_attention(q[:nd], layer_cache, fmt, decode_groups)
         for seg in meta.prefills:
             rows = slice(seg.q_start, seg.q_start + seg.q_len)
-            out[rows] = self._prefill_attention(q[rows], k[rows], v[rows], seg, layer_cache)
+            out[rows] = self._prefill_attention(q[rows], k[rows], v[rows], seg, layer_cache, fmt)
         return self.linear(out.view(-1, self.q_size), w["o"])
 
     @staticmethod
@@ -218,34 +221,34 @@ class LlamaModel:
                                       _context_mask(group_lens, width * block_size)))
         return groups
 
-    def _decode_attention(self, q: torch.Tensor, layer_cache: torch.Tensor,
+    def _decode_attention(self, q: torch.Tensor, layer_cache: torch.Tensor, fmt: KVFormat,
                           groups: list[DecodeGroup]) -> torch.Tensor:
         """q: [B, H, D], one query per sequence, keys gathered group by group."""
         if groups[0].rows is None:
-            return self._group_attention(q, layer_cache, groups[0])
+            return self._group_attention(q, layer_cache, fmt, groups[0])
         out = torch.empty_like(q)
         for group in groups:
-            out[group.rows] = self._group_attention(q[group.rows], layer_cache, group)
+            out[group.rows] = self._group_attention(q[group.rows], layer_cache, fmt, group)
         return out
 
-    def _group_attention(self, q: torch.Tensor, layer_cache: torch.Tensor,
+    def _group_attention(self, q: torch.Tensor, layer_cache: torch.Tensor, fmt: KVFormat,
                          group: DecodeGroup) -> torch.Tensor:
         b = q.shape[0]
         # NOTE: index_select, not layer_cache[:, tables]: the same gather, but advanced indexing
         # costs milliseconds per layer on 2 busy threads (docs/benchmarks.md, profile).
-        kv = layer_cache.index_select(1, group.block_tables.view(-1))  # [2, b*blocks, bs, kvh, hd]
-        kv = kv.view(2, b, -1, self.config.num_kv_heads, self.config.head_dim).transpose(2, 3).float()
+        kv = layer_cache.index_select(1, group.block_tables.view(-1))  # [2, b*blocks, bs, kvh, row]
+        kv = fmt.load(kv.view(2, b, -1, self.config.num_kv_heads, layer_cache.shape[-1]).transpose(2, 3))
         out = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], attn_mask=group.mask,
                                              scale=self.scale, enable_gqa=True)
         return out.squeeze(2)
 
-    def _prefill_attention(self, q, k, v, seg: PrefillSegment, layer_cache: torch.Tensor):
+    def _prefill_attention(self, q, k, v, seg: PrefillSegment, layer_cache: torch.Tensor, fmt: KVFormat):
         """Causal attention of one chunk; earlier context comes from the cache."""
         if seg.start == 0:
             keys, values, mask, causal = k, v, None, True
         else:
             ctx = seg.start + seg.q_len
-            kv = layer_cache.index_select(1, seg.block_table).flatten(1, 2)[:, :ctx].float()
+            kv = fmt.load(layer_cache.index_select(1, seg.block_table).flatten(1, 2)[:, :ctx])
             keys, values = kv[0], kv[1]
             q_pos = torch.arange(seg.start, ctx, device=q.device)
             mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
@@ -254,14 +257,18 @@ class LlamaModel:
         return out
 
     # --- reference -----------------------------------------------------------------
-    def reference_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """No-cache reference: the whole sequence recomputed densely; logits of every position."""
+    def reference_logits(self, token_ids: list[int], kv_dtype: str = "float32") -> torch.Tensor:
+        """No-cache reference: the whole sequence recomputed densely; logits of every position.
+        K/V go through kv_dtype's round trip as a cache of that dtype stores them (nothing for
+        float32), so it is the reference of an engine with that cache."""
+        fmt = KV_FORMATS[kv_dtype]
         ids = torch.tensor(token_ids, device=self.device)
         rot = self.rope.at(torch.arange(len(token_ids), device=self.device))
         h = self.embed[ids]
         for w in self.layers:
             x = rms_norm(h, w["ln1"], self.config.rms_norm_eps)
             q, k, v = self._qkv(x, rot, w)
+            k, v = fmt.round_trip(k), fmt.round_trip(v)
             attn = sdpa_4d(q, k, v, None, True, self.scale)
             h = h + self.linear(attn.reshape(-1, self.q_size), w["o"])
             h = h + self._mlp(rms_norm(h, w["ln2"], self.config.rms_norm_eps), w)

@@ -1,6 +1,7 @@
 """Turns a scheduled step into tensors, runs the model, returns logits.
 
-Owns the KV cache tensor: kv[layer, k|v, block, offset, kv_head, head_dim].
+Owns the KV cache tensor: kv[layer, k|v, block, offset, kv_head, row], where a
+row is head_dim values, or head_dim codes and a scale (pdserve/engine/kv_format.py).
 
 Token rows are ordered decode tokens first, then prefill chunks, so decode
 attention is one batched call over a contiguous slice (see model.py).
@@ -12,12 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.config import KV_DTYPES
+from pdserve.engine.kv_format import KV_FORMATS
 from pdserve.engine.model import AttentionMetadata, LayerDoneCallback, LlamaModel, PrefillSegment
 from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.units import ceil_div
-
-TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in KV_DTYPES}
 
 
 @dataclass(frozen=True)
@@ -30,11 +29,11 @@ class StepInputs:
 
 
 def allocate_kv_cache(model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: str) -> torch.Tensor:
-    c = model.config
+    c, fmt = model.config, KV_FORMATS[kv_dtype]
     # NOTE: zeros, not empty: padded decode attention multiplies masked rows by 0,
-    # and 0 * NaN from uninitialised memory would poison the output.
-    return torch.zeros(c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim,
-                       dtype=TORCH_DTYPES[kv_dtype], device=model.device)
+    # and 0 * NaN from uninitialised memory would poison the output (a zero scale reads as 0 too).
+    return torch.zeros(c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, fmt.row_width(c.head_dim),
+                       dtype=fmt.storage_dtype, device=model.device)
 
 
 class ModelRunner:

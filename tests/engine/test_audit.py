@@ -13,6 +13,7 @@ from pdserve.engine.audit import TOLERANCE, BlockVerdict, ComparisonRule, KVAudi
 from pdserve.engine.block_pool import Discarded
 from pdserve.engine.events import BlockRemoved
 from pdserve.engine.hashing import hash_blocks
+from pdserve.engine.kv_format import KV_FORMATS
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import SamplingParams
 from tests.conftest import RecordingPublisher, assert_no_leaks, make_engine
@@ -92,7 +93,7 @@ def pool_state(engine: LLMEngine):
     return (pool.num_free_blocks, sorted(pool.cached_hashes()), list(pool._cached_lru), list(pool._free))
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "bfloat16", "int8", "fp8"])
 @pytest.mark.parametrize("path", PATHS, ids=lambda p: p.__name__)
 def test_every_cache_path_audits_clean_and_the_audit_changes_nothing(tiny_loaded, path, kv_dtype):
     engine = path(tiny_loaded, kv_dtype)
@@ -134,14 +135,18 @@ def test_smollm2_bit_exact_where_the_computation_repeats_else_well_within_the_to
 # --- a corrupt block ----------------------------------------------------------------------------
 
 def corrupt(engine: LLMEngine, block_id: int, layer: int = 0) -> None:
-    """Flip one bit of one stored K value, as a bad memory cell or a bad copy would."""
-    element = engine.kv_cache[layer, 0, block_id].view(-1)[:1]
-    bits = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-    as_int = element.view(bits[engine.kv_cache.dtype])
-    as_int ^= 1 << (30 if engine.kv_cache.dtype == torch.float32 else 14)  # the top exponent bit
+    """Flip one bit of one stored K value, as a bad memory cell or a bad copy would: the top exponent
+    bit of a float, or of an int8/fp8 row's float32 scale."""
+    row = engine.kv_cache[layer, 0, block_id, 0, 0]
+    if KV_FORMATS[engine.config.cache.kv_dtype].scale_elements:
+        element = row.view(torch.uint8)[-4:].view(torch.int32)
+    else:
+        bits = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+        element = row[:1].view(bits[engine.kv_cache.dtype])
+    element ^= 1 << (30 if element.dtype == torch.int32 else 14)
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8", "fp8"])
 def test_a_corrupted_block_is_found_evicted_and_unpublished_and_the_next_request_is_exact(
         tiny_loaded, kv_dtype):
     prompt = random_prompts(tiny_loaded.config.vocab_size, 11, 1, 60, 60)[0]  # 3 whole blocks
@@ -295,4 +300,27 @@ def test_the_rule_passes_rounding_noise_and_fails_a_difference_beyond_the_tolera
     for bad in (float("nan"), float("inf")):
         broken = block.clone()
         broken[0, 1, 0, 0, 0] = bad
+        assert rule.compare(broken, block) == BlockVerdict(False, False, float("inf"), float("inf"))
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_a_quantized_rule_compares_values_as_the_model_reads_them(kv_dtype):
+    """Codes times their scales are compared, not raw bytes: a code moved by one step passes (a
+    last-bit difference upstream can do that), a value moved beyond the tolerance fails, and a scale
+    whose exponent flipped to inf or NaN never passes."""
+    rule, fmt = ComparisonRule.for_dtype(kv_dtype), KV_FORMATS[kv_dtype]
+    values = torch.randn(2, 2, 16, 2, 8, generator=torch.Generator().manual_seed(0))
+    block = fmt.store(values)
+    assert rule.compare(block, block.clone()).exact
+    one_step = fmt.store(values)
+    codes = one_step.view(torch.uint8)[0, 1, 3, 1, :8]
+    codes[2] += 1  # the next code up: one int8 step, or the next e4m3 value
+    verdict = rule.compare(one_step, block)
+    assert verdict.passed and not verdict.exact and 0 < verdict.max_rel_diff <= rule.tolerance
+    far = values.clone()
+    far[1, 0, 3, 1, 2] += 2 * rule.tolerance * values[1, 0].abs().max()
+    assert not rule.compare(fmt.store(far), block).passed
+    for bad in (float("inf"), float("nan")):
+        broken = block.clone()
+        broken.view(torch.uint8)[0, 0, 0, 0, -4:].view(torch.float32).fill_(bad)
         assert rule.compare(broken, block) == BlockVerdict(False, False, float("inf"), float("inf"))

@@ -39,9 +39,9 @@ def test_same_tokens_under_another_prefix_hash_differently():
 def test_salt_separates_models_block_sizes_and_dtypes():
     ids = list(range(32))
     salts = [engine_salt("m1", 16, "float32"), engine_salt("m2", 16, "float32"),
-             engine_salt("m1", 16, "float16")]
+             engine_salt("m1", 16, "float16"), engine_salt("m1", 16, "int8"), engine_salt("m1", 16, "fp8")]
     first_hashes = {hash_blocks(ids, 16, s)[0] for s in salts}
-    assert len(first_hashes) == 3
+    assert len(first_hashes) == 5
     assert engine_salt("m1", 8, "float32") != engine_salt("m1", 16, "float32")
 
 

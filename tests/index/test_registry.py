@@ -188,7 +188,7 @@ def test_worker_info_is_validated():
         make_info(role="both")
     with pytest.raises(ValueError, match="positive"):
         replace(make_info(), num_blocks=0)
-    with pytest.raises(ValueError, match="kv_dtype 'int8'"):
-        replace(make_info(), kv_dtype="int8")
+    with pytest.raises(ValueError, match="kv_dtype 'int4'"):
+        replace(make_info(), kv_dtype="int4")
     with pytest.raises(ValueError, match="expected the hex of 16 bytes"):
         replace(make_info(), salt="beef")

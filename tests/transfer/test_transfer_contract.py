@@ -143,9 +143,11 @@ def other_tiny_loaded(tmp_path_factory):
     return load_model(str(write_tiny_model(tmp_path_factory.mktemp("tiny-other"), seed=1)), progress=False)
 
 
-@pytest.mark.parametrize("field", ["block_size", "kv_dtype", "model_fingerprint"])
+@pytest.mark.parametrize(("field", "named"), [("block_size", "block_size: sender 16, receiver 8"),
+                                               ("kv_dtype", "kv_dtype: sender float32, receiver float16"),
+                                               ("model_fingerprint", "model_fingerprint: sender ")])
 def test_layout_mismatch_fails_precondition_naming_the_field(tiny_loaded, other_tiny_loaded, kind_param,
-                                                             field):
+                                                             field, named):
     decode_engine = {"block_size": engine_config(block_size=8), "kv_dtype": engine_config(kv_dtype="float16"),
                      "model_fingerprint": engine_config()}[field]
     rig = start_rig(tiny_loaded, kind_param, decode_engine=decode_engine,
@@ -154,7 +156,7 @@ def test_layout_mismatch_fails_precondition_naming_the_field(tiny_loaded, other_
         with pytest.raises(grpc.RpcError) as failure:
             rig.remote_prefill("r7", PROMPT)
         assert failure.value.code() is grpc.StatusCode.FAILED_PRECONDITION
-        assert field in failure.value.details()
+        assert named in failure.value.details()  # each side's value under its own name
         assert rig.decode.status().transfer_outcomes == {"FAILED_PRECONDITION": 1}
         wait_until_clean(rig.prefill, rig.decode)
         assert_no_wrong_kv(rig.prefill, rig.decode)

@@ -1,0 +1,58 @@
+"""bench.kv_quant's arithmetic and its shipped text (the measurements themselves need SmolLM2 and
+minutes: `python -m bench.kv_quant --quick` is the smoke run)."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+
+import pytest
+
+from bench.kv_quant import (
+    PROMPTS,
+    TEXT,
+    Reference,
+    agreement_figures,
+    dtype_list,
+    first_divergence,
+    targets_met,
+)
+
+
+def test_the_text_is_the_public_domain_chapter_its_readme_names_and_over_2000_tokens(tiny_loaded):
+    data = TEXT.read_bytes()
+    assert hashlib.sha256(data).hexdigest() in (TEXT.parent / "README.md").read_text()
+    assert data.decode("utf-8").startswith("CHAPTER I.\nDown the Rabbit-Hole")
+    assert len(tiny_loaded.tokenizer.encode(data.decode("utf-8"))) == 3026  # SmolLM2's tokenizer
+
+
+def test_there_are_at_least_32_distinct_prompts():
+    assert len(set(PROMPTS)) == len(PROMPTS) >= 32
+
+
+def test_agreement_counts_tokens_before_the_first_divergence():
+    assert first_divergence([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert first_divergence([1, 2], [1, 2]) == 2
+    ref = Reference(prompts=[[0], [0]], tokens=[[1, 2, 3, 4], [5, 6, 7, 8]], logits=[], perplexity=1.0,
+                    capacity={})
+    figures = agreement_figures("int8", [[1, 2, 9, 4], [5, 6, 7, 8]], ref)
+    assert figures["int8_greedy_agreement"] == (2 + 4) / 8
+    assert figures["int8_all_tokens_agree_fraction"] == 0.5
+    assert figures["int8_greedy_agreement_positionwise"] == (3 / 4 + 1) / 2  # the 4 after the divergence
+    assert figures["int8_first_divergences"] == [2, 4]
+
+
+def test_targets_are_issue_18s():
+    met = targets_met({"int8_perplexity_ratio": 1.0099, "int8_greedy_agreement": 0.89,
+                       "int8_capacity_vs_float32": 3.76, "int8_capacity_vs_float16": 1.88})
+    assert met == {"int8_perplexity_ratio_meets_target": True,
+                   "int8_greedy_agreement_meets_target": False,
+                   "int8_capacity_vs_float32_meets_target": True,
+                   "int8_capacity_vs_float16_meets_target": True}
+
+
+def test_dtypes_flag_takes_the_kv_dtypes_but_float32():
+    assert dtype_list("int8,fp8") == ["int8", "fp8"]
+    for bad in ("float32", "int4", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="give KV dtypes other than float32"):
+            dtype_list(bad)
