@@ -225,5 +225,6 @@ def test_generate_parses_its_flags():
         ["generate", "--local", "--token-ids", "1,2,3", "--stop", "a", "--stop", "b", "--temperature", "0"])
     assert args.token_ids == "1,2,3"  # generate_cli parses it
     assert args.stop == ["a", "b"]
-    assert args.temperature == 0.0 and args.top_k == 0 and args.top_p == 1.0 and args.max_tokens == 128
+    # unset sampling flags stay None: the model's defaults apply (pdserve/engine/sampling_defaults.py)
+    assert args.temperature == 0.0 and args.top_k is None and args.top_p is None and args.max_tokens == 128
     assert (args.block_size, args.kv_dtype) == (16, "float32")
