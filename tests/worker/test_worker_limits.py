@@ -204,7 +204,10 @@ def test_a_begin_only_push_is_freed_within_the_servers_limit(start_worker):
     # the receiver counts it once its next read breaks, just after the call is cancelled
     assert wait_for(lambda: decode.status().transfer_outcomes == {"DEADLINE_EXCEEDED": 1})
     assert not decode.engine.handoff.is_parked("begin-only")
-    wait_until_clean(decode, timeout_s=0)
+    # NOTE: not timeout_s=0: the receiver counts the outcome inside receive(), and the push gives its
+    # peer slot back in the servicer's finally just after, so a check between the two saw the push
+    # still in flight (one full-suite run under load did)
+    wait_until_clean(decode)
 
 
 def test_the_clock_stops_at_end_and_never_cuts_a_push_that_reached_it():
