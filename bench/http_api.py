@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -40,6 +39,7 @@ from bench.common import (
     warn_if_busy,
 )
 from bench.engine import random_prompt
+from deploy.redis_server import free_port
 from loadtest.stats import percentile
 
 TARGETS = {"p50": 1.05, "p99": 1.10}
@@ -133,11 +133,6 @@ def run_phases(sides: dict[str, Any], sizes: Sizes, rng: random.Random) -> dict[
             result[f"{label}_{q}_ms"] = {"http": 1e3 * http, "grpc": 1e3 * grpc}
     return result
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(args: Any) -> dict[str, Any]:

@@ -6,13 +6,13 @@ HTTP where the SDK hides what is checked (a dropped stream). Every flow ends wit
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import httpx
 import openai
 import pytest
 import torch
 
+from deploy.redis_server import free_port
 from pdserve.engine.sequence import SamplingParams
 from pdserve.engine.weights import DEFAULT_MODEL_NAME
 from pdserve.metrics import scrape
@@ -23,11 +23,6 @@ from tests.helpers.ray_cluster import client_of, start_cluster, wait_until_clust
 BLOCK = 16
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
