@@ -260,6 +260,11 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
                    help=f"address the router and workers bind (default: {d.host}, loopback only)")
     p.add_argument("--port", type=int,
                    help=f"port of the router's gRPC endpoint; 0 = any free port (default: {d.port})")
+    p.add_argument("--routers", type=int, metavar="N",
+                   help="router replicas over the same prefix index and worker registry, router i on "
+                        "--port + i (and --http-port + i, --metrics-port + i when set); router 0 runs in "
+                        "this process, the others as Ray actors. Clients take every address: "
+                        f"--router a:1,b:2 (default: {d.num_routers})")
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="port of the router's Prometheus /metrics; 0 = any free port "
                         f"(default: {d.metrics_port})")

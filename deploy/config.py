@@ -55,6 +55,10 @@ class ClusterSpec:
     model_path: str | None = None
     num_prefill: int = 1
     num_decode: int = 1
+    # Router replicas over the same Redis index and registry; router i serves on port + i (and
+    # http_port + i, metrics_port + i where those are set): router 0 in the launcher, the others as
+    # Ray actors (router/actor.py).
+    num_routers: int = 1
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int | None = 0  # router's Prometheus port; 0 = any free port, None = none
@@ -98,6 +102,8 @@ class ClusterSpec:
             raise ValueError(f"decode.count (--decode) must be >= 1, got {self.num_decode}")
         if self.num_prefill < 0:
             raise ValueError(f"prefill.count (--prefill) must be >= 0, got {self.num_prefill}")
+        if self.num_routers < 1:
+            raise ValueError(f"router.count (--routers) must be >= 1, got {self.num_routers}")
         for name, port in (("router.port (--port)", self.port),
                            ("router.metrics_port (--metrics-port)", self.metrics_port),
                            ("router.http_port (--http-port)", self.http_port)):
@@ -203,6 +209,7 @@ FILE_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "cache.kv_cache_gib": ("cache.kv_cache_gib", _NUMBER),
     "cache.num_blocks": ("cache.num_blocks", (int, _NONE)),
     "scheduler.max_batched_tokens": ("scheduler.max_num_batched_tokens", (int,)),
+    "router.count": ("num_routers", (int,)),
     "router.port": ("port", (int,)),
     "router.metrics_port": ("metrics_port", (int, _NONE)),
     "router.http_port": ("http_port", (int,)),
@@ -242,7 +249,7 @@ RENAMED_KEYS = {"placement": ("actor_placement", "pack or spread: how Ray places
 # `pdserve up` flags (argparse dests) -> the ClusterSpec field paths they set; most are the file's
 # key without its section, spelled --with-dashes.
 FLAG_FIELDS: dict[str, str] = {
-    "model": "model_path", "prefill": "num_prefill", "decode": "num_decode",
+    "model": "model_path", "prefill": "num_prefill", "decode": "num_decode", "routers": "num_routers",
     "actor_placement": "actor_placement", "gpus_per_worker": "gpus_per_worker",
     "linear_kernel": "linear_kernel",
     "host": "host", "port": "port", "metrics_port": "metrics_port", "redis_url": "redis_url",

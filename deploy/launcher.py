@@ -7,9 +7,10 @@
             -> Ray (local, or attach with --address) -> prefill and decode actors (each
                requiring its role's Ray custom resources; SPREAD across nodes or packed)
             -> router (Generation on --port; the model's sampling defaults with --default-*
-               on top, printed) -> wait until every worker is live in the registry and every
+               on top, printed); with --routers N, replicas 1..N-1 as Ray actors on --port + i
+               (router/actor.py) -> wait until every worker is live in the registry and every
                server answers health checks
-    stop:   router, actors (graceful, then killed), Ray (if we started it), Redis (if we
+    stop:   routers, actors (graceful, then killed), Ray (if we started it), Redis (if we
             started it); Ctrl-C and SIGTERM both lead here, leaving no process or port.
 
 The router gets the whole SecurityConfig (TLS, API tokens, cluster secret); each worker gets
@@ -34,12 +35,12 @@ from deploy.config import ClusterSpec
 from deploy.redis_server import RedisServer, ensure_redis
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_defaults import SamplingDefaults
-from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.weights import LoadedModel, load_model, served_model_name
 from pdserve.index.registry import WorkerRegistry
 from pdserve.security import SecurityConfig, TLSConfig, read_secret, read_secrets_file
 from pdserve.security.redis_auth import check_redis_credentials, redact_redis_url, redis_exposure_warning
 from pdserve.worker.actor import WorkerSpec
+from router.actor import RouterActor, RouterSpec
 from router.redis_backend import redis_router
 from router.server import RouterConfig, RouterServer
 
@@ -59,7 +60,9 @@ class LocalCluster:
         self.redis_url = ""
         self.redis_server: RedisServer | None = None
         self.actors: dict[str, object] = {}
-        self.router: RouterServer | None = None
+        self.router: RouterServer | None = None  # router 0, in this process
+        self.replicas: dict[str, object] = {}  # router-1.. (with --routers N): Ray actors
+        self.replica_info: dict[str, dict] = {}  # their RouterActor.describe()
         self.registry: WorkerRegistry | None = None
         self.security = SecurityConfig()  # the router's; read from the spec's files in start()
         self._started_ray = False
@@ -94,17 +97,27 @@ class LocalCluster:
         loaded = load_model(self.spec.model_path, progress=False)
         sampling = sampling_defaults_in_force(loaded, self.spec)
         self._create_actors()
-        self.router = self._router(client, loaded.tokenizer, loaded.config.max_position_embeddings, sampling)
+        config = self._router_config(loaded.config.max_position_embeddings, sampling)
+        self.router = redis_router(config, loaded.tokenizer, self.redis_url, self.spec.namespace)
         del loaded
         address = self.router.start()
+        self._start_replicas(config)
         self._wait_until_live()
         self.say(f"router   {address} (gRPC pdserve.v1.Generation, health, reflection)")
+        for name, info in self.replica_info.items():
+            http = f" · http {info['http_url']}" if info["http_url"] else ""
+            self.say(f"  {name:<9} {info['address']}{http}")
         self.say(f"sampling {self.router.sampling_defaults.describe()} for requests that set none")
         if self.router.metrics_address:
             self.say(f"metrics  http://{self.router.metrics_address}/metrics")
         if self.router.http_url:
             self._say_http()
-        return address
+        return self.addresses
+
+    @property
+    def addresses(self) -> str:
+        """Every router's gRPC address, comma-separated: what a client's --router takes."""
+        return ",".join([self.router.address, *(info["address"] for info in self.replica_info.values())])
 
     def _say_http(self) -> None:
         url, model = self.router.http_url, self.router.config.served_model_name
@@ -130,16 +143,31 @@ class LocalCluster:
         return SecurityConfig(tls=tls, client_cert=sec.client_cert, client_key=sec.client_key,
                               api_tokens=sec.api_tokens[:1])
 
-    def _router(self, client: redis.Redis, tokenizer: Tokenizer, max_context_tokens: int,
-                sampling_defaults: SamplingDefaults) -> RouterServer:
+    def _router_config(self, max_context_tokens: int, sampling_defaults: SamplingDefaults) -> RouterConfig:
+        """Router 0's configuration."""
         s = self.spec
-        config = RouterConfig(host=s.host, port=s.port, metrics_port=s.metrics_port, placement=s.placement,
-                              http_port=s.http_port or None,
-                              served_model_name=s.served_model_name or served_model_name(s.model_path),
-                              limits=replace(s.limits, max_context_tokens=max_context_tokens),
-                              deadlines=s.deadlines, migration=s.migration, cache_isolation=s.cache_isolation,
-                              security=self.security, sampling_defaults=sampling_defaults)
-        return redis_router(config, tokenizer, self.redis_url, s.namespace)
+        return RouterConfig(host=s.host, port=s.port, metrics_port=s.metrics_port, placement=s.placement,
+                            http_port=s.http_port or None,
+                            served_model_name=s.served_model_name or served_model_name(s.model_path),
+                            limits=replace(s.limits, max_context_tokens=max_context_tokens),
+                            deadlines=s.deadlines, migration=s.migration, cache_isolation=s.cache_isolation,
+                            security=self.security, sampling_defaults=sampling_defaults)
+
+    def _start_replicas(self, config: RouterConfig) -> None:
+        """Routers 1..N-1 as Ray actors, router i on router 0's ports + i (a free port stays free)."""
+        import ray
+
+        for i in range(1, self.spec.num_routers):
+            name = f"router-{i}"
+            replica = replace(config, port=_offset(config.port, i), http_port=_offset(config.http_port, i),
+                              metrics_port=_offset(config.metrics_port, i))
+            spec = RouterSpec(name, replica, self.spec.model_path, self.redis_url, self.spec.namespace)
+            self.replicas[name] = ray.remote(RouterActor).options(
+                name=name, namespace=self.spec.namespace, max_restarts=self.spec.max_restarts,
+                max_concurrency=4, num_cpus=0, runtime_env={"env_vars": self.spec.worker_environment},
+            ).remote(spec)
+        for name, actor in self.replicas.items():
+            self.replica_info[name] = ray.get(actor.describe.remote(), timeout=self.spec.startup_timeout_s)
 
     def _init_ray(self) -> None:
         import ray
@@ -241,6 +269,7 @@ class LocalCluster:
         if self.router is not None:
             self.router.stop()
             self.router = None
+        self._stop_replicas()
         self._stop_actors()
         if self._started_ray:
             import ray
@@ -250,6 +279,18 @@ class LocalCluster:
         if self.redis_server is not None:
             self.redis_server.stop()
             self.redis_server = None
+
+    def _stop_replicas(self) -> None:
+        import ray
+
+        for actor in self.replicas.values():
+            try:
+                ray.get(actor.stop.remote(), timeout=10)
+            except Exception as e:  # a dead replica: killed below either way
+                log.warning("graceful router stop failed: %s", e)
+            ray.kill(actor, no_restart=True)
+        self.replicas.clear()
+        self.replica_info.clear()
 
     def _stop_actors(self) -> None:
         if not self.actors:
@@ -264,3 +305,8 @@ class LocalCluster:
         for actor in self.actors.values():
             ray.kill(actor, no_restart=True)
         self.actors.clear()
+
+
+def _offset(port: int | None, i: int) -> int | None:
+    """Router i's port: router 0's + i; 0 (any free port) and None (off) stay as they are."""
+    return port + i if port else port

@@ -1,9 +1,11 @@
 """`pdserve status`: one table of the cluster, from the router's Admin ClusterStatus call.
 
-    worker      role     node          state     queue  KV used        hit rate  sent      received
-    prefill-0   prefill  host/1a2b3c4d serving   0/1    12/96 (12%)    41.0%     94.2 MiB  0 B
+    worker      role     node          state     queue  load  KV used        hit rate  sent      received
+    prefill-0   prefill  host/1a2b3c4d serving   0/1    1     12/96 (12%)    41.0%     94.2 MiB  0 B
 
-queue is waiting/running on the worker; hit rate is cached / prompt tokens over the requests
+queue is waiting/running on the worker, asked now; load is what this router scores it with: the
+worker's last heartbeat report, shared by every router, plus this router's requests placed there
+since (router/shared_load.py); hit rate is cached / prompt tokens over the requests
 that finished on it; sent/received are KV transfer bytes. No torch: only gRPC.
 """
 
@@ -21,8 +23,8 @@ from pdserve.client_security import security_from_args
 from pdserve.units import human_bytes
 from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc
 
-COLUMNS = ("worker", "role", "node", "state", "queue", "KV used", "hit rate", "index accuracy", "sent",
-           "received", "failed")
+COLUMNS = ("worker", "role", "node", "state", "queue", "load", "KV used", "hit rate", "index accuracy",
+           "sent", "received", "failed")
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -70,5 +72,6 @@ def worker_row(view: admin_pb2.WorkerView) -> tuple[str, ...]:
     hit = f"{100 * s.cached_tokens_total / s.prompt_tokens_total:.1f}%" if s.prompt_tokens_total else "-"
     failed = sum(v for k, v in [*s.transfer_outcomes.items(), *s.send_outcomes.items()] if k != "done")
     accuracy = f"{view.index_accuracy:.2f}" if view.HasField("index_accuracy") else "-"
-    return (s.worker_id, s.role, s.node, view.state, f"{s.waiting_requests}/{s.active_requests}", kv, hit,
+    return (s.worker_id, s.role, s.node, view.state, f"{s.waiting_requests}/{s.active_requests}",
+            str(view.estimated_load), kv, hit,
             accuracy, human_bytes(s.bytes_sent), human_bytes(s.bytes_received), str(failed))

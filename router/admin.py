@@ -70,6 +70,10 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         else:
             state = "serving" if status.serving else "not_serving"
             view = admin_pb2.WorkerView(status=status, state=state, router_in_flight=in_flight)
+        load = self.directory.load_view(worker.worker_id)
+        view.load_report_seq, view.estimated_load = load.seq, load.estimate
+        if load.reported is not None:
+            view.reported_load = load.reported
         accuracy = self._index_accuracy(worker.worker_id)
         if accuracy is not None:
             view.index_accuracy = accuracy

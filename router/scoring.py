@@ -64,7 +64,7 @@ class Candidate:
 
     worker_id: str
     address: str
-    active_requests: int  # this router's requests in flight on it
+    active_requests: int  # sequences on it, from every router (router/shared_load.py estimated_load)
     used_block_fraction: float = 0.0  # of its KV blocks, as its heartbeat reported
 
 

@@ -1,8 +1,10 @@
 """The router's view of the workers: who is live (from the registry), how busy, and stubs.
 
 The live list is refreshed in the background from a `source` (the Redis registry in a
-cluster); load is the router's own count of requests it has in flight on each worker,
-which is exact for a single router and needs no round trip. Stubs dial with the router's
+cluster). Load is shared between router replicas: each refresh also reads every worker's own
+heartbeat report (`load_source`), and a worker's load is that report plus this router's change in
+requests in flight on it since it read the report (router/shared_load.py); with no report it is
+this router's own count. Stubs dial with the router's
 SecurityConfig as an internal client: its TLS, and the cluster secret on every call; and with
 the router's ConnectionPolicy (keepalive while calls are open: pdserve/grpc_options.py).
 
@@ -39,6 +41,7 @@ from pdserve.index.breaker import CircuitBreaker, CircuitOpen
 from pdserve.security import SecurityConfig
 from protos.pdserve.v1 import worker_pb2_grpc
 from router.scoring import Candidate
+from router.shared_load import LoadReport, SeenReport, estimated_load, note_report
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,15 @@ log = logging.getLogger(__name__)
 CHANNEL_RETIRE_S = 30.0
 SWEEP_EVERY = 20  # refreshes: every 10 s at the default refresh_s of 0.5 s
 HEALTH_TIMEOUT_S = 0.5  # asking a worker that left the registry whether it still serves
+
+
+@dataclass(frozen=True)
+class LoadView:
+    """A worker's load as this router sees it, for the Admin service."""
+
+    reported: int | None  # running + waiting in the worker's last report (None: no report)
+    seq: int  # that report's number (0: none)
+    estimate: int  # what placement scores it with
 
 
 class WorkerRecord(Protocol):
@@ -85,7 +97,7 @@ class WorkerDirectory:
         self._clock = clock
         self._security = security or SecurityConfig()
         self._load_source = load_source
-        self._loads: dict[str, dict[str, int]] = {}
+        self._loads: dict[str, SeenReport] = {}
         self._refresh_s = refresh_s
         self._workers: dict[str, WorkerRecord] = {}
         self._in_flight: Counter[str] = Counter()
@@ -127,7 +139,8 @@ class WorkerDirectory:
         workers = {**self._still_serving(left), **registered}
         with self._lock:
             self._workers = workers
-            self._loads = loads
+            self._loads = {w: seen for w in workers
+                           if (seen := note_report(self._loads.get(w), loads.get(w), self._in_flight[w]))}
             retired = self._retire_channels({w.address for w in workers.values()})
         for channel in retired:
             channel.close()
@@ -146,12 +159,12 @@ class WorkerDirectory:
                 del self._absent_since[address]
         return retired
 
-    def _read_loads(self, workers: dict[str, WorkerRecord]) -> dict[str, dict[str, int]]:
+    def _read_loads(self, workers: dict[str, WorkerRecord]) -> dict[str, LoadReport | None]:
         if self._load_source is None:
             return {}
         try:
-            return {w: self._load_source(w) for w in workers}
-        except Exception:  # load is a hint: keep routing without it
+            return {w: LoadReport.of(self._load_source(w)) for w in workers}
+        except Exception:  # load is a hint: keep routing on this router's own counts
             return {}
 
     def _still_serving(self, left: list[WorkerRecord]) -> dict[str, WorkerRecord]:
@@ -205,9 +218,10 @@ class WorkerDirectory:
     def candidates(self, role: str) -> list[Candidate]:
         with self._lock:
             workers = [w for w in self._workers.values() if w.role == role]
-            in_flight = [self._in_flight[w.worker_id] for w in workers]
+            loads = [estimated_load(self._loads.get(w.worker_id), self._in_flight[w.worker_id])
+                     for w in workers]
         return [Candidate(w.worker_id, w.address, n, self.used_block_fraction(w.worker_id))
-                for w, n in zip(workers, in_flight)]
+                for w, n in zip(workers, loads)]
 
     def block_hashing(self) -> dict[str, BlockHashing]:
         """worker id -> how it hashes its blocks, as its registry entry says."""
@@ -224,13 +238,20 @@ class WorkerDirectory:
     def used_block_fraction(self, worker_id: str) -> float:
         """Heartbeat-reported share of the worker's KV blocks in use (0 when unknown)."""
         with self._lock:
-            w, load = self._workers.get(worker_id), self._loads.get(worker_id, {})
+            w, seen = self._workers.get(worker_id), self._loads.get(worker_id)
         total = getattr(w, "num_blocks", 0) if w else 0
-        return load.get("used_blocks", 0) / total if total else 0.0
+        return seen.report.used_blocks / total if total and seen else 0.0
 
     def in_flight(self, worker_id: str) -> int:
         with self._lock:
             return self._in_flight[worker_id]
+
+    def load_view(self, worker_id: str) -> LoadView:
+        with self._lock:
+            seen, in_flight = self._loads.get(worker_id), self._in_flight[worker_id]
+        if seen is None:
+            return LoadView(None, 0, in_flight)
+        return LoadView(seen.report.queued, seen.report.seq, estimated_load(seen, in_flight))
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         """The Worker service every worker serves (Abort, Status, Audit)."""

@@ -1,7 +1,8 @@
 """A worker's presence in Redis: registration and lease renewal with load.
 
     start: register(info) under a fresh epoch (taken by the caller from next_epoch)
-    every heartbeat_s: heartbeat(info, load) -> Lease
+    every heartbeat_s: heartbeat(info, load) -> Lease, the load numbered (epoch, seq) so that
+                   every router can tell a new report from one it read (router/shared_load.py)
         STARTED    the store lost our lease (Redis restarted, or refused writes, or we were
                    partitioned past the TTL): ask the publisher to resync the index
         RENEWED    nothing to do
@@ -16,6 +17,7 @@ worker out of routing for good.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Callable
@@ -37,6 +39,7 @@ class Presence:
         self.heartbeat_s, self.ttl_s = heartbeat_s, ttl_s
         self.breaker = breaker or publisher.breaker
         self.superseded = False
+        self._reports = itertools.count(1)
         self._failing = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="presence", daemon=True)
@@ -61,7 +64,8 @@ class Presence:
     def beat(self) -> Lease | None:
         """One heartbeat; None when Redis did not take it (it is retried on the next beat)."""
         try:
-            lease = self.breaker.run(lambda: self.registry.heartbeat(self.info, self.ttl_s, self._load()))
+            report = self.load_report()
+            lease = self.breaker.run(lambda: self.registry.heartbeat(self.info, self.ttl_s, report))
         except StoreUnavailable as e:
             if not self._failing and not isinstance(e, CircuitOpen):
                 log.warning("heartbeat of %s failed; retrying every %.1f s: %s", self.info.worker_id,
@@ -79,6 +83,10 @@ class Presence:
         elif lease is Lease.STARTED:
             self.publisher.resync()
         return lease
+
+    def load_report(self) -> dict[str, int]:
+        """The worker's load figures, numbered: a new seq each beat."""
+        return {**self._load(), "epoch": self.info.epoch, "seq": next(self._reports)}
 
     def _run(self) -> None:
         while not self._stop.wait(self.heartbeat_s):

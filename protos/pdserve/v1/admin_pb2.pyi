@@ -12,16 +12,22 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerView(_message.Message):
-    __slots__ = ("status", "state", "router_in_flight", "index_accuracy")
+    __slots__ = ("status", "state", "router_in_flight", "index_accuracy", "reported_load", "load_report_seq", "estimated_load")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ROUTER_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     INDEX_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    REPORTED_LOAD_FIELD_NUMBER: _ClassVar[int]
+    LOAD_REPORT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_LOAD_FIELD_NUMBER: _ClassVar[int]
     status: _worker_pb2.WorkerStatus
     state: str
     router_in_flight: int
     index_accuracy: float
-    def __init__(self, status: _Optional[_Union[_worker_pb2.WorkerStatus, _Mapping]] = ..., state: _Optional[str] = ..., router_in_flight: _Optional[int] = ..., index_accuracy: _Optional[float] = ...) -> None: ...
+    reported_load: int
+    load_report_seq: int
+    estimated_load: int
+    def __init__(self, status: _Optional[_Union[_worker_pb2.WorkerStatus, _Mapping]] = ..., state: _Optional[str] = ..., router_in_flight: _Optional[int] = ..., index_accuracy: _Optional[float] = ..., reported_load: _Optional[int] = ..., load_report_seq: _Optional[int] = ..., estimated_load: _Optional[int] = ...) -> None: ...
 
 class ClusterStatusReply(_message.Message):
     __slots__ = ("router_address", "metrics_address", "routing_policy", "requests_in_flight", "index_available", "workers")
