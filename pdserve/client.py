@@ -243,23 +243,48 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
 
 # --- sync ---------------------------------------------------------------------------------------
 
-class GenerationStream:
-    """One Generate call. Iterate for the raw GenerateResponse messages, or use deltas().
+class _Resume:
+    """Client-side resume of one stream (both clients): when the call fails UNAVAILABLE after tokens
+    arrived and before its last message (its router died), the same request goes again with those
+    tokens as its continuation and the seed the first message named (protos:
+    GenerateRequest.continuation), at most MAX_RESUMES times; with several routers the channel sends
+    it to another. The stream goes on where it broke, with the tokens an unbroken one would have."""
 
-    Client-side resume: when the call fails UNAVAILABLE after tokens arrived (its router died), and
-    the client can reopen it, the same request is sent again with those tokens as its continuation and
-    the seed the first message named (protos: GenerateRequest.continuation), at most MAX_RESUMES
-    times; with several routers the channel sends it to another. The stream goes on where it broke.
-    """
+    def __init__(self, request: pb.GenerateRequest | None, collector: _Collector) -> None:
+        self.request, self.collector = request, collector
+        self.count = 0
+
+    def possible(self, exc: grpc.RpcError, can_reopen: bool) -> bool:
+        return (can_reopen and self.request is not None and self.count < MAX_RESUMES
+                and exc.code() == grpc.StatusCode.UNAVAILABLE and bool(self.collector.token_ids)
+                and self.collector.last is None)
+
+    def next_request(self) -> pb.GenerateRequest:
+        self.count += 1
+        request = pb.GenerateRequest()
+        request.CopyFrom(self.request)
+        request.sampling.seed = self.collector.seed or 0
+        del request.continuation.ids[:]
+        request.continuation.ids.extend(self.collector.token_ids)
+        return request
+
+
+class GenerationStream:
+    """One Generate call. Iterate for the raw GenerateResponse messages, or use deltas(). A stream
+    whose router dies is resumed through another (_Resume)."""
 
     def __init__(self, call: Any, target: str, timeout_s: float | None,
                  request: pb.GenerateRequest | None = None,
                  reopen: Callable[[pb.GenerateRequest], Any] | None = None):
         self._call, self._target, self._timeout_s = call, target, timeout_s
-        self._request, self._reopen = request, reopen
+        self._reopen = reopen
         self._collector = _Collector()
+        self._resume = _Resume(request, self._collector)
         self._received_any = self._cancelled = False
-        self.resumes = 0
+
+    @property
+    def resumes(self) -> int:
+        return self._resume.count
 
     def __iter__(self) -> Iterator[pb.GenerateResponse]:
         while True:
@@ -272,23 +297,9 @@ class GenerationStream:
             except grpc.RpcError as exc:
                 if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
                     return
-                if not self._resumable(exc):
+                if not self._resume.possible(exc, self._reopen is not None):
                     raise error_from(exc, self._target, self._timeout_s, self._received_any) from None
-                self._call = self._reopen(self._resumed_request())
-                self.resumes += 1
-
-    def _resumable(self, exc: grpc.RpcError) -> bool:
-        return (self._reopen is not None and self._request is not None and self.resumes < MAX_RESUMES
-                and exc.code() == grpc.StatusCode.UNAVAILABLE and bool(self._collector.token_ids)
-                and self._collector.last is None)
-
-    def _resumed_request(self) -> pb.GenerateRequest:
-        request = pb.GenerateRequest()
-        request.CopyFrom(self._request)
-        request.sampling.seed = self._collector.seed or 0
-        del request.continuation.ids[:]
-        request.continuation.ids.extend(self._collector.token_ids)
-        return request
+                self._call = self._reopen(self._resume.next_request())
 
     def deltas(self) -> Iterator[Delta]:
         """The text and token ids of each message that carries any."""
@@ -360,29 +371,42 @@ class PdserveClient:
 # --- asyncio ------------------------------------------------------------------------------------
 
 class AsyncGenerationStream:
-    """One Generate call over grpc.aio: `async for` the responses, or `async for` deltas()."""
+    """One Generate call over grpc.aio: `async for` the responses, or `async for` deltas(). A stream
+    whose router dies is resumed through another (_Resume)."""
 
-    def __init__(self, call: Any, target: str, timeout_s: float | None):
+    def __init__(self, call: Any, target: str, timeout_s: float | None,
+                 request: pb.GenerateRequest | None = None,
+                 reopen: Callable[[pb.GenerateRequest], Any] | None = None):
         self._call, self._target, self._timeout_s = call, target, timeout_s
+        self._reopen = reopen
         self._collector = _Collector()
+        self._resume = _Resume(request, self._collector)
         self._received_any = self._cancelled = False
 
+    @property
+    def resumes(self) -> int:
+        return self._resume.count
+
     async def __aiter__(self) -> AsyncIterator[pb.GenerateResponse]:
-        try:
-            async for response in self._call:
-                self._received_any = True
-                self._collector.add(response)
-                yield response
-        except grpc.RpcError as exc:
-            if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
+        while True:
+            try:
+                async for response in self._call:
+                    self._received_any = True
+                    self._collector.add(response)
+                    yield response
                 return
-            raise error_from(exc, self._target, self._timeout_s, self._received_any) from None
-        except asyncio.CancelledError:
-            # NOTE: grpc.aio raises CancelledError after call.cancel(). Only that one is
-            # swallowed: a task cancelled from outside must still see its CancelledError.
-            if self._cancelled and self._call.cancelled():
-                return
-            raise
+            except grpc.RpcError as exc:
+                if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
+                    return
+                if not self._resume.possible(exc, self._reopen is not None):
+                    raise error_from(exc, self._target, self._timeout_s, self._received_any) from None
+                self._call = self._reopen(self._resume.next_request())
+            except asyncio.CancelledError:
+                # NOTE: grpc.aio raises CancelledError after call.cancel(). Only that one is
+                # swallowed: a task cancelled from outside must still see its CancelledError.
+                if self._cancelled and self._call.cancelled():
+                    return
+                raise
 
     async def deltas(self) -> AsyncIterator[Delta]:
         async for response in self:
@@ -426,9 +450,10 @@ class AsyncPdserveClient:
                **fields: Any) -> AsyncGenerationStream:
         request = request_from(prompt, **fields)
         deadline = self.timeout_s if timeout_s is CLIENT_DEFAULT else timeout_s
-        call = self._stub.Generate(request, timeout=deadline, metadata=self._metadata or None,
-                                   wait_for_ready=self._wait_for_ready)
-        return AsyncGenerationStream(call, self.target, deadline)
+        def open_call(r: pb.GenerateRequest) -> Any:
+            return self._stub.Generate(r, timeout=deadline, metadata=self._metadata or None,
+                                       wait_for_ready=self._wait_for_ready)
+        return AsyncGenerationStream(open_call(request), self.target, deadline, request, open_call)
 
     async def generate(self, prompt: str | None = None, *,
                        timeout_s: float | None | _Default = CLIENT_DEFAULT, **fields: Any) -> Completion:

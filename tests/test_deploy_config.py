@@ -117,8 +117,9 @@ def test_an_unknown_key_is_named_with_the_file_and_a_suggestion(tmp_path, text, 
     ("prefill: {resources: [prefill]}", "'prefill.resources' must be a mapping, got ['prefill'] (list)"),
     ("decode: {resources: {decode: one}}",
      "'decode.resources.decode' must be a number (units of the Ray resource), got 'one'"),
-    ("router: 50051", "'router' must be a mapping of count, port, metrics_port, http_port, served_model_name, "
-                      "routing, min_remote_prefill_tokens, max_in_flight_per_decode, max_prompt_tokens, "
+    ("router: 50051", "'router' must be a mapping of count, port, metrics_port, http_port, "
+                      "served_model_name, routing, min_remote_prefill_tokens, max_in_flight_per_decode, "
+                      "max_prompt_tokens, "
                       "max_tokens_limit, max_message_bytes, "
                       "max_concurrent_streams, cache_isolation, prefill_deadline_fraction, "
                       "prefill_timeout_s, migration_limit, got 50051"),

@@ -6,6 +6,7 @@ is stopped at a known point, with no sleeps."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import grpc
@@ -13,7 +14,7 @@ import pytest
 
 from decode_worker.faults import DecodeFaultPlan
 from decode_worker.role import DecodeConfig, DecodeRole
-from pdserve.client import PdserveClient
+from pdserve.client import AsyncPdserveClient, PdserveClient
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.sequence import SamplingParams
 from pdserve.worker.server import WorkerConfig, WorkerServer
@@ -55,6 +56,37 @@ def test_a_stream_whose_router_dies_is_resumed_through_another_token_for_token(t
                     got.extend(response.token_ids)
                 assert stream.resumes == 1
                 assert got == expected
+            wait_until_clean(*cluster.workers, timeout_s=10)
+        finally:
+            other.stop()
+
+
+def test_the_async_client_resumes_a_stream_whose_router_dies_token_for_token(tiny_loaded):
+    sampling = SamplingParams(temperature=0.8, seed=SEED, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = make_engine(tiny_loaded).generate([PROMPT], sampling, detokenize=False)[0].token_ids
+    decode = holding_decode_worker(tiny_loaded)
+
+    async def run(targets: str, routers: list) -> tuple[list[int], int]:
+        async with AsyncPdserveClient(targets, timeout_s=60) as client:
+            stream = client.stream(token_ids=PROMPT, temperature=0.8, seed=SEED, max_tokens=MAX_TOKENS,
+                                   ignore_eos=True)
+            got: list[int] = []
+            async for response in stream:
+                got.extend(response.token_ids)
+                if len(got) == HOLD_AT:
+                    dying = next(r for r in routers if r.servicer.requests_in_flight == 1)
+                    threading.Thread(target=dying.stop, daemon=True).start()
+                    await asyncio.to_thread(decode.role.hold.wait_held, 1, 30)
+                    decode.role.hold.release()
+            return got, stream.resumes
+
+    with running_cluster(tiny_loaded, workers=[WorkerConfig("prefill"), decode]) as cluster:
+        other = start_router(tiny_loaded, cluster.records)
+        try:
+            targets = f"{cluster.router.address},{other.address}"
+            got, resumes = asyncio.run(run(targets, [cluster.router, other]))
+            assert resumes == 1
+            assert got == expected
             wait_until_clean(*cluster.workers, timeout_s=10)
         finally:
             other.stop()
