@@ -87,7 +87,8 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
                         "/v1/completions for token ids, streamed) (default: %(default)s)")
     p.add_argument("--router", metavar="HOST:PORT[,HOST:PORT...]",
                    help="address of the router to load (e.g. 127.0.0.1:50051, `pdserve up`'s), or several "
-                        "comma-separated, spread round robin; this is A in compare mode (--api grpc)")
+                        "comma-separated, spread round robin (router-side counters then need --metrics-url); "
+                        "this is A in compare mode (--api grpc)")
     p.add_argument("--url", metavar="URL",
                    help="--api openai: the HTTP API's base URL, e.g. http://127.0.0.1:8000 "
                         "(`pdserve up --http-port`; a trailing /v1 is fine); A in compare mode")

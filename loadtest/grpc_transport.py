@@ -1,5 +1,10 @@
 """The gRPC transport (--api grpc): pdserve.v1.Generation/Generate through AsyncPdserveClient.
 
+--router takes several routers (a:1,b:2): the client spreads requests over them, retries one refused
+before its first token on another and resumes a stream whose router died (pdserve/client.py). Each
+router must answer at start. The router-side counters come from one router's /metrics, so with
+several routers they are left out unless --metrics-url names where to read them.
+
 A message with token_ids is a token message (it may carry several); the stream is OK when its
 final message (finished=true) arrived, and that message carries usage, timings and workers. A
 failure is the gRPC status name (PdserveError.code) with the router's message.
@@ -14,6 +19,7 @@ from loadtest.server_metrics import discover_metrics_url
 from loadtest.transport import Clock, GenerationRequest, Reply, ReplyBuilder
 from pdserve.client import TIMING_FIELDS, USAGE_FIELDS, AsyncPdserveClient, PdserveError
 from pdserve.client_security import client_kwargs
+from pdserve.router_targets import split_targets
 from pdserve.security import SecurityConfig
 from protos.pdserve.v1 import generation_pb2 as pb
 
@@ -34,6 +40,8 @@ class GrpcTransport:
         await wait_for_router(self.target, timeout_s, self.security)
 
     async def metrics_url(self) -> str | None:
+        if len(split_targets(self.target)) > 1:  # one router's counters would not be the run's
+            return None
         return await asyncio.to_thread(discover_metrics_url, self.target, security=self.security)
 
     async def stream(self, request: GenerationRequest, clock: Clock) -> Reply:
@@ -56,13 +64,15 @@ class GrpcTransport:
 
 
 async def wait_for_router(target: str, timeout_s: float, security: SecurityConfig | None = None) -> None:
-    """Raise ValueError (a user error) if no connection to target is made within timeout_s."""
-    async with (security or SecurityConfig()).open_channel(target, internal=False, aio=True) as channel:
-        try:
-            await asyncio.wait_for(channel.channel_ready(), timeout_s)
-        except TimeoutError:
-            raise ValueError(f"cannot reach the router at {target} within {timeout_s:g} s; "
-                             "is `pdserve up` running there?") from None
+    """Raise ValueError (a user error) if a connection to each router in target (one, or several
+    separated by commas) is not made within timeout_s."""
+    for router in split_targets(target):
+        async with (security or SecurityConfig()).open_channel(router, internal=False, aio=True) as channel:
+            try:
+                await asyncio.wait_for(channel.channel_ready(), timeout_s)
+            except TimeoutError:
+                raise ValueError(f"cannot reach the router at {router} within {timeout_s:g} s; "
+                                 "is `pdserve up` running there?") from None
 
 
 def client_fields(request: GenerationRequest) -> dict[str, Any]:

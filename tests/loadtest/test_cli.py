@@ -15,6 +15,20 @@ from tests.loadtest.fake_router import FakeRouter, serving
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_loadtest_over_two_routers_spreads_its_requests_over_both(tmp_path):
+    first, second = FakeRouter(), FakeRouter()
+    with serving(first) as a, serving(second) as b:
+        code = pdserve_main(["loadtest", "--router", f"{a.target},{b.target}", "--workload", "synthetic",
+                             "--requests", "8", "--concurrency", "2", "--out", str(tmp_path),
+                             "--no-progress"])
+    assert code == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["counts"]["completed"] == 8
+    served = [r.registry.get_sample_value("pdserve_router_requests_total", {"code": "OK"})
+              for r in (first, second)]
+    assert sum(served) == 8 and min(served) >= 1, served
+
+
 def test_the_issue_command_line_writes_report_json_and_plots(tmp_path, capsys):
     fake = FakeRouter()
     with serving(fake) as s:
