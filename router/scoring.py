@@ -87,8 +87,9 @@ def choose(prompt_tokens: int, block_size: int, decode: Sequence[Candidate], pre
     """The cheapest option over every decode worker (and prefill worker). decode must be non-empty."""
     if not decode:
         raise ValueError("no decode worker to choose from")
+    feeders = _cheapest_prefill(prompt_tokens, block_size, prefill, held_blocks, weights)
     options = [option for d in decode
-               for option in _options(prompt_tokens, block_size, d, prefill, held_blocks, weights)]
+               for option in _options(prompt_tokens, block_size, d, feeders, held_blocks, weights)]
     best = min(o.cost for o in options)
     winner = rng.choice([o for o in options if o.cost == best])
     if log.isEnabledFor(logging.DEBUG):
@@ -97,22 +98,40 @@ def choose(prompt_tokens: int, block_size: int, decode: Sequence[Candidate], pre
     return winner
 
 
-def _options(tokens: int, bs: int, d: Candidate, prefill: Sequence[Candidate], held: Mapping[str, int],
+@dataclass(frozen=True)
+class _Feeders:
+    """The prefill workers tied for the cheapest prefill part of a remote option, which does not
+    depend on the decode worker: w_prefill * (T - B * d_P) + w_prefill_load * load(P). Only they
+    can be in a cheapest P-then-D option, so each decode worker is priced with them alone (D + P
+    work instead of D x P)."""
+
+    cost: float
+    workers: tuple[tuple[Candidate, int], ...]  # (P, its usable cached blocks), in the given order
+
+
+def _cheapest_prefill(tokens: int, bs: int, prefill: Sequence[Candidate], held: Mapping[str, int],
+                      w: ScoringWeights) -> _Feeders | None:
+    if not prefill:
+        return None
+    parts = []
+    for p in prefill:
+        p_held = usable_blocks(held.get(p.worker_id, 0), tokens, bs)
+        parts.append((w.prefill * (tokens - bs * p_held) + w.prefill_load * p.active_requests, p, p_held))
+    cost = min(part for part, _, _ in parts)
+    return _Feeders(cost, tuple((p, p_held) for part, p, p_held in parts if part == cost))
+
+
+def _options(tokens: int, bs: int, d: Candidate, feeders: _Feeders | None, held: Mapping[str, int],
              w: ScoringWeights) -> list[Choice]:
     n_blocks = ceil_div(tokens, bs)
     d_held = usable_blocks(held.get(d.worker_id, 0), tokens, bs)
     d_load = w.decode_load * d.active_requests + w.blocks_used * d.used_block_fraction
     lacking = tokens - bs * d_held
     local = Choice(d, None, w.local_prefill * lacking + d_load, d_held, d_held)
-    if lacking < w.local_prefill_max_tokens or not prefill:
+    if lacking < w.local_prefill_max_tokens or feeders is None:
         return [local]
-    remote = []
-    for p in prefill:
-        p_held = usable_blocks(held.get(p.worker_id, 0), tokens, bs)
-        cost = (w.prefill * (tokens - bs * p_held) + w.transfer * (n_blocks - d_held)
-                + w.prefill_load * p.active_requests + d_load)
-        remote.append(Choice(d, p, cost, d_held, p_held))
-    return [local, *remote]
+    cost = feeders.cost + w.transfer * (n_blocks - d_held) + d_load
+    return [local, *(Choice(d, p, cost, d_held, p_held) for p, p_held in feeders.workers)]
 
 
 def _label(c: Choice) -> str:

@@ -216,12 +216,14 @@ class WorkerDirectory:
             return [w for w in self._workers.values() if role is None or w.role == role]
 
     def candidates(self, role: str) -> list[Candidate]:
-        with self._lock:
-            workers = [w for w in self._workers.values() if w.role == role]
-            loads = [estimated_load(self._loads.get(w.worker_id), self._in_flight[w.worker_id])
-                     for w in workers]
-        return [Candidate(w.worker_id, w.address, n, self.used_block_fraction(w.worker_id))
-                for w, n in zip(workers, loads)]
+        out = []
+        with self._lock:  # NOTE: once per placement: one lock, no method call per worker
+            for w in self._workers.values():
+                if w.role == role:
+                    seen = self._loads.get(w.worker_id)
+                    load = estimated_load(seen, self._in_flight[w.worker_id])
+                    out.append(Candidate(w.worker_id, w.address, load, self._used_fraction(w, seen)))
+        return out
 
     def block_hashing(self) -> dict[str, BlockHashing]:
         """worker id -> how it hashes its blocks, as its registry entry says."""
@@ -239,7 +241,11 @@ class WorkerDirectory:
         """Heartbeat-reported share of the worker's KV blocks in use (0 when unknown)."""
         with self._lock:
             w, seen = self._workers.get(worker_id), self._loads.get(worker_id)
-        total = getattr(w, "num_blocks", 0) if w else 0
+        return self._used_fraction(w, seen) if w else 0.0
+
+    @staticmethod
+    def _used_fraction(w: WorkerRecord, seen: SeenReport | None) -> float:
+        total = getattr(w, "num_blocks", 0)
         return seen.report.used_blocks / total if total and seen else 0.0
 
     def in_flight(self, worker_id: str) -> int:

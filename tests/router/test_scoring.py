@@ -97,3 +97,42 @@ def test_per_request_overrides():
 def test_no_decode_worker_is_an_error():
     with pytest.raises(ValueError, match="no decode worker"):
         pick(10, [], [P], {})
+
+
+def every_cheapest_option(tokens, bs, decode, prefill, held, w):
+    """The oracle: every (D, P or None) priced by the module docstring's formulas, D x P of them,
+    and the ones that cost the least."""
+    n = -(-tokens // bs)
+    options = []
+    for d in decode:
+        d_held = usable_blocks(held.get(d.worker_id, 0), tokens, bs)
+        d_load = w.decode_load * d.active_requests + w.blocks_used * d.used_block_fraction
+        lacking = tokens - bs * d_held
+        options.append((w.local_prefill * lacking + d_load, d.worker_id, None))
+        if lacking < w.local_prefill_max_tokens:
+            continue
+        for p in prefill:
+            p_held = usable_blocks(held.get(p.worker_id, 0), tokens, bs)
+            cost = (w.prefill * (tokens - bs * p_held) + w.transfer * (n - d_held)
+                    + w.prefill_load * p.active_requests + d_load)
+            options.append((cost, d.worker_id, p.worker_id))
+    best = min(c for c, _, _ in options)
+    return best, {(d, p) for c, d, p in options if c == best}
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_choose_finds_a_cheapest_option_of_all_d_times_p_and_can_pick_each(seed):
+    rng = random.Random(seed)
+    bs, tokens = 16, rng.randrange(1, 2048)
+    decode = [Candidate(f"d{i}", "", rng.randrange(3), rng.choice([0.0, 0.5]))
+              for i in range(rng.randrange(1, 5))]
+    prefill = [Candidate(f"p{i}", "", rng.randrange(3)) for i in range(rng.randrange(0, 5))]
+    held = {c.worker_id: rng.choice([0, 0, tokens // 32, tokens // 16]) for c in decode + prefill}
+    best, cheapest = every_cheapest_option(tokens, bs, decode, prefill, held, W)
+    picked = set()
+    for tie_seed in range(4 * len(cheapest)):
+        c = choose(tokens, bs, decode, prefill, held, W, random.Random(tie_seed))
+        assert c.cost == best
+        picked.add((c.decode.worker_id, c.prefill.worker_id if c.prefill else None))
+    assert picked <= cheapest
+    assert len(picked) > 1 or len(cheapest) == 1  # ties are broken among them, not always the first
