@@ -23,6 +23,10 @@ class RouterMetrics:
         r = self.registry
         self.requests = Counter("pdserve_router_requests", "Generate calls finished, by gRPC status code",
                                 ["code"], registry=r)
+        self.ended_early = Counter("pdserve_router_ended_early",
+                                   "Generate calls that ended other than OK, by code and the phase they "
+                                   "stood in (received | placed | prefilling | decoding | migrating)",
+                                   ["code", "phase"], registry=r)
         self.prompt_tokens = Counter("pdserve_router_prompt_tokens",
                                      "Prompt tokens of requests that finished OK", registry=r)
         self.cached_tokens = Counter("pdserve_router_cached_tokens",
@@ -72,8 +76,10 @@ class RouterMetrics:
                                      "accuracy for them fell below the threshold", ["worker", "outcome"],
                                      registry=r)
 
-    def finished(self, code: str, prompt_tokens: int, cached_tokens: int, e2e_s: float) -> None:
+    def finished(self, code: str, prompt_tokens: int, cached_tokens: int, e2e_s: float, phase: str) -> None:
         self.requests.labels(code=code).inc()
+        if code != "OK":
+            self.ended_early.labels(code=code, phase=phase).inc()
         self.e2e.observe(e2e_s)
         if code == "OK":
             self.prompt_tokens.inc(prompt_tokens)

@@ -1,8 +1,9 @@
 """The public Generation service: tokenize -> place -> (remote prefill) -> decode -> stream.
 
-Lifecycle of a request at the router (_Phase):
+Lifecycle of a request at the router (_Phase; how it ended is its gRPC code, OK or another):
     received -> placed -> prefilling (on a prefill worker, KV streaming to the decode worker)
-             -> decoding (tokens streaming back) -> finished | aborted
+             -> decoding (tokens streaming back) -> ended (a request that ends other than OK is
+                counted with the phase it stood in: pdserve_router_ended_early_total{code,phase})
     decoding --the decode worker breaks the stream--> broken, then
         nothing sent yet, and it was down, draining or full (RETRY_ON_ANOTHER_DECODE) -> placed again
         tokens sent, and it was gone or failed (MIGRATE_ON) -> migrating -> placed again, with
@@ -85,8 +86,6 @@ class _Phase(enum.Enum):
     PREFILLING = "prefilling"
     DECODING = "decoding"
     MIGRATING = "migrating"
-    FINISHED = "finished"
-    ABORTED = "aborted"
 
 
 def random_seed() -> int:
@@ -263,7 +262,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     @staticmethod
     def _abort(trace: _Trace, context, code: grpc.StatusCode, message: str):
-        trace.code, trace.phase = code.name, _Phase.ABORTED
+        trace.code = code.name
         context.abort(code, message)
 
     def _refuse(self, trace: _Trace, context, message: str, retry_after_s: float):
@@ -277,7 +276,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             trace.code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
         usage = trace.usage or generation_pb2.Usage()
         self.metrics.finished(trace.code, usage.prompt_tokens, usage.cached_tokens,
-                              time.perf_counter() - trace.received)
+                              time.perf_counter() - trace.received, trace.phase.value)
 
     def _validated(self, request, trace: _Trace, context):
         """(prompt ids, the sampling proto to send: max_tokens, temperature, top_p and top_k always set,
@@ -435,7 +434,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if first:
             out.seed = job.sampling.seed  # what a client-side resume must send again
         if reply.finished:
-            trace.code, trace.phase = "OK", _Phase.FINISHED
+            trace.code = "OK"
             trace.usage = _usage(len(job.prompt), trace.prompt_usage, reply.usage)
             out.usage.CopyFrom(trace.usage)
             out.timings.CopyFrom(_timings(trace))

@@ -7,8 +7,10 @@ import grpc
 import pytest
 
 from pdserve.metrics import scrape
-from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc
+from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc, generation_pb2_grpc
 from tests.helpers.cluster import generate, generate_request, metric_value, running_cluster
+from tests.helpers.waiting import wait_for
+from tests.helpers.workers import wait_until_clean
 
 
 @pytest.fixture()
@@ -41,6 +43,18 @@ def test_router_counters_match_what_clients_saw(cluster):
     assert metric_value(m, "pdserve_router_itl_seconds_count") == 3 * 5
     assert metric_value(m, "pdserve_router_remote_prefills_total", outcome="ok") == 3
     assert metric_value(m, "pdserve_router_requests_in_flight") == 0
+    assert metric_value(m, "pdserve_router_ended_early_total", code="INVALID_ARGUMENT", phase="received") == 1
+
+
+def test_a_stream_the_client_cancels_is_counted_in_the_phase_it_stood_in(cluster):
+    router, workers = cluster
+    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(router.address))
+    call = stub.Generate(generate_request(list(range(300, 350)), 400), timeout=30)
+    assert next(call).token_ids  # decoding: tokens are streaming back
+    call.cancel()
+    assert wait_for(lambda: router.metrics.registry.get_sample_value(
+        "pdserve_router_ended_early_total", {"code": "CANCELLED", "phase": "decoding"}) == 1)
+    wait_until_clean(*workers)
 
 
 def test_worker_metrics_agree_with_status(cluster):
