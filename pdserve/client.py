@@ -269,9 +269,8 @@ class _Resume:
         return request
 
 
-class GenerationStream:
-    """One Generate call. Iterate for the raw GenerateResponse messages, or use deltas(). A stream
-    whose router dies is resumed through another (_Resume)."""
+class _Call:
+    """What both streams keep of one Generate call: its responses so far and how to resume it."""
 
     def __init__(self, call: Any, target: str, timeout_s: float | None,
                  request: pb.GenerateRequest | None = None,
@@ -286,20 +285,36 @@ class GenerationStream:
     def resumes(self) -> int:
         return self._resume.count
 
+    def _received(self, response: pb.GenerateResponse) -> pb.GenerateResponse:
+        self._received_any = True
+        self._collector.add(response)
+        return response
+
+    def _call_after(self, exc: grpc.RpcError) -> Any | None:
+        """The resumed call after the call failed with exc; None: the stream ends quietly (we
+        cancelled it); PdserveError when it can be neither."""
+        if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
+            return None
+        if not self._resume.possible(exc, self._reopen is not None):
+            raise error_from(exc, self._target, self._timeout_s, self._received_any) from None
+        return self._reopen(self._resume.next_request())
+
+
+class GenerationStream(_Call):
+    """One Generate call. Iterate for the raw GenerateResponse messages, or use deltas(). A stream
+    whose router dies is resumed through another (_Resume)."""
+
     def __iter__(self) -> Iterator[pb.GenerateResponse]:
         while True:
             try:
                 for response in self._call:
-                    self._received_any = True
-                    self._collector.add(response)
-                    yield response
+                    yield self._received(response)
                 return
             except grpc.RpcError as exc:
-                if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
+                resumed = self._call_after(exc)
+                if resumed is None:
                     return
-                if not self._resume.possible(exc, self._reopen is not None):
-                    raise error_from(exc, self._target, self._timeout_s, self._received_any) from None
-                self._call = self._reopen(self._resume.next_request())
+                self._call = resumed
 
     def deltas(self) -> Iterator[Delta]:
         """The text and token ids of each message that carries any."""
@@ -370,37 +385,21 @@ class PdserveClient:
 
 # --- asyncio ------------------------------------------------------------------------------------
 
-class AsyncGenerationStream:
+class AsyncGenerationStream(_Call):
     """One Generate call over grpc.aio: `async for` the responses, or `async for` deltas(). A stream
     whose router dies is resumed through another (_Resume)."""
-
-    def __init__(self, call: Any, target: str, timeout_s: float | None,
-                 request: pb.GenerateRequest | None = None,
-                 reopen: Callable[[pb.GenerateRequest], Any] | None = None):
-        self._call, self._target, self._timeout_s = call, target, timeout_s
-        self._reopen = reopen
-        self._collector = _Collector()
-        self._resume = _Resume(request, self._collector)
-        self._received_any = self._cancelled = False
-
-    @property
-    def resumes(self) -> int:
-        return self._resume.count
 
     async def __aiter__(self) -> AsyncIterator[pb.GenerateResponse]:
         while True:
             try:
                 async for response in self._call:
-                    self._received_any = True
-                    self._collector.add(response)
-                    yield response
+                    yield self._received(response)
                 return
             except grpc.RpcError as exc:
-                if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
+                resumed = self._call_after(exc)
+                if resumed is None:
                     return
-                if not self._resume.possible(exc, self._reopen is not None):
-                    raise error_from(exc, self._target, self._timeout_s, self._received_any) from None
-                self._call = self._reopen(self._resume.next_request())
+                self._call = resumed
             except asyncio.CancelledError:
                 # NOTE: grpc.aio raises CancelledError after call.cancel(). Only that one is
                 # swallowed: a task cancelled from outside must still see its CancelledError.
