@@ -36,7 +36,10 @@ def calibrate(quick: bool = False, progress: bool = True) -> CostModel:
     config = EngineConfig()
     engine = LLMEngine.from_config(config, progress=False)
     rows, times = _measure_steps(engine, reps=1 if quick else 2, progress=progress)
-    coef = nonnegative_lstsq(np.array(rows), np.array(times))
+    x, y = np.array(rows), np.array(times)
+    # NOTE: weighted by 1/time, so the fit minimises relative error: a 30 ms decode step counts as
+    # much as a 5 s prefill, else the long prefills decide every coefficient and decode is lost.
+    coef = nonnegative_lstsq(x / y[:, None], np.ones_like(y))
     model = engine.model_config
     cache = config.cache
     hw = Hardware(
@@ -48,13 +51,19 @@ def calibrate(quick: bool = False, progress: bool = True) -> CostModel:
         SchedulerConfig().max_num_seqs,
     )
     transfer = _measure_transfer(progress)
-    residual = float(np.sqrt(np.mean((np.array(rows) @ coef - np.array(times)) ** 2)))
+    relative = np.abs(x @ coef - y) / y
     source = {
         "note": "measured on this machine by `pdserve sim calibrate`",
         "host": platform.node(),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "steps": len(rows),
-        "fit_rms_s": residual,
+        "fit_relative_error_median": round(float(np.median(relative)), 3),
+        "fit_relative_error_p90": round(float(np.percentile(relative, 90)), 3),
+        "samples": {
+            "columns": ["1", "prefill_tokens", "prefill_attn/1000", "decode_seqs", "decode_context/1000"],
+            "rows": rows,
+            "step_s": times,
+        },
         "load_average": list(_loadavg()),
     }
     return CostModel(StepCosts(*map(float, coef)), transfer, hw, source)
