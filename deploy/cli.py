@@ -1,4 +1,4 @@
-"""The `pdserve` command line: plan, generate, chat, up, status, audit, loadtest.
+"""The `pdserve` command line: plan, generate, chat, up, status, audit, loadtest, sim.
 
 It lives with the application (deploy/), not in the library: it dispatches to the launcher
 (deploy/up.py) and the load tester (loadtest/), which the library package must not import.
@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_status(commands)
     _add_audit(commands)
     _add_loadtest(commands)
+    _add_sim(commands)
     return parser
 
 
@@ -537,6 +538,15 @@ def _add_loadtest(commands: argparse._SubParsersAction) -> None:
     # NOTE: loadtest.cli imports only argparse and its pure workloads here; grpc and
     # matplotlib load when a run starts, so `pdserve --help` stays fast.
     from loadtest.cli import add_parser
+
+    add_parser(commands)
+
+
+# --- sim ----------------------------------------------------------------------------------------
+
+def _add_sim(commands: argparse._SubParsersAction) -> None:
+    # NOTE: sim.cli imports only argparse and pure modules here; torch loads only for `sim calibrate`.
+    from sim.cli import add_parser
 
     add_parser(commands)
 

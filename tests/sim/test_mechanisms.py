@@ -1,0 +1,121 @@
+"""The simulator's mechanisms against hand-computed timelines (docs/simulator.md).
+
+Costs here are round numbers: a step is 10 ms + 1 ms per prefill token + 1 ms per decoding
+sequence; a transfer is 0.5 ms per layer (2 layers) + 1 ms per token (1000 bytes at 1 MB/s).
+Blocks hold 4 tokens. Every test ends with the leak check: no block still referenced.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtest.stats import SLO, build_report
+from sim.cluster import ClusterShape, simulate
+from sim.costs import CostModel, Hardware, StepCosts, TransferCosts
+from sim.workload import SimRequest, reply_tokens
+
+MS = 1e-3
+
+
+def make_costs(num_blocks: int = 64, budget: int = 2048) -> CostModel:
+    return CostModel(StepCosts(base_s=10 * MS, prefill_token_s=1 * MS, decode_seq_s=1 * MS),
+                     TransferCosts(bandwidth_bytes_per_s=1e6, frame_latency_s=0.5 * MS),
+                     Hardware(kv_bytes_per_token=1000, num_layers=2, num_blocks=num_blocks, block_size=4,
+                              max_num_batched_tokens=budget))
+
+
+def make_request(index: int, prompt: int | tuple[int, ...], reply: int, arrival_s: float = 0.0) -> SimRequest:
+    ids = prompt if isinstance(prompt, tuple) else tuple(5000 + 100 * index + i for i in range(prompt))
+    return SimRequest(index, arrival_s, ids, reply_tokens(index, reply))
+
+
+def run(requests, shape, costs):
+    result = simulate(requests, shape, costs)
+    assert result.leaked_blocks == 0
+    return result
+
+
+def ms(times) -> list[float]:
+    return [round(t * 1e3, 6) for t in times]
+
+
+def test_a_single_request_colocated_prefills_in_one_step_then_decodes_one_token_a_step():
+    r = run([make_request(0, 8, 3)], ClusterShape(0, 1), make_costs()).records[0]
+    # prefill 8 tokens: 10 + 8 = 18 ms; each decode step: 10 + 1 = 11 ms
+    assert ms(r.token_times_s) == [18, 29, 40]
+    assert r.ttft_ms == pytest.approx(18) and r.itl_ms == pytest.approx([11, 11])
+
+
+def test_a_single_request_disaggregated_waits_for_its_transfer_before_the_first_token():
+    shape = ClusterShape(1, 1, routing="least_load", min_remote_prefill_tokens=1)
+    r = run([make_request(0, 8, 3)], shape, make_costs()).records[0]
+    # P: 18 ms; transfer of 8 tokens: 2 x 0.5 ms + 8 x 1000 B / 1 MB/s = 9 ms; D decodes 11 ms a step
+    assert ms(r.token_times_s) == [27, 38, 49]
+    assert (r.prefill_worker, r.decode_worker) == ("prefill-0", "decode-0")
+
+
+def test_two_requests_contend_the_second_waits_for_the_step_in_flight_then_shares_one():
+    rs = run([make_request(0, 8, 2), make_request(1, 8, 2)], ClusterShape(0, 1), make_costs()).records
+    # A's arrival starts a step at once (10 + 8 = 18 ms); B, due at the same instant, waits for it,
+    # then shares one step: A's decode + B's 8 tokens (10 + 1 + 8 = 19 ms); B decodes alone (11 ms)
+    assert [ms(r.token_times_s) for r in rs] == [[18, 37], [37, 48]]
+
+
+def test_a_small_token_budget_chunks_the_second_prefill_behind_the_first_decode():
+    rs = run([make_request(0, 8, 2), make_request(1, 8, 1)], ClusterShape(0, 1), make_costs(budget=8)).records
+    # step 1: A's 8 tokens (18 ms). step 2: A decodes 1 + B's first 7 tokens (10 + 1 + 7 = 18 ms).
+    # step 3: B's last prompt token (10 + 1 = 11 ms) samples B's first token.
+    assert ms(rs[0].token_times_s) == [18, 36]
+    assert ms(rs[1].token_times_s) == [47]
+
+
+def test_a_full_pool_preempts_the_newest_which_recomputes_past_its_cached_prefix():
+    # 4 blocks of 4 tokens; two 6-token prompts take 2 blocks each; at token 9 A needs a third block
+    result = run([make_request(0, 6, 4), make_request(1, 6, 4)], ClusterShape(0, 1), make_costs(num_blocks=4))
+    a, b = result.records
+    assert result.preemptions == 1
+    # steps: A's prefill 16 ms; A's decode + B's prefill 10 + 1 + 6 = 17; both decode 12 (45 ms);
+    # A needs a third block: B (the newest) is preempted; A alone 11 (A done at 56)
+    assert ms(a.token_times_s) == [16, 33, 45, 56]
+    # B returns with 8 tokens: its full first block stayed cached (its partial one went back FREE and
+    # A took that one), so it recomputes 4 tokens (10 + 4 = 14 ms, 70) and decodes once more (81)
+    assert ms(b.token_times_s) == [33, 45, 70, 81]
+
+
+def test_a_prefix_hit_skips_the_cached_blocks_and_the_router_sends_the_prompt_where_they_are():
+    first = make_request(0, 12, 1)
+    second = make_request(1, (*first.prompt[:8], 7, 7, 7, 7), 1, arrival_s=1.0)
+    result = run([first, second], ClusterShape(0, 2), make_costs())
+    a, b = result.records
+    assert b.decode_worker == a.decode_worker
+    # 12 - 8 cached tokens: 10 + 4 = 14 ms
+    assert b.ttft_ms == pytest.approx(14)
+    assert b.usage["cached_tokens"] == 8
+    report = build_report(result.records, duration_s=result.duration_s, slo=SLO())
+    assert report["prefix_hit_rate"] == pytest.approx(8 / 24, abs=1e-3)  # rounded
+
+
+def test_conditional_disaggregation_keeps_a_short_prompt_on_the_decode_worker():
+    short, long = make_request(0, 100, 1), make_request(1, 400, 1, arrival_s=1.0)
+    a, b = run([short, long], ClusterShape(1, 1), make_costs(num_blocks=256)).records
+    # router/scoring.py: fewer than local_prefill_max_tokens (256) uncached tokens stay on D
+    assert a.prefill_worker is None and b.prefill_worker == "prefill-0"
+
+
+def test_admission_refuses_a_request_when_every_decode_worker_is_at_its_bound():
+    shape = ClusterShape(0, 1, max_in_flight_per_decode=1)
+    a, b = run([make_request(0, 8, 2), make_request(1, 8, 2)], shape, make_costs()).records
+    assert a.ok and b.status == "RESOURCE_EXHAUSTED"
+
+
+def test_a_prompt_larger_than_the_pool_is_refused():
+    (r,) = run([make_request(0, 64, 1)], ClusterShape(0, 1), make_costs(num_blocks=8)).records
+    assert r.status == "RESOURCE_EXHAUSTED"
+
+
+def test_a_transfer_into_a_full_decode_pool_falls_back_to_prefill_on_the_decode_worker():
+    # D holds 4 blocks; A (12 tokens, 3 blocks) decodes there; B's 8-token transfer needs 2 blocks
+    costs = make_costs(num_blocks=4)
+    shape = ClusterShape(1, 1, routing="least_load", min_remote_prefill_tokens=10)
+    a, b = run([make_request(0, 8, 6), make_request(1, 12, 1, arrival_s=0.001)], shape, costs).records
+    assert a.prefill_worker is None and b.ok and b.prefill_worker is None

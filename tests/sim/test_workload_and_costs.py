@@ -1,0 +1,71 @@
+"""Arrivals (the load tester's workloads, traces) and the cost files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loadtest.workloads import make_workload
+from sim.cluster import ClusterShape, simulate
+from sim.costs import load_costs, save_costs
+from sim.workload import from_trace, from_workload
+from tests.sim.test_mechanisms import make_costs
+
+GPU_COSTS = Path(__file__).resolve().parents[2] / "sim" / "data" / "h100_llama8b.json"
+
+
+def test_a_run_is_deterministic_given_its_seed():
+    reqs = from_workload(make_workload("shared-prefix", {"num_prefixes": 3}), 60, 20.0, seed=1)
+    a, b = (simulate(reqs, ClusterShape(1, 2), make_costs(num_blocks=512), seed=1) for _ in range(2))
+    assert a.records == b.records
+    assert len({r.decode_worker for r in a.records}) == 2
+
+
+def test_multi_turn_sends_the_next_turn_only_after_the_reply_and_it_hits_the_history():
+    reqs = from_workload(make_workload("multi-turn", {"turns": 2}), 4, 100.0, seed=0)
+    assert reqs[2].prompt[:len(reqs[0].prompt)] == reqs[0].prompt  # turn 2 carries turn 1 and its reply
+    records = simulate(reqs, ClusterShape(0, 1), make_costs(num_blocks=512)).records
+    assert records[2].send_s >= records[0].end_s
+    assert records[2].usage["cached_tokens"] >= len(reqs[0].prompt) // 4 * 4 - 4
+
+
+def test_the_arrivals_are_the_load_testers_own(monkeypatch):
+    import random
+
+    from loadtest.arrivals import Bounds, scheduled_offsets
+    reqs = from_workload(make_workload("synthetic"), 5, 3.0, seed=7)
+    assert [r.arrival_s for r in reqs] == scheduled_offsets(3.0, random.Random("7/arrivals"), Bounds(5))
+
+
+def test_a_trace_shares_each_prefix_ids_leading_tokens(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_s,prompt_tokens,prefix_id,output_tokens,prefix_tokens\n"
+                     "0.5,40,a,3,32\n0.0,50,a,2,32\n1.0,20,,1,\n")
+    a1, a0, other = sorted(from_trace(trace), key=lambda r: len(r.prompt), reverse=True)[::1][:3]
+    assert a1.prompt[:32] == a0.prompt[:32] and a1.prompt[32] != a0.prompt[32]
+    assert [r.arrival_s for r in from_trace(trace)] == [0.0, 0.5, 1.0]
+    assert len(other.prompt) == 20 and len(other.reply) == 1
+
+
+def test_a_trace_row_with_no_output_is_an_error_that_names_it(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 0}) + "\n")
+    with pytest.raises(ValueError, match="row 1"):
+        from_trace(trace)
+
+
+def test_a_cost_model_survives_its_json(tmp_path):
+    costs = make_costs()
+    save_costs(costs, tmp_path / "c.json")
+    assert load_costs(tmp_path / "c.json") == costs
+    # transfer_s: frames x latency + bytes / bandwidth
+    assert costs.transfer_s(8) == pytest.approx(2 * 0.5e-3 + 8 * 1000 / 1e6)
+
+
+def test_the_gpu_cost_file_cites_its_source_and_says_it_was_not_measured_here():
+    costs = load_costs(GPU_COSTS)
+    assert "not measured" in costs.source["note"].lower() and costs.source["references"]
+    # memory-bound decode: a batch of 64 costs well under twice a batch of 1
+    assert costs.step_s([], 64, 64 * 1024) < 2 * costs.step_s([], 1, 1024)
