@@ -332,6 +332,15 @@ def _add_up_cache(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
     cache.add_argument("--kv-cache-gib", type=float,
                        help="KV cache memory per worker in GiB, when --num-blocks is not given "
                             f"(default: {d.cache.kv_cache_gib:g})")
+    cache.add_argument("--host-cache-gib", type=float, metavar="GIB",
+                       help="host-memory KV tier per worker: evicted blocks are copied there and loaded "
+                            "back on a prefix hit instead of recomputed (default: 0, off; docs/deploy.md)")
+    cache.add_argument("--disk-cache-dir", metavar="DIR",
+                       help="disk KV tier under the host tier, one subfolder per worker; blocks leaving "
+                            "host memory are written there and a restarted worker comes back warm "
+                            "(default: off)")
+    cache.add_argument("--disk-cache-gib", type=float, metavar="GIB",
+                       help=f"bound of each worker's disk tier (default: {d.cache.disk_cache_gib:g})")
     cache.add_argument("--max-batched-tokens", type=int,
                        help="token budget of one engine step (chunked prefill) "
                             f"(default: {d.scheduler.max_num_batched_tokens})")

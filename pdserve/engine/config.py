@@ -6,7 +6,8 @@ component only its own part.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
 
 from pdserve.field_error import FieldError
 
@@ -104,6 +105,13 @@ class CacheConfig:
         if self.disk_cache_dir is not None and not (self.host_cache_gib or self.host_num_blocks):
             raise FieldError("disk_cache_dir", "needs a host tier above it (blocks reach disk as they "
                              "leave host memory); set host_cache_gib > 0", self.disk_cache_dir)
+
+    def for_worker(self, worker_id: str) -> CacheConfig:
+        """This config for one worker: its disk tier in a subfolder of its own (a restarted worker
+        keeps its id, so it finds its files again; two workers never share one)."""
+        if self.disk_cache_dir is None:
+            return self
+        return replace(self, disk_cache_dir=os.path.join(self.disk_cache_dir, worker_id))
 
     def resolve_num_blocks(self, model: ModelConfig) -> int:
         if self.num_blocks is not None:
