@@ -80,6 +80,11 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
                    help="sequences held at once (default: %(default)s)")
     p.add_argument("--memory-gib", type=float,
                    help="memory budget for the KV cache in GiB; adds how many sequences and tokens fit")
+    p.add_argument("--host-gib", type=float,
+                   help="a host-memory KV tier of this many GiB (pdserve up --host-cache-gib); adds the "
+                        "tokens it holds")
+    p.add_argument("--disk-gib", type=float,
+                   help="a disk KV tier of this many GiB (--disk-cache-gib); adds the tokens it holds")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(handler=_run_plan)
 
@@ -92,14 +97,15 @@ def _run_plan(args: argparse.Namespace) -> int:
         given = [flag for flag, value in shape_flags.items() if value is not None]
         if given:
             raise ValueError(f"--model sets the shape; drop {', '.join(given)} or drop --model")
-        plan = plan_for_model(args.model, args.dtype, args.tokens, args.sequences, args.memory_gib)
+        plan = plan_for_model(args.model, args.dtype, args.tokens, args.sequences, args.memory_gib,
+                              args.host_gib, args.disk_gib)
     else:
         missing = [flag for flag, value in shape_flags.items() if value is None]
         if missing:
             raise ValueError(
                 f"missing {', '.join(missing)}: give the model shape, or --model PATH to read it")
         plan = plan_kv(args.layers, args.kv_heads, args.head_dim, args.dtype,
-                       args.tokens, args.sequences, args.memory_gib)
+                       args.tokens, args.sequences, args.memory_gib, args.host_gib, args.disk_gib)
 
     if args.json:
         print(json.dumps(plan.as_dict()))
@@ -119,6 +125,10 @@ def _run_plan(args: argparse.Namespace) -> int:
         verdict = "fits" if plan.sequences_that_fit >= plan.sequences else "does NOT fit"
         print(f"  in {plan.memory_gib:g} GiB: {plan.sequences_that_fit:,} sequences of "
               f"{plan.tokens:,} tokens ({plan.tokens_that_fit:,} tokens in all); the total {verdict}")
+    for tier, gib, fit in (("host", plan.host_gib, plan.host_tokens_that_fit),
+                           ("disk", plan.disk_gib, plan.disk_tokens_that_fit)):
+        if gib is not None:
+            print(f"  {tier} tier of {gib:g} GiB: {fit:,} tokens of evicted prefixes, loaded back on a hit")
     return 0
 
 
