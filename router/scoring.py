@@ -53,10 +53,13 @@ class ScoringWeights:
     prefill_load: float = 256.0  # per request in flight on the prefill worker
     blocks_used: float = 32.0  # load added by a full KV pool (fraction x this)
     local_prefill_max_tokens: int = 256  # below this, the uncached part is prefilled on D
-    # A lower tier's block costs this fraction of recomputing it: reload / recompute, measured on a
-    # CPU worker by `python -m bench.kv_tiers` (docs/benchmarks.md); rerun it on other hardware.
-    host_reload: float = 0.02
-    disk_reload: float = 0.05
+    # A lower tier's block costs this fraction of recomputing it: reload / recompute as measured by
+    # `python -m bench.kv_tiers` on this project's 2-core CPU machine (2026-12-02, load average 3.5:
+    # host 0.089, disk 0.057; docs/benchmarks.md). NOTE: disk measured below host there, which is
+    # the load's noise, not the hardware: disk is kept at host's until a quieter run separates them.
+    # Rerun the bench on other hardware (a GPU worker reloads over PCIe) and set these from it.
+    host_reload: float = 0.09
+    disk_reload: float = 0.09
 
     def overridden(self, overrides: Mapping[str, float]) -> ScoringWeights:
         """A copy with per-request overrides; ValueError names an unknown or out-of-range weight."""
