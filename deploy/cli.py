@@ -81,6 +81,11 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
                    help="sequences held at once (default: %(default)s)")
     p.add_argument("--memory-gib", type=float,
                    help="memory budget for the KV cache in GiB; adds how many sequences and tokens fit")
+    p.add_argument("--host-gib", type=float,
+                   help="a host-memory KV tier of this many GiB (pdserve up --host-cache-gib); adds the "
+                        "tokens it holds")
+    p.add_argument("--disk-gib", type=float,
+                   help="a disk KV tier of this many GiB (--disk-cache-gib); adds the tokens it holds")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(handler=_run_plan)
 
@@ -93,14 +98,15 @@ def _run_plan(args: argparse.Namespace) -> int:
         given = [flag for flag, value in shape_flags.items() if value is not None]
         if given:
             raise ValueError(f"--model sets the shape; drop {', '.join(given)} or drop --model")
-        plan = plan_for_model(args.model, args.dtype, args.tokens, args.sequences, args.memory_gib)
+        plan = plan_for_model(args.model, args.dtype, args.tokens, args.sequences, args.memory_gib,
+                              args.host_gib, args.disk_gib)
     else:
         missing = [flag for flag, value in shape_flags.items() if value is None]
         if missing:
             raise ValueError(
                 f"missing {', '.join(missing)}: give the model shape, or --model PATH to read it")
         plan = plan_kv(args.layers, args.kv_heads, args.head_dim, args.dtype,
-                       args.tokens, args.sequences, args.memory_gib)
+                       args.tokens, args.sequences, args.memory_gib, args.host_gib, args.disk_gib)
 
     if args.json:
         print(json.dumps(plan.as_dict()))
@@ -120,6 +126,10 @@ def _run_plan(args: argparse.Namespace) -> int:
         verdict = "fits" if plan.sequences_that_fit >= plan.sequences else "does NOT fit"
         print(f"  in {plan.memory_gib:g} GiB: {plan.sequences_that_fit:,} sequences of "
               f"{plan.tokens:,} tokens ({plan.tokens_that_fit:,} tokens in all); the total {verdict}")
+    for tier, gib, fit in (("host", plan.host_gib, plan.host_tokens_that_fit),
+                           ("disk", plan.disk_gib, plan.disk_tokens_that_fit)):
+        if gib is not None:
+            print(f"  {tier} tier of {gib:g} GiB: {fit:,} tokens of evicted prefixes, loaded back on a hit")
     return 0
 
 
@@ -338,6 +348,15 @@ def _add_up_cache(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
     cache.add_argument("--kv-cache-gib", type=float,
                        help="KV cache memory per worker in GiB, when --num-blocks is not given "
                             f"(default: {d.cache.kv_cache_gib:g})")
+    cache.add_argument("--host-cache-gib", type=float, metavar="GIB",
+                       help="host-memory KV tier per worker: evicted blocks are copied there and loaded "
+                            "back on a prefix hit instead of recomputed (default: 0, off; docs/deploy.md)")
+    cache.add_argument("--disk-cache-dir", metavar="DIR",
+                       help="disk KV tier under the host tier, one subfolder per worker; blocks leaving "
+                            "host memory are written there and a restarted worker comes back warm "
+                            "(default: off)")
+    cache.add_argument("--disk-cache-gib", type=float, metavar="GIB",
+                       help=f"bound of each worker's disk tier (default: {d.cache.disk_cache_gib:g})")
     cache.add_argument("--max-batched-tokens", type=int,
                        help="token budget of one engine step (chunked prefill) "
                             f"(default: {d.scheduler.max_num_batched_tokens})")

@@ -243,8 +243,8 @@ class LocalCluster:
 
     def _worker_spec(self, role: str, worker_id: str, threads: int | None) -> WorkerSpec:
         s = self.spec
-        engine = EngineConfig(model_path=s.model_path, cache=s.cache, scheduler=s.scheduler,
-                              num_threads=threads,
+        engine = EngineConfig(model_path=s.model_path, cache=s.cache.for_worker(worker_id),
+                              scheduler=s.scheduler, num_threads=threads,
                               linear_kernel=s.linear_kernel)
         return WorkerSpec(role=role, worker_id=worker_id, redis_url=self.redis_url, engine=engine,
                           host=s.host, namespace=s.namespace,

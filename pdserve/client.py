@@ -39,7 +39,8 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_TIMEOUT_S = 120.0
 MAX_RESUMES = 2  # client-side resumes of one stream whose router died mid-way
 MAX_MESSAGE_BYTES = 64 * 2**20
-USAGE_FIELDS = ("prompt_tokens", "cached_tokens", "computed_tokens", "completion_tokens")
+USAGE_FIELDS = ("prompt_tokens", "cached_tokens", "computed_tokens", "completion_tokens",
+                "host_cached_tokens", "disk_cached_tokens")  # the last two: of cached_tokens, per KV tier
 TIMING_FIELDS = ("queue_ms", "prefill_ms", "transfer_ms", "ttft_ms")
 MIGRATION_FIELDS = ("cause", "from_decode_worker", "to_decode_worker", "after_tokens", "replayed_tokens",
                     "cached_tokens", "gap_ms")

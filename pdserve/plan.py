@@ -44,6 +44,10 @@ class KVPlan:
     memory_gib: float | None = None
     sequences_that_fit: int | None = None  # set only when memory_gib is given
     tokens_that_fit: int | None = None
+    host_gib: float | None = None  # the host-memory tier (--host-cache-gib); None: not asked
+    host_tokens_that_fit: int | None = None
+    disk_gib: float | None = None  # the disk tier (--disk-cache-gib)
+    disk_tokens_that_fit: int | None = None
 
     def as_dict(self) -> dict[str, object]:
         """Flat, JSON-ready; the *_that_fit keys appear only when a memory budget was given."""
@@ -63,6 +67,10 @@ class KVPlan:
             out["memory_gib"] = self.memory_gib
             out["sequences_that_fit"] = self.sequences_that_fit
             out["tokens_that_fit"] = self.tokens_that_fit
+        for tier in ("host", "disk"):
+            if getattr(self, f"{tier}_gib") is not None:
+                out[f"{tier}_gib"] = getattr(self, f"{tier}_gib")
+                out[f"{tier}_tokens_that_fit"] = getattr(self, f"{tier}_tokens_that_fit")
         return out
 
 
@@ -81,8 +89,11 @@ def plan_kv(
     tokens: int,
     sequences: int = 1,
     memory_gib: float | None = None,
+    host_gib: float | None = None,
+    disk_gib: float | None = None,
 ) -> KVPlan:
-    """KV bytes for `sequences` sequences of `tokens` tokens, and what fits in `memory_gib` GiB."""
+    """KV bytes for `sequences` sequences of `tokens` tokens, and what fits in `memory_gib` GiB (and
+    in a host tier of host_gib, a disk tier of disk_gib: a block there holds the same bytes)."""
     for name, flag, value in (
         ("num_layers", "--layers", num_layers),
         ("num_kv_heads", "--kv-heads", num_kv_heads),
@@ -93,8 +104,10 @@ def plan_kv(
         _require_positive_int(name, flag, value)
     if dtype not in KV_DTYPES:
         raise ValueError(f"dtype (--dtype) must be one of {', '.join(KV_DTYPES)}, got {dtype!r}")
-    if memory_gib is not None and not (memory_gib > 0 and math.isfinite(memory_gib)):
-        raise ValueError(f"memory_gib (--memory-gib) must be a finite number > 0, got {memory_gib}")
+    for name, flag, gib in (("memory_gib", "--memory-gib", memory_gib), ("host_gib", "--host-gib", host_gib),
+                            ("disk_gib", "--disk-gib", disk_gib)):
+        if gib is not None and not (gib > 0 and math.isfinite(gib)):
+            raise ValueError(f"{name} ({flag}) must be a finite number > 0, got {gib}")
 
     per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
     per_sequence = per_token * tokens
@@ -115,6 +128,10 @@ def plan_kv(
         memory_gib=memory_gib,
         sequences_that_fit=fit_sequences,
         tokens_that_fit=fit_tokens,
+        host_gib=host_gib,
+        host_tokens_that_fit=None if host_gib is None else math.floor(host_gib * GIB) // per_token,
+        disk_gib=disk_gib,
+        disk_tokens_that_fit=None if disk_gib is None else math.floor(disk_gib * GIB) // per_token,
     )
 
 
@@ -124,10 +141,13 @@ def plan_for_model(
     tokens: int,
     sequences: int = 1,
     memory_gib: float | None = None,
+    host_gib: float | None = None,
+    disk_gib: float | None = None,
 ) -> KVPlan:
     """plan_kv with the shape read from a Hugging Face model folder or a .gguf file."""
     shape = read_kv_shape(path)
-    return plan_kv(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype, tokens, sequences, memory_gib)
+    return plan_kv(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype, tokens, sequences, memory_gib,
+                   host_gib, disk_gib)
 
 
 def read_kv_shape(path: str | Path) -> KVShape:

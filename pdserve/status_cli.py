@@ -23,8 +23,8 @@ from pdserve.client_security import security_from_args
 from pdserve.units import human_bytes
 from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc
 
-COLUMNS = ("worker", "role", "node", "state", "queue", "load", "KV used", "hit rate", "index accuracy",
-           "sent", "received", "failed")
+COLUMNS = ("worker", "role", "node", "state", "queue", "load", "KV used", "host tier", "disk tier",
+           "hit rate", "index accuracy", "sent", "received", "failed")
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -69,9 +69,11 @@ def worker_row(view: admin_pb2.WorkerView) -> tuple[str, ...]:
     kv = "-"
     if s.num_blocks:
         kv = f"{s.used_blocks}/{s.num_blocks} ({100 * s.used_blocks / s.num_blocks:.0f}%)"
+    host = f"{s.host_used_blocks}/{s.host_blocks}" if s.host_blocks else "off"
+    disk = f"{s.disk_used_blocks}/{s.disk_blocks}" if s.disk_blocks else "off"
     hit = f"{100 * s.cached_tokens_total / s.prompt_tokens_total:.1f}%" if s.prompt_tokens_total else "-"
     failed = sum(v for k, v in [*s.transfer_outcomes.items(), *s.send_outcomes.items()] if k != "done")
     accuracy = f"{view.index_accuracy:.2f}" if view.HasField("index_accuracy") else "-"
     return (s.worker_id, s.role, s.node, view.state, f"{s.waiting_requests}/{s.active_requests}",
-            str(view.estimated_load), kv, hit,
+            str(view.estimated_load), kv, host, disk, hit,
             accuracy, human_bytes(s.bytes_sent), human_bytes(s.bytes_received), str(failed))

@@ -32,7 +32,7 @@ from pdserve.index.breaker import CircuitBreaker
 from router.config import ROUTING_POLICIES, PlacementConfig
 from router.least_load import NoWorkerError, place_by_load
 from router.limits import RetryLater
-from router.scoring import Candidate, Choice, ScoringWeights, choose
+from router.scoring import Candidate, Choice, LowerHeld, ScoringWeights, choose, held_by_tier
 from router.workers import BlockHashing, WorkerDirectory
 
 
@@ -137,12 +137,13 @@ class Placer:
                    cache_salt: bytes) -> tuple[Choice, int | None]:
         """The group's cheapest choice, and the cached tokens the index promised its computing worker
         (None when the index did not answer)."""
-        held: Mapping[str, int] | None = {}
+        tiered: tuple[dict[str, int], dict[str, LowerHeld]] | None = ({}, {})
         if self.match is not None:
             hashes = hash_blocks(prompt, hashing.block_size, request_salt(hashing.salt, cache_salt))
-            held = self.breaker.call(lambda: self.match(hashes), None) if hashes else {}
-        choice = choose(len(prompt), hashing.block_size, decode, prefill, held or {}, weights, self.rng)
-        consulted = self.match is not None and held is not None
+            tiered = self.breaker.call(lambda: held_by_tier(self.match, hashes), None) if hashes else ({}, {})
+        held, lower = tiered or ({}, {})
+        choice = choose(len(prompt), hashing.block_size, decode, prefill, held, weights, self.rng, lower)
+        consulted = self.match is not None and tiered is not None
         return choice, choice.prefill_cached_blocks * hashing.block_size if consulted else None
 
     def _round_robin(self, prompt_tokens: int, decode, prefill) -> Placement:

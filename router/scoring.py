@@ -13,6 +13,15 @@ computed), the options are:
                          + w_transfer     * (n - d_D)                 blocks sent to D
                          + w_prefill_load * load(P) + w_decode_load * load(D)
 
+A worker's d leading blocks may sit partly in a tier below its device pool (host memory, disk):
+they are loaded back instead of recomputed, so each such block costs B x its tier's reload
+weight (reload time / recompute time, measured by bench.kv_tiers, not guessed) of the prefill
+cost instead of nothing:
+
+    lacking(D)  = T - B * d_D + B * (host_reload * host_D + disk_reload * disk_D)
+
+where host_D, disk_D count the blocks of d_D held in each lower tier (held_by_tier below).
+
 load(D) = active sequences + w_blocks_used * fraction of D's KV blocks in use.
 w_local_prefill > w_prefill because prefill on a decode worker stalls its decode
 streams, which is why disaggregation exists. Before any cost: when the part of the
@@ -25,9 +34,11 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
+from pdserve.engine.events import Tier, index_key
+from pdserve.engine.hashing import BlockHash
 from pdserve.units import ceil_div
 
 log = logging.getLogger(__name__)
@@ -42,6 +53,13 @@ class ScoringWeights:
     prefill_load: float = 256.0  # per request in flight on the prefill worker
     blocks_used: float = 32.0  # load added by a full KV pool (fraction x this)
     local_prefill_max_tokens: int = 256  # below this, the uncached part is prefilled on D
+    # A lower tier's block costs this fraction of recomputing it: reload / recompute as measured by
+    # `python -m bench.kv_tiers` on this project's 2-core CPU machine (2026-12-02, load average 3.5:
+    # host 0.089, disk 0.057; docs/benchmarks.md). NOTE: disk measured below host there, which is
+    # the load's noise, not the hardware: disk is kept at host's until a quieter run separates them.
+    # Rerun the bench on other hardware (a GPU worker reloads over PCIe) and set these from it.
+    host_reload: float = 0.09
+    disk_reload: float = 0.09
 
     def overridden(self, overrides: Mapping[str, float]) -> ScoringWeights:
         """A copy with per-request overrides; ValueError names an unknown or out-of-range weight."""
@@ -77,19 +95,55 @@ class Choice:
     prefill_cached_blocks: int
 
 
+@dataclass(frozen=True)
+class LowerHeld:
+    """Of a worker's leading run of held blocks, how many sit in its host and disk tiers (the run's
+    last ones: the device run comes first, then the host run, then the disk run)."""
+
+    host: int = 0
+    disk: int = 0
+
+
+def held_by_tier(match: Callable[[Sequence[BlockHash]], Mapping[str, int]], hashes: Sequence[BlockHash]
+                 ) -> tuple[dict[str, int], dict[str, LowerHeld]]:
+    """Each worker's leading run over every tier, and the part of it in lower tiers.
+
+    The index keys a lower tier's block by events.index_key, so: match the device keys, then, after
+    each worker's device run, the host keys, then the disk keys. NOTE: a run that goes back up a
+    tier (a device block after a host one) is cut there; that counts fewer blocks, never a block a
+    worker lacks (it recomputes what it does not hold anyway).
+    """
+    held = {w: n for w, n in match(hashes).items() if n}
+    lower: dict[str, LowerHeld] = {}
+    for tier in (Tier.HOST, Tier.DISK):
+        for start in sorted(set(held.values()) | {0}):
+            rest = [index_key(h, tier) for h in hashes[start:]]
+            if not rest:
+                continue
+            for worker, n in match(rest).items():
+                if n and held.get(worker, 0) == start:
+                    held[worker] = start + n
+                    was = lower.get(worker, LowerHeld())
+                    lower[worker] = replace(was, **{tier.value: getattr(was, tier.value) + n})
+    return held, lower
+
+
 def usable_blocks(held: int, prompt_tokens: int, block_size: int) -> int:
     """Leading blocks that can be reused: the last token is always computed."""
     return max(0, min(held, (prompt_tokens - 1) // block_size))
 
 
 def choose(prompt_tokens: int, block_size: int, decode: Sequence[Candidate], prefill: Sequence[Candidate],
-           held_blocks: Mapping[str, int], weights: ScoringWeights, rng: random.Random) -> Choice:
-    """The cheapest option over every decode worker (and prefill worker). decode must be non-empty."""
+           held_blocks: Mapping[str, int], weights: ScoringWeights, rng: random.Random,
+           lower: Mapping[str, LowerHeld] | None = None) -> Choice:
+    """The cheapest option over every decode worker (and prefill worker). decode must be non-empty.
+    lower: of held_blocks, those in each worker's lower tiers (none when absent)."""
     if not decode:
         raise ValueError("no decode worker to choose from")
-    feeders = _cheapest_prefill(prompt_tokens, block_size, prefill, held_blocks, weights)
+    lower = lower or {}
+    feeders = _cheapest_prefill(prompt_tokens, block_size, prefill, held_blocks, lower, weights)
     options = [option for d in decode
-               for option in _options(prompt_tokens, block_size, d, feeders, held_blocks, weights)]
+               for option in _options(prompt_tokens, block_size, d, feeders, held_blocks, lower, weights)]
     best = min(o.cost for o in options)
     winner = rng.choice([o for o in options if o.cost == best])
     if log.isEnabledFor(logging.DEBUG):
@@ -101,32 +155,47 @@ def choose(prompt_tokens: int, block_size: int, decode: Sequence[Candidate], pre
 @dataclass(frozen=True)
 class _Feeders:
     """The prefill workers tied for the cheapest prefill part of a remote option, which does not
-    depend on the decode worker: w_prefill * (T - B * d_P) + w_prefill_load * load(P). Only they
-    can be in a cheapest P-then-D option, so each decode worker is priced with them alone (D + P
-    work instead of D x P)."""
+    depend on the decode worker: w_prefill * (T - B * d_P + reload(P)) + w_prefill_load * load(P).
+    Only they can be in a cheapest P-then-D option, so each decode worker is priced with them alone
+    (D + P work instead of D x P)."""
 
     cost: float
     workers: tuple[tuple[Candidate, int], ...]  # (P, its usable cached blocks), in the given order
 
 
 def _cheapest_prefill(tokens: int, bs: int, prefill: Sequence[Candidate], held: Mapping[str, int],
-                      w: ScoringWeights) -> _Feeders | None:
+                      lower: Mapping[str, LowerHeld], w: ScoringWeights) -> _Feeders | None:
     if not prefill:
         return None
     parts = []
     for p in prefill:
-        p_held = usable_blocks(held.get(p.worker_id, 0), tokens, bs)
-        parts.append((w.prefill * (tokens - bs * p_held) + w.prefill_load * p.active_requests, p, p_held))
+        p_all = held.get(p.worker_id, 0)
+        p_held = usable_blocks(p_all, tokens, bs)
+        p_lacking = tokens - bs * p_held + _reload_tokens(p.worker_id, p_all, p_held, lower, bs, w)
+        parts.append((w.prefill * p_lacking + w.prefill_load * p.active_requests, p, p_held))
     cost = min(part for part, _, _ in parts)
     return _Feeders(cost, tuple((p, p_held) for part, p, p_held in parts if part == cost))
 
 
+def _reload_tokens(worker_id: str, held: int, usable: int, lower: Mapping[str, LowerHeld], bs: int,
+                   w: ScoringWeights) -> float:
+    """What loading back a worker's usable lower-tier blocks costs, in tokens of prefill."""
+    tiers = lower.get(worker_id)
+    if tiers is None:
+        return 0.0
+    cut = held - usable  # blocks past the usable cap: the run's last, so lower-tier ones first
+    disk = max(0, tiers.disk - cut)
+    host = max(0, tiers.host - max(0, cut - tiers.disk))
+    return bs * (w.host_reload * host + w.disk_reload * disk)
+
+
 def _options(tokens: int, bs: int, d: Candidate, feeders: _Feeders | None, held: Mapping[str, int],
-             w: ScoringWeights) -> list[Choice]:
+             lower: Mapping[str, LowerHeld], w: ScoringWeights) -> list[Choice]:
     n_blocks = ceil_div(tokens, bs)
-    d_held = usable_blocks(held.get(d.worker_id, 0), tokens, bs)
+    d_all = held.get(d.worker_id, 0)
+    d_held = usable_blocks(d_all, tokens, bs)
     d_load = w.decode_load * d.active_requests + w.blocks_used * d.used_block_fraction
-    lacking = tokens - bs * d_held
+    lacking = tokens - bs * d_held + _reload_tokens(d.worker_id, d_all, d_held, lower, bs, w)
     local = Choice(d, None, w.local_prefill * lacking + d_load, d_held, d_held)
     if lacking < w.local_prefill_max_tokens or feeders is None:
         return [local]

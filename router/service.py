@@ -482,7 +482,9 @@ def _usage(prompt_tokens: int, prompt: generation_pb2.Usage,
     generated (the last decode worker counts those sent before a migration too)."""
     return generation_pb2.Usage(prompt_tokens=prompt_tokens, cached_tokens=prompt.cached_tokens,
                                 computed_tokens=prompt.computed_tokens,
-                                completion_tokens=last.completion_tokens)
+                                completion_tokens=last.completion_tokens,
+                                host_cached_tokens=prompt.host_cached_tokens,
+                                disk_cached_tokens=prompt.disk_cached_tokens)
 
 
 def _timings(trace: _Trace) -> generation_pb2.Timings:

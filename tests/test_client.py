@@ -26,7 +26,8 @@ from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 
 DELTAS = [("Hello", [1]), (", ", [2]), ("world", [3])]
-USAGE = {"prompt_tokens": 143, "cached_tokens": 128, "computed_tokens": 15, "completion_tokens": 3}
+USAGE = {"prompt_tokens": 143, "cached_tokens": 128, "computed_tokens": 15, "completion_tokens": 3,
+         "host_cached_tokens": 0, "disk_cached_tokens": 0}
 TIMINGS = {"queue_ms": 1.5, "prefill_ms": 20.0, "transfer_ms": 0.0, "ttft_ms": 85.0}
 WAIT_S = 5.0
 

@@ -228,3 +228,13 @@ def test_generate_parses_its_flags():
     # unset sampling flags stay None: the model's defaults apply (pdserve/engine/sampling_defaults.py)
     assert args.temperature == 0.0 and args.top_k is None and args.top_p is None and args.max_tokens == 128
     assert (args.block_size, args.kv_dtype) == (16, "float32")
+
+
+def test_plan_counts_what_the_host_and_disk_tiers_hold():
+    from pdserve.plan import plan_kv
+    plan = plan_kv(30, 3, 64, "float32", 2048, memory_gib=1.0, host_gib=2.0, disk_gib=8.0)
+    assert plan.host_tokens_that_fit == 2 * 2**30 // plan.bytes_per_token
+    assert plan.disk_tokens_that_fit == 8 * 2**30 // plan.bytes_per_token
+    assert plan.as_dict()["host_tokens_that_fit"] == plan.host_tokens_that_fit
+    with pytest.raises(ValueError, match=r"host_gib \(--host-gib\) must be a finite number > 0"):
+        plan_kv(30, 3, 64, "float32", 2048, host_gib=0.0)

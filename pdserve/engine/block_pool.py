@@ -12,7 +12,11 @@ Every block is in exactly one of three states:
     commit:    give an IN USE full block its chained hash (BlockStored); commit_blocks
                does it for a run of one token sequence's full blocks (the scheduler after
                a step, the KV hand-off when a transferred prompt is parked)
-    evict:     CACHED -> FREE, hash dropped (BlockRemoved)
+    evict:     CACHED -> FREE, hash dropped (BlockRemoved); with a lower tier (host memory,
+               then disk) the block's KV is copied down first (offload), so it is not lost
+    acquire_prefix: the longest cached prefix of a prompt, device blocks acquired, then the
+               blocks after them that a lower tier holds loaded back into fresh blocks
+               (restore: a copy, not a recompute) and committed again
     discard:   a block the KV audit found wrong (BlockRemoved): CACHED -> FREE at
                once; IN USE loses its hash, so nothing new matches it, and goes
                FREE (not CACHED) when its last reference is released
@@ -26,6 +30,11 @@ whole token prefix of a cached block can be rebuilt by walking the chain
 whose ancestor was evicted has no chain: it can never be matched either
 (match_prefix walks from the first block), and LRU eviction reclaims it.
 
+The lower tier is a seam (LowerTier): NoLowerTier when none is configured, HostTier
+(engine/host_tier.py, which owns the KV bytes it holds and its own disk tier) otherwise. The
+tiers are exclusive: a hash lives in the device pool or below it, never in both, and every move
+is an event of the tier it left and one of the tier it entered.
+
 The pool records BlockStored / BlockRemoved events; a publisher drains them
 (engine/events.py). Pure Python: no torch, no I/O.
 """
@@ -35,8 +44,10 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
-from pdserve.engine.events import BlockRemoved, BlockStored, KVEvent
+from pdserve.engine.events import BlockRemoved, BlockStored, KVEvent, Tier
 from pdserve.engine.hashing import BlockHash
 
 
@@ -52,10 +63,90 @@ class Discarded(enum.Enum):
     GONE = "gone"  # it no longer held that hash (evicted meanwhile): nothing to do
 
 
+@dataclass(frozen=True)
+class SpilledBlock:
+    """What a lower tier keeps of a block besides its KV bytes: enough to commit it again."""
+
+    block_hash: BlockHash
+    parent_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    """One tier's capacity and use, in blocks."""
+
+    tier: Tier
+    capacity_blocks: int
+    used_blocks: int
+
+
+@dataclass
+class PrefixHit:
+    """acquire_prefix's result: block_ids (acquired), of which `restored` came back from a lower tier."""
+
+    block_ids: list[int] = field(default_factory=list)
+    restored: dict[Tier, int] = field(default_factory=dict)  # blocks loaded back, per tier
+
+
+class LowerTier(Protocol):
+    """Where evicted blocks go instead of being dropped. Each method returns the events of what it
+    did, which the pool records in order with its own."""
+
+    def offload(self, block_id: int, block: SpilledBlock) -> list[KVEvent]:
+        """Keep a copy of device block block_id's KV (about to be reused) under block.block_hash."""
+        ...
+
+    def match(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading block_hashes this tier holds; marks them recently used."""
+        ...
+
+    def restore(self, block_hash: BlockHash,
+                block_id: int) -> tuple[SpilledBlock, Tier, list[KVEvent]] | None:
+        """Copy the KV held under block_hash into device block block_id and forget it here; None
+        when it is no longer held (or its copy failed a check: then it is dropped)."""
+        ...
+
+    def keys(self) -> list[BlockHash]:
+        """The index keys of every block held here (events.index_key of each, per its tier)."""
+        ...
+
+    def usage(self) -> list[TierUsage]:
+        ...
+
+    def clear(self) -> list[KVEvent]:
+        """Forget every block held in memory (a disk tier keeps its files)."""
+        ...
+
+
+class NoLowerTier:
+    """No tier below the device pool: an evicted block is gone."""
+
+    def offload(self, block_id: int, block: SpilledBlock) -> list[KVEvent]:
+        return []
+
+    def match(self, block_hashes: Sequence[BlockHash]) -> int:
+        return 0
+
+    def restore(self, block_hash: BlockHash,
+                block_id: int) -> tuple[SpilledBlock, Tier, list[KVEvent]] | None:
+        return None
+
+    def keys(self) -> list[BlockHash]:
+        return []
+
+    def usage(self) -> list[TierUsage]:
+        return []
+
+    def clear(self) -> list[KVEvent]:
+        return []
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, lower: LowerTier | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.lower: LowerTier = lower or NoLowerTier()
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._ref_counts = [0] * num_blocks
@@ -130,8 +221,13 @@ class BlockPool:
         return chain
 
     def cached_hashes(self) -> list[BlockHash]:
-        """Every hash this pool can serve now (a resync of an index that lost events)."""
-        return list(self._hash_to_block)
+        """Every index key this worker can serve now, device blocks and lower tiers' (a resync of
+        an index that lost events)."""
+        return list(self._hash_to_block) + self.lower.keys()
+
+    def tier_usage(self) -> list[TierUsage]:
+        """Capacity and use of the device pool and of each tier below it."""
+        return [TierUsage(Tier.DEVICE, self.num_blocks, self.num_used_blocks), *self.lower.usage()]
 
     def leaked_blocks(self) -> list[int]:
         """Blocks still referenced; empty when every sequence has let go."""
@@ -153,6 +249,33 @@ class BlockPool:
             if self._ref_counts[b] == 0:
                 del self._cached_lru[b]
             self._ref_counts[b] += 1
+
+    def acquire_prefix(self, block_hashes: Sequence[BlockHash]) -> PrefixHit:
+        """Acquire the longest prefix of block_hashes held here: device blocks first, then the run
+        after them a lower tier holds, each loaded back into a fresh block (restore) and committed.
+
+        NOTE: restoring takes blocks from the free list first, then by evicting LRU cached blocks
+        (which go down a tier in turn); it stops early when the pool has no block to give or the
+        lower tier lost the block meanwhile. The caller releases the result like any prefix hit.
+        """
+        hit = PrefixHit(self.match_prefix(block_hashes))
+        self.acquire(hit.block_ids)
+        rest = block_hashes[len(hit.block_ids):]
+        for j in range(self.lower.match(rest)):
+            if not self.num_free_blocks:
+                break
+            block_id = self._take_one()
+            restored = self.lower.restore(rest[j], block_id)
+            if restored is None:
+                self._free.appendleft(block_id)
+                break
+            block, tier, events = restored
+            self._events.extend(events)
+            self._ref_counts[block_id] = 1
+            self.commit(block_id, block.block_hash, block.parent_hash, block.token_ids)
+            hit.block_ids.append(block_id)
+            hit.restored[tier] = hit.restored.get(tier, 0) + 1
+        return hit
 
     def release(self, block_ids: Sequence[int]) -> None:
         """Drop one reference from each block.
@@ -218,10 +341,12 @@ class BlockPool:
         return Discarded.EVICTED
 
     def reset_cache(self) -> int:
-        """Evict every cached, unreferenced block; returns how many."""
+        """Drop every cached, unreferenced block, and what the lower tiers hold in memory (not
+        offloaded: a reset is for a cold start); returns how many device blocks."""
         n = len(self._cached_lru)
         while self._cached_lru:
-            self._free.append(self._evict_lru())
+            self._free.append(self._evict_lru(offload=False))
+        self._events.extend(self.lower.clear())
         return n
 
     def drain_events(self) -> list[KVEvent]:
@@ -235,9 +360,15 @@ class BlockPool:
             return self._free.popleft()
         return self._evict_lru()
 
-    def _evict_lru(self) -> int:
+    def _evict_lru(self, offload: bool = True) -> int:
         block_id, _ = self._cached_lru.popitem(last=False)
-        self._forget_hash(block_id)
+        if offload:
+            spilled = SpilledBlock(self._block_hash[block_id], self._parent_hash[block_id],
+                                   self._block_tokens[block_id])
+            self._forget_hash(block_id)
+            self._events.extend(self.lower.offload(block_id, spilled))  # after its device removal
+        else:
+            self._forget_hash(block_id)
         return block_id
 
     def _forget_hash(self, block_id: int) -> None:

@@ -6,7 +6,8 @@ component only its own part.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
 
 from pdserve.field_error import FieldError
 
@@ -73,13 +74,18 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dty
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The paged KV cache: block size, dtype and how many blocks the pool holds."""
+    """The paged KV cache: block size, dtype and how many blocks the pool holds; and the tiers
+    below it (engine/host_tier.py, engine/disk_tier.py), off unless sized."""
 
     block_size: int = 16
     kv_dtype: str = "float32"
     num_blocks: int | None = None  # None: derived from kv_cache_gib
     kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = True
+    host_cache_gib: float = 0.0  # the host-memory tier; 0: none (an evicted block is gone)
+    host_num_blocks: int | None = None  # None: derived from host_cache_gib
+    disk_cache_dir: str | None = None  # the disk tier under the host tier; None: none
+    disk_cache_gib: float = 4.0  # the disk tier's bound
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -90,12 +96,39 @@ class CacheConfig:
             raise FieldError("num_blocks", "must be >= 1", self.num_blocks)
         if self.kv_cache_gib <= 0:
             raise FieldError("kv_cache_gib", "must be > 0", self.kv_cache_gib)
+        if not self.host_cache_gib >= 0:
+            raise FieldError("host_cache_gib", "must be >= 0 (0: no host tier)", self.host_cache_gib)
+        if self.host_num_blocks is not None and self.host_num_blocks < 0:
+            raise FieldError("host_num_blocks", "must be >= 0", self.host_num_blocks)
+        if not self.disk_cache_gib > 0:
+            raise FieldError("disk_cache_gib", "must be > 0", self.disk_cache_gib)
+        if self.disk_cache_dir is not None and not (self.host_cache_gib or self.host_num_blocks):
+            raise FieldError("disk_cache_dir", "needs a host tier above it (blocks reach disk as they "
+                             "leave host memory); set host_cache_gib > 0", self.disk_cache_dir)
+
+    def for_worker(self, worker_id: str) -> CacheConfig:
+        """This config for one worker: its disk tier in a subfolder of its own (a restarted worker
+        keeps its id, so it finds its files again; two workers never share one)."""
+        if self.disk_cache_dir is None:
+            return self
+        return replace(self, disk_cache_dir=os.path.join(self.disk_cache_dir, worker_id))
 
     def resolve_num_blocks(self, model: ModelConfig) -> int:
         if self.num_blocks is not None:
             return self.num_blocks
-        bytes_per_block = model.kv_bytes_per_token(self.kv_dtype) * self.block_size
-        return max(1, int(self.kv_cache_gib * 2**30) // bytes_per_block)
+        return max(1, int(self.kv_cache_gib * 2**30) // self.block_bytes(model))
+
+    def block_bytes(self, model: ModelConfig) -> int:
+        return model.kv_bytes_per_token(self.kv_dtype) * self.block_size
+
+    def resolve_host_blocks(self, model: ModelConfig) -> int:
+        """Slots of the host tier; 0: no host tier."""
+        if self.host_num_blocks is not None:
+            return self.host_num_blocks
+        return int(self.host_cache_gib * 2**30) // self.block_bytes(model)
+
+    def resolve_disk_blocks(self, model: ModelConfig) -> int:
+        return max(1, int(self.disk_cache_gib * 2**30) // self.block_bytes(model))
 
 
 @dataclass(frozen=True)

@@ -204,12 +204,12 @@ class KVHandoff:
         if not 0 <= cached <= max_blocks:
             raise TransferRejected(f"decode_cached_blocks must be in [0, {max_blocks}], got {cached}")
         hashes = hash_blocks(prompt_token_ids[:cached * block_size], block_size, salt)
-        matched = self._pool.match_prefix(hashes)
+        matched = self._pool.acquire_prefix(hashes).block_ids  # a lower tier's blocks are loaded back
         if len(matched) < cached:
+            self._pool.release(matched)
             raise TransferRejected(
                 f"receiver holds {len(matched)} of the {cached} prefix blocks the sender skips; "
                 f"retry with decode_cached_blocks={len(matched)}")
-        self._pool.acquire(matched)
         return matched
 
     def _forget(self, reservation: Reservation) -> None:

@@ -84,3 +84,15 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, salt: bytes,
         parent = BlockHash(h.digest())
         hashes.append(parent)
     return hashes
+
+
+def tier_key(block_hash: BlockHash, tier_name: str) -> BlockHash:
+    """The index key of a block held in a tier below the device pool ("host", "disk").
+
+    NOTE: the prefix index stays a map of hashes to workers; a block in a lower tier is published
+    under this derived key instead of its own, so a plain match counts device blocks only and the
+    router asks for the lower-tier run after it (router/placement.py), crediting each tier at its
+    own weight. The device tier's key is the block hash itself.
+    """
+    key = b"pdserve-tier:" + tier_name.encode()
+    return BlockHash(hashlib.blake2b(block_hash, digest_size=HASH_BYTES, key=key).digest())

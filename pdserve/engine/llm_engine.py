@@ -51,11 +51,12 @@ from typing import Protocol
 
 import torch
 
-from pdserve.engine.block_pool import BlockPool, Discarded
+from pdserve.engine.block_pool import BlockPool, Discarded, TierUsage
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.events import KVEventPublisher, NullPublisher
 from pdserve.engine.handoff import KVHandoff, Reservation
 from pdserve.engine.hashing import BlockHash, engine_salt
+from pdserve.engine.host_tier import build_lower_tier
 from pdserve.engine.linear import select_linear
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
@@ -89,6 +90,7 @@ class EngineLoad:
     cached_blocks: int
     used_blocks: int
     parked_transfers: int
+    tiers: tuple[TierUsage, ...] = ()  # device pool, then host and disk where configured
 
 
 @dataclass
@@ -137,8 +139,9 @@ class LLMEngine:
         self.block_size = cache.block_size
         num_blocks = cache.resolve_num_blocks(loaded.config)
         self.salt = engine_salt(loaded.fingerprint, cache.block_size, cache.kv_dtype)
-        self.pool = BlockPool(num_blocks, cache.block_size)
         self.kv_cache = allocate_kv_cache(self.model, num_blocks, cache.block_size, cache.kv_dtype)
+        lower = build_lower_tier(self.kv_cache, cache, loaded.config, self.salt)
+        self.pool = BlockPool(num_blocks, cache.block_size, lower)
         self.runner = ModelRunner(self.model, self.kv_cache, cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.pool, self.salt, cache.enable_prefix_caching)
         self.publisher = publisher or NullPublisher()
@@ -376,7 +379,7 @@ class LLMEngine:
         return EngineLoad(running=self.scheduler.num_running, waiting=self.scheduler.num_waiting,
                           num_blocks=pool.num_blocks, free_blocks=pool.num_free_blocks,
                           cached_blocks=pool.num_cached_blocks, used_blocks=pool.num_used_blocks,
-                          parked_transfers=self.handoff.num_parked())
+                          parked_transfers=self.handoff.num_parked(), tiers=tuple(pool.tier_usage()))
 
     def leaked_blocks(self) -> list[int]:
         """Blocks still referenced by anyone; empty when the engine is idle and clean."""

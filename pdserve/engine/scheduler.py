@@ -8,7 +8,8 @@ Each step spends a token budget (max_num_batched_tokens):
      released; full ones stay cached) and, if it is itself the newest, waits.
   2. WAITING sequences, strictly first-come-first-served, while budget, blocks
      and max_num_seqs allow, and only if nobody was preempted this step. On
-     admission a sequence takes the longest cached prefix of whole blocks,
+     admission a sequence takes the longest cached prefix of whole blocks (device
+     blocks, then blocks a lower tier holds, loaded back: BlockPool.acquire_prefix),
      capped so that at least its last token is computed (its logits are
      needed to sample).
 
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.events import Tier
 from pdserve.engine.hashing import request_salt
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.units import ceil_div
@@ -151,38 +153,40 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            matched = self._take_cached_prefix(seq)
+            matched, restored = self._take_cached_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if self._blocks_needed(seq, seq.num_computed_tokens + n) > self.pool.num_free_blocks:
                 self._release(seq)  # give the prefix hit back; FCFS: nobody jumps the queue
                 break
             self.waiting.popleft()
             self._grow(seq, seq.num_computed_tokens + n)
-            self._record_admission(seq, matched)
+            self._record_admission(seq, matched, restored)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
 
-    def _take_cached_prefix(self, seq: Sequence) -> int:
-        """Acquire seq's longest cached prefix; returns the number of tokens it covers."""
+    def _take_cached_prefix(self, seq: Sequence) -> tuple[int, dict[Tier, int]]:
+        """Acquire seq's longest cached prefix, loading back what a lower tier holds; returns the
+        number of tokens it covers and the blocks restored per tier."""
         if not self.enable_prefix_caching:
-            return 0
+            return 0, {}
         max_blocks = (seq.num_tokens - 1) // self.block_size  # the last token is always computed
         salt = request_salt(self.salt, seq.cache_salt)
         hashes = seq.full_block_hashes(self.block_size, salt)[:max_blocks]
-        matched = self.pool.match_prefix(hashes)
-        self.pool.acquire(matched)
-        seq.block_ids = list(matched)
-        seq.num_committed_blocks = len(matched)
-        seq.num_computed_tokens = len(matched) * self.block_size
-        return seq.num_computed_tokens
+        hit = self.pool.acquire_prefix(hashes)
+        seq.block_ids = list(hit.block_ids)
+        seq.num_committed_blocks = len(hit.block_ids)
+        seq.num_computed_tokens = len(hit.block_ids) * self.block_size
+        return seq.num_computed_tokens, hit.restored
 
-    def _record_admission(self, seq: Sequence, cached_tokens: int) -> None:
+    def _record_admission(self, seq: Sequence, cached_tokens: int, restored: dict[Tier, int]) -> None:
         if seq.admitted_once:
             return
         seq.admitted_once = True
         seq.usage.cached_tokens = cached_tokens
+        seq.usage.host_cached_tokens = restored.get(Tier.HOST, 0) * self.block_size
+        seq.usage.disk_cached_tokens = restored.get(Tier.DISK, 0) * self.block_size
         seq.usage.computed_tokens = seq.num_tokens - cached_tokens  # a continued one replays its output too
 
     def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:

@@ -101,13 +101,16 @@ class Usage:
     replayed at admission (prompt + those tokens)."""
 
     prompt_tokens: int = 0
-    cached_tokens: int = 0  # tokens served from the prefix cache at admission
+    cached_tokens: int = 0  # tokens served from the prefix cache at admission (every tier)
+    host_cached_tokens: int = 0  # of cached_tokens, those loaded back from the host tier
+    disk_cached_tokens: int = 0  # of cached_tokens, those loaded back from the disk tier
     computed_tokens: int = 0  # tokens this request had to compute at admission
     completion_tokens: int = 0
     preemptions: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "host_cached_tokens": self.host_cached_tokens, "disk_cached_tokens": self.disk_cached_tokens,
                 "computed_tokens": self.computed_tokens,
                 "completion_tokens": self.completion_tokens}
 

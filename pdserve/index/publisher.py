@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from pdserve.engine.events import BlockRemoved, BlockStored, KVEvent
+from pdserve.engine.events import BlockRemoved, BlockStored, KVEvent, index_key
 from pdserve.engine.hashing import BlockHash
 from pdserve.index.base import PrefixIndex, StoreUnavailable, WorkerKey
 from pdserve.index.breaker import CircuitBreaker, CircuitOpen
@@ -48,7 +48,9 @@ _IDLE_POLL_S = 1.0
 
 
 def fold_events(events: Iterable[KVEvent]) -> tuple[list[BlockHash], list[BlockHash]]:
-    """(stored, removed): the hashes whose last event was a store, and those whose last was a removal."""
+    """(stored, removed): the index keys whose last event was a store, and those whose last was a
+    removal. A block in a lower tier has a key of its own (events.index_key), so a move between
+    tiers is a removal of one key and a store of another."""
     last: dict[BlockHash, bool] = {}
     _fold_into(last, events)
     return _split(last)
@@ -57,9 +59,9 @@ def fold_events(events: Iterable[KVEvent]) -> tuple[list[BlockHash], list[BlockH
 def _fold_into(last: dict[BlockHash, bool], events: Iterable[KVEvent]) -> None:
     for event in events:
         if isinstance(event, BlockStored):
-            last[event.block_hash] = True
+            last[index_key(event.block_hash, event.tier)] = True
         elif isinstance(event, BlockRemoved):
-            last[event.block_hash] = False
+            last[index_key(event.block_hash, event.tier)] = False
         else:
             raise TypeError(f"unknown KV event {event!r}; expected BlockStored or BlockRemoved")
 

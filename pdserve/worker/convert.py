@@ -71,4 +71,6 @@ def logprobs_from_proto(protos: Iterable[generation_pb2.TokenLogprob]) -> list[T
 
 def usage_to_proto(u: Usage) -> generation_pb2.Usage:
     return generation_pb2.Usage(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
-                                computed_tokens=u.computed_tokens, completion_tokens=u.completion_tokens)
+                                computed_tokens=u.computed_tokens, completion_tokens=u.completion_tokens,
+                                host_cached_tokens=u.host_cached_tokens,
+                                disk_cached_tokens=u.disk_cached_tokens)

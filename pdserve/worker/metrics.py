@@ -46,6 +46,14 @@ def status_metrics(s: worker_pb2.WorkerStatus) -> dict[str, tuple]:
                                      "cached: free but holding a reusable prefix; free: all unreferenced)",
                                      {"total": s.num_blocks, "used": s.used_blocks, "free": s.free_blocks,
                                       "cached": s.cached_blocks}, "state"),
+        "pdserve_worker_kv_host_blocks": ("gauge", "Blocks of the host-memory KV tier (capacity 0: off)",
+                                          {"capacity": s.host_blocks, "used": s.host_used_blocks}, "state"),
+        "pdserve_worker_kv_disk_blocks": ("gauge", "Blocks of the disk KV tier (capacity 0: off)",
+                                          {"capacity": s.disk_blocks, "used": s.disk_used_blocks}, "state"),
+        "pdserve_worker_tier_hit_tokens": ("counter", "Of the prefix-hit tokens, those loaded back from a "
+                                           "lower tier (a copy, not a recompute), by tier",
+                                           {"host": s.host_cached_tokens_total,
+                                            "disk": s.disk_cached_tokens_total}, "tier"),
         "pdserve_worker_parked_transfers": ("gauge", "Received KV waiting for its Decode call",
                                             s.parked_transfers),
         "pdserve_worker_held_blocks": ("gauge", "Block references outgoing KV transfers hold (pinned until "

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
 from pdserve.engine.audit import AuditReport, KVAuditor
+from pdserve.engine.block_pool import TierUsage
+from pdserve.engine.events import Tier
 from pdserve.engine.llm_engine import InvalidRequestError, LLMEngine
 from pdserve.engine.sequence import SamplingParams, Usage
 from pdserve.grpc_options import ConnectionPolicy
@@ -40,6 +42,8 @@ class TokenTotals:
     cached: int = 0
     generated: int = 0
     preemptions: int = 0
+    host_cached: int = 0
+    disk_cached: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def count(self, usage: Usage, generated: int) -> None:
@@ -48,11 +52,15 @@ class TokenTotals:
             self.cached += usage.cached_tokens
             self.generated += generated
             self.preemptions += usage.preemptions
+            self.host_cached += usage.host_cached_tokens
+            self.disk_cached += usage.disk_cached_tokens
 
     def fill(self, status: worker_pb2.WorkerStatus) -> None:
         with self._lock:
             status.prompt_tokens_total, status.cached_tokens_total = self.prompt, self.cached
             status.generated_tokens_total, status.preemptions_total = self.generated, self.preemptions
+            status.host_cached_tokens_total = self.host_cached
+            status.disk_cached_tokens_total = self.disk_cached
 
 
 class ServingState:
@@ -113,6 +121,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             parked_transfers=load.parked_transfers, model_fingerprint=engine.fingerprint,
             block_size=engine.block_size, serving=self.parts.state.taking_work)
         self.parts.totals.fill(status)
+        fill_tiers(status, load.tiers)
         audit = self.auditor.totals()
         status.kv_audited_blocks_total, status.kv_audit_mismatches_total = audit.checked, audit.mismatched
         status.kv_audit_evicted_total, status.kv_audit_seconds_total = audit.evicted, audit.seconds
@@ -163,3 +172,12 @@ def sampling_or_abort(proto, context) -> SamplingParams:
         return sampling_from_proto(proto)
     except ValueError as e:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+
+def fill_tiers(status: worker_pb2.WorkerStatus, tiers: Sequence[TierUsage]) -> None:
+    """The host and disk tiers' capacity and use (the device pool's are num_blocks/used_blocks)."""
+    for t in tiers:
+        if t.tier is Tier.HOST:
+            status.host_blocks, status.host_used_blocks = t.capacity_blocks, t.used_blocks
+        elif t.tier is Tier.DISK:
+            status.disk_blocks, status.disk_used_blocks = t.capacity_blocks, t.used_blocks

@@ -85,7 +85,19 @@ def preempted(loaded, kv_dtype):
     return engine
 
 
-PATHS = [one_by_one, chunked, batched, chunks_and_decodes, after_prefix_hits, preempted]
+def back_from_the_host_tier(loaded, kv_dtype):
+    """A 10-block pool over a host tier: the second pass loads its prefixes back from host memory."""
+    engine = make_engine(loaded, kv_dtype=kv_dtype, num_blocks=10, host_blocks=32)
+    prompts = random_prompts(loaded.config.vocab_size, 8, 8, 33, 40)
+    for p in prompts:
+        engine.generate([p], greedy(1), detokenize=False)
+    again = [engine.generate([p], greedy(1), detokenize=False)[0] for p in prompts]
+    assert sum(r.usage.host_cached_tokens for r in again) > 0
+    return engine
+
+
+PATHS = [one_by_one, chunked, batched, chunks_and_decodes, after_prefix_hits, preempted,
+         back_from_the_host_tier]
 
 
 def pool_state(engine: LLMEngine):

@@ -217,3 +217,15 @@ def test_decode_groups_sort_by_length_and_trim_padding():
     assert torch.equal(groups[0].block_tables, tables[groups[0].rows, :2])
     assert groups[0].mask.shape == (8, 1, 1, 8)
     assert groups[0].mask[0, 0, 0].tolist() == [True] + [False] * 7  # row 1: one token of context
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_blocks_back_from_the_host_tier_match_reference(tiny_loaded, prompts, kv_dtype):
+    # 12 blocks of 8 tokens hold a fraction of the prompts' blocks: the second pass finds most of
+    # its prefixes in the host tier and loads them back (a copy), and must still be exact.
+    engine = make_engine(tiny_loaded, block_size=8, num_blocks=12, budget=32, kv_dtype=kv_dtype,
+                         host_blocks=64)
+    check_against_reference(engine, prompts)
+    results = check_against_reference(engine, prompts)
+    assert sum(r.usage.host_cached_tokens for r in results) > 0
+    assert all(r.usage.host_cached_tokens <= r.usage.cached_tokens for r in results)

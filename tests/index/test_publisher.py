@@ -194,3 +194,12 @@ def test_redis_index_refuses_a_decoding_client(redis_server):
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     with pytest.raises(ValueError, match="decode_responses=False"):
         RedisPrefixIndex(client)
+
+
+def test_a_block_that_moves_down_a_tier_is_published_under_that_tiers_key():
+    from pdserve.engine.events import BlockRemoved, BlockStored, Tier, index_key
+    from pdserve.index.publisher import fold_events
+    h = b"\x07" * 16
+    stored, removed = fold_events([BlockStored(h, None, (1,), 0), BlockRemoved(h, 0),
+                                   BlockStored(h, None, (1,), 3, Tier.HOST)])
+    assert stored == [index_key(h, Tier.HOST)] and removed == [h]

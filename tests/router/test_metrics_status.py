@@ -110,6 +110,7 @@ def test_pdserve_status_prints_one_row_per_worker(cluster, capsys):
     rows = {line.split()[0]: line.split() for line in lines[2:]}
     prefill = rows[workers[0].config.worker_id]
     assert prefill[1:2] + prefill[3:6] == ["prefill", "serving", "0/0", "0"]  # queue, load: idle
-    assert prefill[8] == "48.0%"  # the second request hit 3 of its 50 tokens' blocks: 48 / 100 tokens
+    assert prefill[8:10] == ["off", "off"]  # no host or disk tier
+    assert prefill[10] == "48.0%"  # the second request hit 3 of its 50 tokens' blocks: 48 / 100 tokens
     assert main(["status", "--router", "127.0.0.1:1", "--timeout", "1"]) == 1
     assert "cannot read the cluster status from 127.0.0.1:1" in capsys.readouterr().err

@@ -136,3 +136,38 @@ def test_choose_finds_a_cheapest_option_of_all_d_times_p_and_can_pick_each(seed)
         picked.add((c.decode.worker_id, c.prefill.worker_id if c.prefill else None))
     assert picked <= cheapest
     assert len(picked) > 1 or len(cheapest) == 1  # ties are broken among them, not always the first
+
+
+def test_a_host_tier_hit_is_credited_below_a_device_hit_and_above_none():
+    from router.scoring import LowerHeld
+    d_dev, d_host, d_none = (Candidate(w, w, 0) for w in ("dev", "host", "none"))
+    held = {"dev": 10, "host": 10}
+    lower = {"host": LowerHeld(host=10)}
+    w = ScoringWeights(local_prefill_max_tokens=10_000)
+    cost = {c.worker_id: choose(200, 16, [c], [], held, w, random.Random(0), lower).cost
+            for c in (d_dev, d_host, d_none)}
+    assert cost["dev"] < cost["host"] < cost["none"]
+    # the host hit costs exactly its measured reload fraction of a recompute of those 160 tokens
+    assert cost["host"] - cost["dev"] == pytest.approx(w.local_prefill * 160 * w.host_reload)
+
+
+def test_held_by_tier_follows_each_workers_device_run_with_its_host_then_disk_run():
+    from pdserve.engine.events import Tier, index_key
+    from router.scoring import LowerHeld, held_by_tier
+    hashes = [bytes([i]) * 16 for i in range(6)]
+    holds = {"a": set(hashes[:2]) | {index_key(h, Tier.HOST) for h in hashes[2:4]}
+             | {index_key(hashes[4], Tier.DISK)},
+             "b": {index_key(h, Tier.HOST) for h in hashes[:3]}}
+
+    def match(keys):
+        out = {}
+        for w, held in holds.items():
+            n = 0
+            while n < len(keys) and keys[n] in held:
+                n += 1
+            out[w] = n
+        return out
+
+    held, lower = held_by_tier(match, hashes)
+    assert held == {"a": 5, "b": 3}
+    assert lower == {"a": LowerHeld(host=2, disk=1), "b": LowerHeld(host=3)}

@@ -78,16 +78,20 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., raw: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., routing: _Optional[str] = ..., routing_weights: _Optional[_Mapping[str, float]] = ..., continuation: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "computed_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "cached_tokens", "computed_tokens", "completion_tokens", "host_cached_tokens", "disk_cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DISK_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     computed_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    host_cached_tokens: int
+    disk_cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., host_cached_tokens: _Optional[int] = ..., disk_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_ms", "prefill_ms", "transfer_ms", "ttft_ms")
