@@ -76,4 +76,4 @@ def test_json_output_with_token_ids(tiny_model_dir):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(result["token_ids"]) == 5
     assert result["usage"] == {"prompt_tokens": 3, "cached_tokens": 0, "computed_tokens": 3,
-                               "completion_tokens": 5}
+                               "completion_tokens": 5, "host_cached_tokens": 0, "disk_cached_tokens": 0}

@@ -7,7 +7,6 @@ import pickle
 import signal
 
 import pytest
-import redis
 
 from deploy.config import ClusterSpec
 from deploy.launcher import LocalCluster
@@ -39,12 +38,12 @@ def test_the_router_gets_every_token_the_secret_tls_and_the_limits(secured_spec,
     cluster = LocalCluster(secured_spec)
     cluster.security = cluster._read_security()
     cluster.redis_url = "redis://127.0.0.1:1/0"
-    router = cluster._router(redis.Redis.from_url(cluster.redis_url), None, 512, SamplingDefaults())
-    assert router.config.security == SecurityConfig(
+    config = cluster._router_config(512, SamplingDefaults())
+    assert config.security == SecurityConfig(
         tls=TLSConfig(dev_certs.server_cert, dev_certs.server_key, dev_certs.ca, True),
         client_cert=dev_certs.client_cert, client_key=dev_certs.client_key, api_tokens=TOKENS,
         cluster_secret=SECRET)
-    limits = router.config.limits
+    limits = config.limits
     assert (limits.max_prompt_tokens, limits.max_tokens_limit, limits.max_message_bytes,
             limits.max_concurrent_streams) == (100, 50, 1 << 16, 8)
     assert cluster.security.describe() == "TLS mutual · 2 API tokens · cluster secret on"
