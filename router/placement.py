@@ -140,7 +140,9 @@ class Placer:
         tiered: tuple[dict[str, int], dict[str, LowerHeld]] | None = ({}, {})
         if self.match is not None:
             hashes = hash_blocks(prompt, hashing.block_size, request_salt(hashing.salt, cache_salt))
-            tiered = self.breaker.call(lambda: held_by_tier(self.match, hashes), None) if hashes else ({}, {})
+            with_tiers = self.directory.tiered()
+            tiered = (self.breaker.call(lambda: held_by_tier(self.match, hashes, with_tiers), None)
+                      if hashes else ({}, {}))
         held, lower = tiered or ({}, {})
         choice = choose(len(prompt), hashing.block_size, decode, prefill, held, weights, self.rng, lower)
         consulted = self.match is not None and tiered is not None

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
 from pdserve.engine.events import Tier, index_key
@@ -104,24 +104,26 @@ class LowerHeld:
     disk: int = 0
 
 
-def held_by_tier(match: Callable[[Sequence[BlockHash]], Mapping[str, int]], hashes: Sequence[BlockHash]
-                 ) -> tuple[dict[str, int], dict[str, LowerHeld]]:
+def held_by_tier(match: Callable[[Sequence[BlockHash]], Mapping[str, int]], hashes: Sequence[BlockHash],
+                 tiered: Collection[str]) -> tuple[dict[str, int], dict[str, LowerHeld]]:
     """Each worker's leading run over every tier, and the part of it in lower tiers.
 
     The index keys a lower tier's block by events.index_key, so: match the device keys, then, after
-    each worker's device run, the host keys, then the disk keys. NOTE: a run that goes back up a
-    tier (a device block after a host one) is cut there; that counts fewer blocks, never a block a
-    worker lacks (it recomputes what it does not hold anyway).
+    the device run of each worker in `tiered` (those whose registry entry lists a host tier), the
+    host keys, then the disk keys. A cluster without lower tiers pays the one device match.
+    NOTE: a run that goes back up a tier (a device block after a host one) is cut there; that
+    counts fewer blocks, never a block a worker lacks (it recomputes what it does not hold anyway).
     """
     held = {w: n for w, n in match(hashes).items() if n}
     lower: dict[str, LowerHeld] = {}
     for tier in (Tier.HOST, Tier.DISK):
-        for start in sorted(set(held.values()) | {0}):
-            rest = [index_key(h, tier) for h in hashes[start:]]
-            if not rest:
-                continue
-            for worker, n in match(rest).items():
-                if n and held.get(worker, 0) == start:
+        starts = sorted({held.get(w, 0) for w in tiered if held.get(w, 0) < len(hashes)})
+        if not starts:
+            continue
+        keys = [index_key(h, tier) for h in hashes[starts[0]:]]  # hashed once, sliced per start
+        for start in starts:
+            for worker, n in match(keys[start - starts[0]:]).items():
+                if n and worker in tiered and held.get(worker, 0) == start:
                     held[worker] = start + n
                     was = lower.get(worker, LowerHeld())
                     lower[worker] = replace(was, **{tier.value: getattr(was, tier.value) + n})

@@ -231,6 +231,11 @@ class WorkerDirectory:
             return {w.worker_id: BlockHashing(w.block_size, bytes.fromhex(w.salt))
                     for w in self._workers.values()}
 
+    def tiered(self) -> set[str]:
+        """The workers whose registry entry lists a tier below the device pool (host, disk)."""
+        with self._lock:
+            return {w.worker_id for w in self._workers.values() if w.lower_tier_blocks}
+
     def capacity_tokens(self, worker_id: str) -> int:
         """KV tokens the worker's pool holds (0 when unknown)."""
         with self._lock:

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
 import redis
 
 from pdserve.engine.config import KV_DTYPES
+from pdserve.engine.events import Tier
 from pdserve.engine.hashing import HASH_BYTES
 from pdserve.index.base import Lease, StoreUnavailable, WorkerKey, check_ttl
 from pdserve.index.redis_layout import (
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_INT_FIELDS = ("block_size", "num_blocks", "epoch")
+_INT_FIELDS = ("block_size", "num_blocks", "epoch", "lower_tier_blocks")
 
 # KEYS: the workers set. ARGV: the lease key prefix. Removes every worker id whose lease is gone;
 # returns how many. Atomic, so a worker renewing its lease meanwhile is never dropped.
@@ -75,6 +76,9 @@ class WorkerInfo:
     salt: str  # hex of its engine salt (pdserve/engine/hashing.py engine_salt): keys its block hashes
     num_blocks: int
     epoch: int
+    # Blocks its tiers below the device pool hold (host and disk: engine/host_tier.py); 0 = none, and
+    # the router then asks the index for no lower-tier keys of it (router/scoring.py held_by_tier).
+    lower_tier_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -93,8 +97,9 @@ class WorkerInfo:
     def of_engine(cls, engine: LLMEngine, worker_id: str, role: Role, address: str, node: str,
                   epoch: int) -> WorkerInfo:
         """The entry of a worker serving `engine`: its hashing and pool as the engine has them."""
+        lower = sum(t.capacity_blocks for t in engine.pool.tier_usage() if t.tier is not Tier.DEVICE)
         return cls(worker_id, role, address, node, engine.fingerprint, engine.block_size,
-                   engine.config.cache.kv_dtype, engine.salt.hex(), engine.pool.num_blocks, epoch)
+                   engine.config.cache.kv_dtype, engine.salt.hex(), engine.pool.num_blocks, epoch, lower)
 
     @property
     def key(self) -> WorkerKey:
@@ -106,12 +111,14 @@ class WorkerInfo:
     @classmethod
     def from_fields(cls, raw: Mapping[bytes, bytes]) -> WorkerInfo:
         text = {k.decode(): v.decode() for k, v in raw.items()}
-        missing = [f.name for f in fields(cls) if f.name not in text]
+        # A field with a default may be absent: an older worker's entry, mid rolling upgrade.
+        missing = [f.name for f in fields(cls) if f.name not in text and f.default is MISSING]
         if missing:
             raise ValueError(f"worker info in Redis lacks {missing}; was it written by another version?")
-        values: dict[str, object] = {f.name: text[f.name] for f in fields(cls)}
+        values: dict[str, object] = {f.name: text[f.name] for f in fields(cls) if f.name in text}
         for name in _INT_FIELDS:
-            values[name] = int(text[name])
+            if name in values:
+                values[name] = int(text[name])
         return cls(**values)  # type: ignore[arg-type]
 
 

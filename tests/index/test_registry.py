@@ -146,6 +146,37 @@ def test_register_round_trips_info_and_lists_only_live_workers(registry):
     assert registry.live_workers() == [d, p]
 
 
+def test_an_entry_without_lower_tier_blocks_reads_as_no_lower_tier(registry, redis_client, namespace):
+    """An older worker's entry (mid rolling upgrade) lacks the defaulted field; it is read, not skipped."""
+    tiered = make_info("d0", epoch=registry.next_epoch("d0"), role="decode", lower_tier_blocks=64)
+    registry.register(tiered, TTL)
+    assert registry.live_workers() == [tiered]
+
+    redis_client.hdel(RedisKeys(namespace).info("d0"), "lower_tier_blocks")
+
+    assert registry.live_workers() == [replace(tiered, lower_tier_blocks=0)]
+
+
+def test_a_worker_with_a_host_tier_lists_its_lower_tier_blocks_for_the_router():
+    """router/workers.py tiered() reads this; 0 makes the router skip that worker's lower-tier keys."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pdserve.engine.block_pool import BlockPool
+    from pdserve.engine.host_tier import HostTier
+
+    def engine(pool):
+        return SimpleNamespace(fingerprint="smollm2-135m", block_size=16, pool=pool,
+                               config=SimpleNamespace(cache=SimpleNamespace(kv_dtype="float32")),
+                               salt=engine_salt("smollm2-135m", 16, "float32"))
+
+    kv = torch.zeros(2, 2, 8, 16, 1, 4)
+    tiered = WorkerInfo.of_engine(engine(BlockPool(8, 16, HostTier(kv, 24))), "d0", "decode", "a:1", "n", 1)
+    plain = WorkerInfo.of_engine(engine(BlockPool(8, 16)), "d1", "decode", "a:2", "n", 1)
+    assert (tiered.lower_tier_blocks, plain.lower_tier_blocks) == (24, 0)
+
+
 def test_load_round_trip(registry):
     info = make_info(epoch=registry.next_epoch("p0"))
     registry.register(info, TTL)

@@ -168,6 +168,23 @@ def test_held_by_tier_follows_each_workers_device_run_with_its_host_then_disk_ru
             out[w] = n
         return out
 
-    held, lower = held_by_tier(match, hashes)
+    held, lower = held_by_tier(match, hashes, tiered={"a", "b"})
     assert held == {"a": 5, "b": 3}
     assert lower == {"a": LowerHeld(host=2, disk=1), "b": LowerHeld(host=3)}
+
+
+def test_held_by_tier_asks_the_index_once_when_no_worker_has_a_lower_tier():
+    """The hot path: a cluster without host or disk tiers pays one match a decision, not one per
+    tier and distinct run length (each with a tier key hashed per block)."""
+    from router.scoring import held_by_tier
+    hashes = [bytes([i]) * 16 for i in range(64)]
+    runs = {f"w{i}": i for i in range(16)}  # 16 distinct device runs
+    calls = []
+
+    def match(keys):
+        calls.append(len(keys))
+        return runs if keys[0] == hashes[0] else {}
+
+    held, lower = held_by_tier(match, hashes, tiered=set())
+    assert (held, lower) == ({w: n for w, n in runs.items() if n}, {})
+    assert calls == [64]
