@@ -1,10 +1,12 @@
 """What the cluster's hops add: the same requests through `pdserve up`'s cluster and in-process.
 
     python -m bench.cluster [--json] [--quick] [--reps N] [--prompt-tokens N] [--new-tokens N] [--batch N]
+                            [--threads N]
 
 Cluster: LocalCluster (what `pdserve up` starts: embedded Redis, local Ray, the router in this
 process) with 0 prefill and 1 decode worker, so every prompt is prefilled on the decode worker;
-the worker gets every core as torch threads, as `pdserve up` gives a lone worker. Driven through
+the worker gets every core as torch threads, as `pdserve up` gives a lone worker (--threads: fewer,
+as `pdserve up --torch-threads`). Driven through
 the public gRPC client, timed on the client side.
 In-process: an LLMEngine in a process of its own with the worker's cache, scheduler and thread
 count, stepped directly; each token is timed as the step that produced it returns.
@@ -199,8 +201,8 @@ def run(args: Any) -> dict[str, Any]:
     chosen = {k: getattr(args, k) for k in ("prompt_tokens", "new_tokens", "batch", "reps")}
     sizes = replace(base, **{k: v for k, v in chosen.items() if v is not None})
     load_at_start = warn_if_busy(len(os.sched_getaffinity(0)))
-    spec = ClusterSpec(num_prefill=0, num_decode=1, port=0, namespace="bench-cluster")
-    threads = max(1, (os.cpu_count() or 1))  # what LocalCluster gives a lone worker
+    threads = args.threads or max(1, (os.cpu_count() or 1))  # default: what LocalCluster gives a lone worker
+    spec = ClusterSpec(num_prefill=0, num_decode=1, port=0, namespace="bench-cluster", torch_threads=threads)
     cluster = LocalCluster(spec, say=lambda line: progress(f"cluster: {line}"))
     try:
         remote = ThroughCluster(cluster.start())
@@ -243,9 +245,12 @@ def parse_args(argv: list[str] | None = None) -> Any:
                    help=f"tokens generated per stream in the ITL phases (default {Sizes.new_tokens})")
     p.add_argument("--batch", type=int, default=None,
                    help=f"concurrent streams in the batched ITL phase (default {Sizes.batch})")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads of the worker and of the in-process engine alike; fewer than the "
+                        "cores leaves the router and clients a core of their own (default: every core)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default: %(default)s)")
     args = p.parse_args(argv)
-    check_least(p, args, {"reps": 1, "prompt_tokens": 1, "new_tokens": 2, "batch": 1})
+    check_least(p, args, {"reps": 1, "prompt_tokens": 1, "new_tokens": 2, "batch": 1, "threads": 1})
     return args
 
 

@@ -327,6 +327,9 @@ def _add_up_workers(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
     workers.add_argument("--gpus-per-worker", type=float, metavar="N",
                          help="GPUs each worker actor asks Ray for; 0 = run on CPU (default: 1 when the Ray "
                               "cluster has a GPU for every worker at start, else 0)")
+    workers.add_argument("--torch-threads", type=int, metavar="N",
+                         help="torch threads of each CPU worker; fewer leaves cores to the router and "
+                              "clients on the same machine (default: the cores divided among the workers)")
     workers.add_argument("--redis-url", metavar="URL",
                          help="Redis for the registry and prefix index, e.g. redis://:PASSWORD@host:6379/0 "
                               "(default: start an embedded redis-server on a free loopback port, with a "

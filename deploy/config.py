@@ -78,6 +78,9 @@ class ClusterSpec:
     # NOTE: None decides at start: 1 when the cluster has a GPU for every worker, else 0 (CPU). An
     # autoscaling cluster has no GPU node yet at start, so its config says 1 explicitly.
     gpus_per_worker: float | None = None
+    # torch intra-op threads of each CPU worker; None = the machine's cores divided among its workers.
+    # Fewer leaves cores to the router and clients on the same machine (vLLM's CPU build keeps one).
+    torch_threads: int | None = None
     namespace: str = "pdserve"
     # -1: Ray restarts a dead worker every time, as a serving cluster must; N >= 0: at most N times.
     max_restarts: int = -1
@@ -126,6 +129,8 @@ class ClusterSpec:
                                      "not a custom resource; use gpus_per_worker for GPUs")
                 if amount < 0:
                     raise ValueError(f"{role}.resources.{name} must be >= 0, got {amount}")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError(f"torch_threads (--torch-threads) must be >= 1, got {self.torch_threads}")
         if self.max_restarts < -1:
             raise ValueError(f"max_restarts must be -1 (always restart) or >= 0, got {self.max_restarts}")
         for name, value in self.worker_env.items():
@@ -204,6 +209,7 @@ FILE_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "actor_placement": ("actor_placement", (str,)),
     "linear_kernel": ("linear_kernel", (str,)),
     "gpus_per_worker": ("gpus_per_worker", (int, float, _NONE)),
+    "torch_threads": ("torch_threads", (int, _NONE)),
     "cache.block_size": ("cache.block_size", (int,)),
     "cache.kv_dtype": ("cache.kv_dtype", (str,)),
     "cache.kv_cache_gib": ("cache.kv_cache_gib", _NUMBER),
@@ -254,6 +260,7 @@ RENAMED_KEYS = {"placement": ("actor_placement", "pack or spread: how Ray places
 FLAG_FIELDS: dict[str, str] = {
     "model": "model_path", "prefill": "num_prefill", "decode": "num_decode", "routers": "num_routers",
     "actor_placement": "actor_placement", "gpus_per_worker": "gpus_per_worker",
+    "torch_threads": "torch_threads",
     "linear_kernel": "linear_kernel",
     "host": "host", "port": "port", "metrics_port": "metrics_port", "redis_url": "redis_url",
     "http_port": "http_port", "served_model_name": "served_model_name",

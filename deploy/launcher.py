@@ -193,7 +193,7 @@ class LocalCluster:
         gpus = self.spec.gpus_per_worker
         if gpus is None:
             gpus = 1 if ray.cluster_resources().get("GPU", 0) >= len(roles) else 0
-        threads = None if gpus else max(1, (os.cpu_count() or 1) // len(roles))
+        threads = None if gpus else self.spec.torch_threads or max(1, (os.cpu_count() or 1) // len(roles))
         counts = {"prefill": 0, "decode": 0}
         for role in roles:
             worker_id = f"{role}-{counts[role]}"

@@ -46,6 +46,7 @@ def test_every_key_lands_on_its_field(tmp_path):
         decode: {count: 3, resources: {decode: 0.5, big_memory: 1}}
         actor_placement: spread
         gpus_per_worker: 0.5
+        torch_threads: 1
         cache: {block_size: 32, kv_dtype: bfloat16, kv_cache_gib: 4, num_blocks: 1000}
         scheduler: {max_batched_tokens: 4096}
         router: {port: 0, metrics_port: null, routing: least_load, min_remote_prefill_tokens: 8,
@@ -62,7 +63,7 @@ def test_every_key_lands_on_its_field(tmp_path):
     """)
     assert load_config(path) == ClusterSpec(
         model_path="/models/llama.gguf", host="0.0.0.0", num_prefill=2, num_decode=3,
-        actor_placement="spread", gpus_per_worker=0.5,
+        actor_placement="spread", gpus_per_worker=0.5, torch_threads=1,
         actor_resources={"prefill": {"prefill": 1.0}, "decode": {"decode": 0.5, "big_memory": 1.0}},
         cache=CacheConfig(block_size=32, kv_dtype="bfloat16", kv_cache_gib=4, num_blocks=1000),
         scheduler=SchedulerConfig(max_num_batched_tokens=4096),
@@ -96,8 +97,9 @@ def test_a_relative_model_path_is_relative_to_the_file(tmp_path):
     ("router: {prot: 1}", "unknown key 'router.prot' (did you mean 'router.port'?)"),
     ("cache: {blocks: 8}", "unknown key 'cache.blocks' (did you mean 'cache.num_blocks'?)"),
     ("gpus: 4", "unknown key 'gpus' (known keys: model, host, prefill, decode, actor_placement, "
-                "linear_kernel, gpus_per_worker, cache, scheduler, router, redis_url, ray_address, "
-                "namespace, max_restarts, worker_env, tls, auth, audit, default_temperature, default_top_p, "
+                "linear_kernel, gpus_per_worker, torch_threads, cache, scheduler, router, redis_url, "
+                "ray_address, namespace, max_restarts, worker_env, tls, auth, audit, default_temperature, "
+                "default_top_p, "
                 "default_top_k)"),
     ("tls: {certificate: a.pem}", "unknown key 'tls.certificate' (did you mean 'tls.cert'?)"),
 ])
@@ -124,8 +126,8 @@ def test_an_unknown_key_is_named_with_the_file_and_a_suggestion(tmp_path, text, 
                       "max_concurrent_streams, cache_isolation, prefill_deadline_fraction, "
                       "prefill_timeout_s, migration_limit, got 50051"),
     ("- model: x", "expected a mapping of keys (model, host, prefill, decode, actor_placement, "
-                   "linear_kernel, gpus_per_worker, cache, scheduler, router, redis_url, ray_address, "
-                   "namespace, max_restarts, worker_env, tls, auth, audit, default_temperature, "
+                   "linear_kernel, gpus_per_worker, torch_threads, cache, scheduler, router, redis_url, "
+                   "ray_address, namespace, max_restarts, worker_env, tls, auth, audit, default_temperature, "
                    "default_top_p, default_top_k), got list"),
     ("tls: {require_client_cert: 1}", "'tls.require_client_cert' must be true or false, got 1 (int)"),
     ("auth: {api_token_file: [a, b]}",
@@ -153,6 +155,7 @@ def test_a_wrong_type_is_named_with_the_file(tmp_path, text, message):
     ("prefill: {resources: {GPU: 1}}", "prefill.resources.GPU: Ray takes GPU as an argument of its own, "
                                        "not a custom resource; use gpus_per_worker for GPUs"),
     ("gpus_per_worker: -1", "gpus_per_worker (--gpus-per-worker) must be >= 0, got -1"),
+    ("torch_threads: 0", "torch_threads (--torch-threads) must be >= 1, got 0"),
     ("linear_kernel: mkl", "linear_kernel (--linear-kernel) must be one of matmul, onednn, got 'mkl'"),
     ("router: {max_concurrent_streams: 0}",
      "router.max_concurrent_streams (--max-concurrent-streams) must be > 0, got 0"),
