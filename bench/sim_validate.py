@@ -143,7 +143,23 @@ def run_topology(
     return rows
 
 
+def check_costs_threads(costs_path: str, threads: int) -> None:
+    """The costs must be timed at the torch threads the real workers get: a step at 1 thread takes
+    about twice one at 2, and a file calibrated at another count was the whole ITL miss once."""
+    from sim.costs import load_costs
+
+    recorded = load_costs(costs_path).source.get("torch_threads")
+    if recorded != threads:
+        raise SystemExit(f"{costs_path} was calibrated at {recorded or 'unrecorded'} torch threads; the real "
+                         f"cluster's workers get {threads} each here. Recalibrate: `pdserve sim calibrate "
+                         f"--threads {threads} --out {costs_path}`")
+
+
 def validate(args: argparse.Namespace) -> dict[str, Any]:
+    from pdserve.engine.config import cpu_threads_per_worker
+
+    # Both topologies have two workers, so each gets half the cores (deploy/launcher.py).
+    check_costs_threads(args.costs, cpu_threads_per_worker(2))
     # NOTE: a seed per run: the real cluster keeps its prefix cache between runs, so a run that repeated
     # an earlier run's prompts would hit them all; the simulator starts every run cold.
     rates = (args.light_rate, args.heavy_rate)

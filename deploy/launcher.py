@@ -33,7 +33,7 @@ import redis
 
 from deploy.config import ClusterSpec
 from deploy.redis_server import RedisServer, ensure_redis
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import EngineConfig, cpu_threads_per_worker
 from pdserve.engine.sampling_defaults import SamplingDefaults
 from pdserve.engine.weights import LoadedModel, load_model, served_model_name
 from pdserve.index.registry import WorkerRegistry
@@ -193,7 +193,7 @@ class LocalCluster:
         gpus = self.spec.gpus_per_worker
         if gpus is None:
             gpus = 1 if ray.cluster_resources().get("GPU", 0) >= len(roles) else 0
-        threads = None if gpus else self.spec.torch_threads or max(1, (os.cpu_count() or 1) // len(roles))
+        threads = None if gpus else self.spec.torch_threads or cpu_threads_per_worker(len(roles))
         counts = {"prefill": 0, "decode": 0}
         for role in roles:
             worker_id = f"{role}-{counts[role]}"

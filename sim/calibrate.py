@@ -1,6 +1,7 @@
 """`pdserve sim calibrate`: fit sim/costs.py's coefficients from runs on this machine.
 
-    steps     the real engine (LLMEngine over SmolLM2, the cluster's own EngineConfig defaults) runs
+    steps     the real engine (LLMEngine over SmolLM2, the cluster's own EngineConfig defaults, at the
+              torch threads of the workers it stands for: --threads) runs
               prefills of (new tokens x cached tokens) and decode batches of (batch size x context);
               every step is timed with the chunks it ran, and the step formula of sim/costs.py is
               fitted to them by least squares with non-negative coefficients
@@ -30,10 +31,12 @@ DECODE_GRID = [(b, ctx) for b in (1, 4, 8) for ctx in (64, 448)]  # (batch, cont
 WIRE_MIB = (4, 32)  # whole 4 MiB float32 blocks of make_pool
 
 
-def calibrate(quick: bool = False, progress: bool = True) -> CostModel:
+def calibrate(threads: int, quick: bool = False, progress: bool = True) -> CostModel:
+    """`threads`: the torch threads of the workers the costs are for (a step at 1 thread on this CPU
+    takes about twice one at 2); recorded in the file's source as torch_threads."""
     from pdserve.engine.llm_engine import LLMEngine
 
-    config = EngineConfig()
+    config = EngineConfig(num_threads=threads)
     engine = LLMEngine.from_config(config, progress=False)
     rows, times = _measure_steps(engine, reps=1 if quick else 2, progress=progress)
     x, y = np.array(rows), np.array(times)
@@ -55,6 +58,8 @@ def calibrate(quick: bool = False, progress: bool = True) -> CostModel:
     source = {
         "note": "measured on this machine by `pdserve sim calibrate`",
         "host": platform.node(),
+        "cpu": platform.processor() or platform.machine(),
+        "torch_threads": threads,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "steps": len(rows),
         "fit_relative_error_median": round(float(np.median(relative)), 3),

@@ -1,7 +1,7 @@
 """`pdserve sim`: run the simulator, calibrate its costs here, size a deployment.
 
     pdserve sim run       --workload NAME|--trace FILE --rate R --prefill P --decode D --costs FILE [--json]
-    pdserve sim calibrate [--out FILE] [--quick]
+    pdserve sim calibrate [--out FILE] [--quick] [--threads N]
     pdserve sim size      --workload NAME|--trace FILE --rate R --slo ttft_p90_ms=..,itl_p99_ms=..
                           --gpus N --costs FILE [--json] [--plot FILE]
 
@@ -98,6 +98,10 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
         "--out", default=DEFAULT_CPU_COSTS, metavar="FILE", help="where to write (default: %(default)s)"
     )
     p.add_argument("--quick", action="store_true", help="one repetition per grid point instead of two")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch threads of the engine timed: those of the workers the costs stand for "
+                        "(default: what each of two CPU workers on this machine gets, as in `pdserve up`'s "
+                        "1 prefill + 1 decode)")
     p.add_argument("--no-progress", action="store_true", help="do not show progress bars")
     p.set_defaults(handler=_calibrate)
 
@@ -184,10 +188,15 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    from pdserve.engine.config import cpu_threads_per_worker
     from sim.calibrate import calibrate
     from sim.costs import save_costs
 
-    model = calibrate(quick=args.quick, progress=not args.no_progress)
+    threads = cpu_threads_per_worker(2) if args.threads is None else args.threads
+    if threads < 1:
+        print(f"pdserve sim calibrate: --threads must be >= 1, got {threads}", file=sys.stderr)
+        return 2
+    model = calibrate(threads, quick=args.quick, progress=not args.no_progress)
     save_costs(model, args.out)
     print(json.dumps(model.to_json(), indent=2))
     print(f"wrote {args.out}", file=sys.stderr)

@@ -362,13 +362,11 @@ class BlockPool:
 
     def _evict_lru(self, offload: bool = True) -> int:
         block_id, _ = self._cached_lru.popitem(last=False)
+        spilled = SpilledBlock(self._block_hash[block_id], self._parent_hash[block_id],
+                               self._block_tokens[block_id])
+        self._forget_hash(block_id)
         if offload:
-            spilled = SpilledBlock(self._block_hash[block_id], self._parent_hash[block_id],
-                                   self._block_tokens[block_id])
-            self._forget_hash(block_id)
             self._events.extend(self.lower.offload(block_id, spilled))  # after its device removal
-        else:
-            self._forget_hash(block_id)
         return block_id
 
     def _forget_hash(self, block_id: int) -> None:

@@ -147,6 +147,11 @@ class SchedulerConfig:
 LINEAR_KERNELS = ("matmul", "onednn")
 
 
+def cpu_threads_per_worker(workers: int) -> int:
+    """Torch threads each of `workers` CPU workers on this machine gets: its cores, shared out."""
+    return max(1, (os.cpu_count() or 1) // max(1, workers))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
