@@ -196,12 +196,13 @@ def run_phases(sides: dict[str, Any], sizes: Sizes, rng: random.Random) -> dict[
 def run(args: Any) -> dict[str, Any]:
     from deploy.config import ClusterSpec
     from deploy.launcher import LocalCluster
+    from pdserve.engine.config import cpu_threads_per_worker
 
     base = QUICK if args.quick else Sizes()
     chosen = {k: getattr(args, k) for k in ("prompt_tokens", "new_tokens", "batch", "reps")}
     sizes = replace(base, **{k: v for k, v in chosen.items() if v is not None})
     load_at_start = warn_if_busy(len(os.sched_getaffinity(0)))
-    threads = args.threads or max(1, (os.cpu_count() or 1))  # default: what LocalCluster gives a lone worker
+    threads = args.threads or cpu_threads_per_worker(1)  # default: what LocalCluster gives a lone worker
     spec = ClusterSpec(num_prefill=0, num_decode=1, port=0, namespace="bench-cluster", torch_threads=threads)
     cluster = LocalCluster(spec, say=lambda line: progress(f"cluster: {line}"))
     try:

@@ -30,10 +30,15 @@ LOOSE = ("ttft_p50_ms", "itl_p50_ms")
 
 
 def test_a_cost_file_of_another_thread_count_is_refused_with_the_command_to_fix_it(tmp_path):
+    from dataclasses import replace
+
     from sim.costs import load_costs, save_costs
+    threads = cpu_threads_per_worker(2)
+    here = load_costs("sim/data/this_machine.json")
     costs = tmp_path / "costs.json"
-    save_costs(load_costs("sim/data/h100_llama8b.json"), costs)  # records no torch threads
-    with pytest.raises(SystemExit, match="Recalibrate: `pdserve sim calibrate --threads"):
+    save_costs(replace(here, source={**here.source, "torch_threads": threads + 1}), costs)
+    with pytest.raises(SystemExit, match=f"calibrated at {threads + 1} torch threads.*Recalibrate: "
+                                         f"`pdserve sim calibrate --threads {threads} "):
         validate(parse_args(["--costs", str(costs)]))
 
 
