@@ -1,8 +1,13 @@
 """The cache is exact: every cache path gives the tokens of a no-cache reference.
 
-The reference recomputes the whole sequence densely at every step
-(LlamaModel.reference_logits). Greedy tokens must be identical; the logits of
-the final step must agree within LOGIT_TOL max-abs: 1e-4 with a float32 cache.
+The reference recomputes the whole sequence densely (LlamaModel.reference_logits).
+Greedy tokens must be identical; the logits of the final step must agree within
+LOGIT_TOL max-abs: 1e-4 with a float32 cache. One dense causal pass over the
+prompt and the engine's tokens gives every step's reference logits at once
+(reference_rows): attention is causal, so row i is what a recompute of the
+sequence up to i gives, and the engine's tokens are the reference's greedy tokens
+exactly when each is the argmax of the row before it. A pass per step
+(reference_greedy) computes the same rows n times over.
 
 An int8 or fp8 cache is exact within its dtype: the reference attends over the
 same quantized K/V (reference_logits(ids, kv_dtype)). Its logits get a looser
@@ -61,6 +66,14 @@ def reference_greedy(engine: LLMEngine, prompt: list[int], n: int) -> tuple[list
     return ids[len(prompt):], logits
 
 
+def reference_rows(engine: LLMEngine, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), vocab]: row i is the reference's logits for the step that chose tokens[i], after the
+    prompt and tokens[:i] (one causal pass over the prompt and tokens[:-1]; module docstring)."""
+    with torch.inference_mode():
+        logits = engine.model.reference_logits(prompt + tokens[:-1], engine.config.cache.kv_dtype)
+    return logits[len(prompt) - 1:]
+
+
 def capture_logits(engine: LLMEngine) -> dict[str, list[torch.Tensor]]:
     """Wrap the runner to keep every logits row of each request, in step order (test instrumentation)."""
     rows: dict[str, list[torch.Tensor]] = {}
@@ -82,9 +95,9 @@ def check_against_reference(engine: LLMEngine, prompts: list[list[int]]) -> list
     results = engine.generate(prompts, greedy, detokenize=False)
     tolerance = LOGIT_TOL[engine.config.cache.kv_dtype]
     for prompt, result in zip(prompts, results):
-        ref_tokens, ref_logits = reference_greedy(engine, prompt, MAX_TOKENS)
-        assert result.token_ids == ref_tokens, f"prompt of {len(prompt)} tokens diverged"
-        diff = (rows[result.request_id][-1] - ref_logits).abs().max().item()
+        ref = reference_rows(engine, prompt, result.token_ids)
+        assert result.token_ids == ref.argmax(-1).tolist(), f"prompt of {len(prompt)} tokens diverged"
+        diff = (rows[result.request_id][-1] - ref[-1]).abs().max().item()
         assert diff <= tolerance, f"prompt of {len(prompt)} tokens: logits differ by {diff:.2e}"
     assert_no_leaks(engine)
     return results
@@ -164,20 +177,17 @@ def check_clear_steps_against_reference(engine: LLMEngine, prompts: list[list[in
     rows = capture_logits(engine)
     results = engine.generate(prompts, greedy, detokenize=False)
     compared = 0
-    with torch.inference_mode():
-        for prompt, result in zip(prompts, results):
-            ids = list(prompt)
-            assert len(rows[result.request_id]) == len(result.token_ids)
-            for token, row in zip(result.token_ids, rows[result.request_id]):
-                ref = engine.model.reference_logits(ids, engine.config.cache.kv_dtype)[-1]
-                diff = (row - ref).abs().max().item()
-                assert diff <= SMOLLM_INT8_LOGIT_TOL, f"prompt of {len(prompt)}: logits differ by {diff:.3f}"
-                top = torch.topk(ref, 2)
-                if top.values[0] - top.values[1] < CLEAR_MARGIN:
-                    break
-                assert token == int(top.indices[0]), f"prompt of {len(prompt)} tokens diverged at {len(ids)}"
-                ids.append(token)
-                compared += 1
+    for prompt, result in zip(prompts, results):
+        assert len(rows[result.request_id]) == len(result.token_ids)
+        refs = reference_rows(engine, prompt, result.token_ids)
+        for step, (token, row, ref) in enumerate(zip(result.token_ids, rows[result.request_id], refs)):
+            diff = (row - ref).abs().max().item()
+            assert diff <= SMOLLM_INT8_LOGIT_TOL, f"prompt of {len(prompt)}: logits differ by {diff:.3f}"
+            top = torch.topk(ref, 2)
+            if top.values[0] - top.values[1] < CLEAR_MARGIN:
+                break
+            assert token == int(top.indices[0]), f"prompt of {len(prompt)} tokens diverged at step {step}"
+            compared += 1
     assert_no_leaks(engine)
     return compared
 
