@@ -24,11 +24,13 @@ alternate rep by rep; medians over reps after a warm-up. Greedy tokens of both s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -67,7 +69,8 @@ def median_gap(stamps: list[float]) -> float:
 # --- the two sides ---------------------------------------------------------------------------
 class InProcess:
     """An LLMEngine configured as the cluster's decode worker, in a process of its own (as the worker
-    is: the router's and the client's threads are not in it), stepped by hand."""
+    is: the router's and the client's threads are not in it) with the worker's environment
+    (spec.worker_environment: OpenMP's wait policy among it), stepped by hand."""
 
     def __init__(self, spec: Any, threads: int) -> None:
         import multiprocessing
@@ -76,7 +79,8 @@ class InProcess:
         self._conn, child = ctx.Pipe()
         self._process = ctx.Process(target=_serve_engine, args=(child, spec.model_path, spec.cache,
                                                                 spec.scheduler, threads), daemon=True)
-        self._process.start()
+        with environment_of_children(spec.worker_environment):
+            self._process.start()
         ready = self._conn.recv()
         assert ready == "ready", ready
 
@@ -88,6 +92,21 @@ class InProcess:
     def close(self) -> None:
         self._conn.send(None)
         self._process.join(timeout=30)
+
+
+@contextlib.contextmanager
+def environment_of_children(variables: dict[str, str]) -> Iterator[None]:
+    """os.environ with `variables` set while the block starts processes (a spawned child copies it)."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _serve_engine(conn: Any, model_path: str | None, cache: Any, scheduler: Any, threads: int) -> None:

@@ -17,6 +17,15 @@ from pathlib import Path
 
 import pytest
 import redis
+
+from deploy.config import DEFAULT_WORKER_ENV
+
+# NOTE: before torch loads: this process's own engines (references, fixtures) run beside the
+# clusters' workers on the same cores, so they get the workers' environment (OpenMP's wait policy
+# is read when torch loads; deploy/config.py says why it matters).
+for _name, _value in DEFAULT_WORKER_ENV.items():
+    os.environ.setdefault(_name, _value)
+
 import torch
 
 from deploy.redis_server import RedisServer, generate_password

@@ -187,3 +187,4 @@ def test_worker_processes_run_with_the_worker_environment(cluster_1p1d):
         with open(f"/proc/{pid}/environ", "rb") as f:
             environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
         assert environ[b"MALLOC_ARENA_MAX"] == b"2"
+        assert environ[b"OMP_WAIT_POLICY"] == b"PASSIVE"
