@@ -108,7 +108,8 @@ def warn_if_busy(num_threads: int) -> float:
 
     NOTE: on a 2-core machine a second busy process makes every op that enters an OpenMP
     parallel region wait for a descheduled worker (~10 ms each), whatever its size, so
-    figures measured under load say more about the scheduler than about the code.
+    figures measured under load say more about the scheduler than about the code. (Workers
+    sleep at barriers instead, OMP_WAIT_POLICY=PASSIVE, which halves that: bench.omp_wait_policy.)
     """
     load = os.getloadavg()[0]
     if load > 0.5:
