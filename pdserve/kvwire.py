@@ -9,8 +9,8 @@ One transfer is one `KVTransfer.Push` call: a stream of (header, payload) frames
 
 Headers are msgpack maps carrying "v" (WIRE_VERSION) and "kind". A LAYER payload is one
 contiguous tensor [n_blocks, 2, block_size, kv_heads, row] in the pool's dtype, a row being
-head_dim values or, for int8/fp8, head_dim codes and their float32 scale
-(pdserve/engine/kv_format.py), so each block, scales included, is one byte range with its
+head_dim values or, for int8/fp8, head_dim codes and their scale (int8: and offset;
+pdserve/engine/kv_format.py), so each block, scales included, is one byte range with its
 own checksum:
 
     payload  | pos p0: K rows | V rows | pos p1: K rows | V rows | ...
@@ -25,7 +25,9 @@ prompt. A block that did not verify is never used, so the output stays exact.
 Compatibility: WIRE_VERSION covers the header schema, the payload layout and the checksum
 algorithm. Changing any of them (xxh3_64 -> crc32 included) is a new version. A new KV dtype
 is not: its name travels in the layout, which both ends must share, and a receiver that does
-not know the name refuses the BEGIN (fail closed, tests/test_kvwire.py).
+not know the name refuses the BEGIN (fail closed, tests/test_kvwire.py). Nor is a new encoding of
+a dtype's rows: the layout's row_format names it (pdserve/engine/config.py KVDtype), and a BEGIN
+without one comes from a peer that predates it, whose rows were the dtype's first encoding.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import msgpack
 import torch
 import xxhash
 
+from pdserve.engine.config import KV_DTYPE_TABLE
 from pdserve.engine.kv_format import KV_FORMATS, TORCH_DTYPES
 from pdserve.transfer.frames import DEFAULT_MAX_CHUNK_BYTES
 from pdserve.units import ceil_div
@@ -85,11 +88,14 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    row_format: str | None = None  # None: this process's encoding of kv_dtype
     wire_version: int = WIRE_VERSION
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in TORCH_DTYPES:
             raise ValueError(f"kv_dtype {self.kv_dtype!r} is not one of {', '.join(TORCH_DTYPES)}")
+        if self.row_format is None:
+            object.__setattr__(self, "row_format", KV_DTYPE_TABLE[self.kv_dtype].row_format)
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"KVLayout.{name} must be >= 1, got {getattr(self, name)}")
@@ -126,6 +132,9 @@ class KVLayout:
         r = _Reader("layout", d)
         kwargs: dict[str, Any] = {"model_fingerprint": r.as_str("model_fingerprint"),
                                   "kv_dtype": r.as_str("kv_dtype")}
+        # NOTE: a peer from before row formats sends none: its rows were the dtype's first
+        # encoding, named as the dtype (an int8 one then differs from this int8: fail closed).
+        kwargs["row_format"] = r.as_str("row_format") if "row_format" in d else kwargs["kv_dtype"]
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim", "wire_version"):
             kwargs[name] = r.as_int(name)
         return _build(cls, "layout", **kwargs)

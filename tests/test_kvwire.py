@@ -303,3 +303,17 @@ def test_begin_carries_the_requests_cache_salt():
     fields = msgpack.unpackb(frame.encode(), raw=False)
     with pytest.raises(WireError, match="'cache_salt' must be bytes"):
         decode_header(pack(**{**fields, "cache_salt": "text"}))
+
+
+def test_a_layout_names_its_row_format_and_a_peer_without_one_has_the_dtypes_first():
+    """int8's rows changed encoding: an int8 BEGIN from a peer that predates row formats is refused,
+    naming row_format; a float16 one (the only encoding float16 has had) still matches."""
+    assert LAYOUT.row_format == "float16"
+    int8 = dataclasses.replace(LAYOUT, kv_dtype="int8", row_format=None)
+    assert int8.row_format == "int8-hadamard-affine"
+    assert KVLayout.from_dict(int8.to_msgpack_dict()) == int8
+    legacy = {k: v for k, v in int8.to_msgpack_dict().items() if k != "row_format"}
+    mismatch = KVLayout.from_dict(legacy).first_mismatch(int8)
+    assert mismatch.startswith("row_format: sender int8, receiver int8-")
+    legacy = {k: v for k, v in LAYOUT.to_msgpack_dict().items() if k != "row_format"}
+    assert KVLayout.from_dict(legacy).first_mismatch(LAYOUT) is None

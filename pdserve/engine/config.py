@@ -15,9 +15,15 @@ from pdserve.field_error import FieldError
 @dataclass(frozen=True)
 class KVDtype:
     """How one K (or V) row of one token and one KV head is stored: head_dim elements of
-    element_bytes, and scale_bytes beside them (a float32 scale for the quantized dtypes)."""
+    element_bytes, and scale_bytes beside them (the quantized dtypes' scale, and int8's offset).
+
+    row_format names the encoding of the rows. It stands for the dtype in the engine salt and the
+    KV wire layout, so that rows of two encodings of one dtype never meet (a peer, a disk file or a
+    block hash of int8's first encoding against this one). A dtype's first encoding is named as
+    the dtype, so its salt never changed."""
 
     element_bytes: int
+    row_format: str
     scale_bytes: int = 0
 
     def row_bytes(self, head_dim: int) -> int:
@@ -25,10 +31,12 @@ class KVDtype:
 
 
 # The KV cache's element types, the one dtype table: float32/float16/bfloat16 as torch names them;
-# int8 and fp8 (torch.float8_e4m3fn) are symmetric per-token, per-KV-head quantizations with a float32
-# scale per row (pdserve/engine/kv_format.py holds their torch side).
-KV_DTYPE_TABLE = {"float32": KVDtype(4), "float16": KVDtype(2), "bfloat16": KVDtype(2),
-                  "int8": KVDtype(1, 4), "fp8": KVDtype(1, 4)}
+# fp8 (torch.float8_e4m3fn) is a symmetric per-token, per-KV-head quantization with a float32 scale
+# per row; int8 quantizes each row Hadamard-rotated, with a float16 scale and offset
+# (pdserve/engine/kv_format.py holds their torch side).
+KV_DTYPE_TABLE = {"float32": KVDtype(4, "float32"), "float16": KVDtype(2, "float16"),
+                  "bfloat16": KVDtype(2, "bfloat16"), "int8": KVDtype(1, "int8-hadamard-affine", 4),
+                  "fp8": KVDtype(1, "fp8", 4)}
 KV_DTYPES = tuple(KV_DTYPE_TABLE)
 
 

@@ -22,7 +22,8 @@ BlockHash names this identity in types, from the pool (block_pool.py, events.py)
 prefix index (pdserve/index/) to the router's scorer: a block hash is never confused with a salt
 or a fingerprint, which are bytes too.
 
-Pure: imports only the standard library, so the router can hash without torch.
+Pure: imports only the standard library and the dtype table (pdserve/engine/config.py, itself
+torch-free), so the router can hash without torch.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import struct
 from collections.abc import Sequence
 from typing import NewType
 
+from pdserve.engine.config import KV_DTYPE_TABLE
+
 BlockHash = NewType("BlockHash", bytes)  # a full block's chained hash: HASH_BYTES bytes
 
 HASH_BYTES = 16
@@ -40,8 +43,8 @@ ROOT_PARENT = BlockHash(b"\x00" * HASH_BYTES)
 
 def engine_salt(model_fingerprint: str, block_size: int, kv_dtype: str) -> bytes:
     """The engine's salt, mixed into every block hash: what makes its KV bytes comparable at all
-    (model+tokenizer fingerprint, block size, dtype)."""
-    text = f"pdserve-kv-v1|{model_fingerprint}|bs={block_size}|dtype={kv_dtype}"
+    (model+tokenizer fingerprint, block size, the dtype's row format: pdserve/engine/config.py)."""
+    text = f"pdserve-kv-v1|{model_fingerprint}|bs={block_size}|dtype={KV_DTYPE_TABLE[kv_dtype].row_format}"
     return hashlib.sha256(text.encode()).digest()[:HASH_BYTES]
 
 

@@ -16,6 +16,9 @@ codec sends. A row is head_dim values in float32/float16/bfloat16, or head_dim
 int8/fp8 codes and their scale (pdserve/engine/kv_format.py); compute is float32.
 Every path writes rows with the pool's format and attends over what it reads
 back, a fresh prefill included, so no path sees other K/V values than another.
+An int8 row is stored Hadamard-rotated; attention then runs in that basis
+(queries rotated in, the output rotated back), which is the identity for the
+other formats.
 """
 
 from __future__ import annotations
@@ -192,7 +195,9 @@ class LlamaModel:
         k_rows, v_rows = fmt.store(k), fmt.store(v)  # k itself for float32: no copy
         layer_cache[0, meta.slot_blocks, meta.slot_offsets] = k_rows
         layer_cache[1, meta.slot_blocks, meta.slot_offsets] = v_rows
-        k, v = fmt.load(k_rows), fmt.load(v_rows)
+        # NOTE: attention runs in the rows' basis (int8: Hadamard-rotated; kv_format.py), so the
+        # queries rotate once and the output rotates back once, never every cached row.
+        q, k, v = fmt.rotate(q), fmt.load_rotated(k_rows), fmt.load_rotated(v_rows)
         out = torch.empty_like(q)
         nd = meta.num_decode
         if nd:
@@ -200,7 +205,7 @@ class LlamaModel:
         for seg in meta.prefills:
             rows = slice(seg.q_start, seg.q_start + seg.q_len)
             out[rows] = self._prefill_attention(q[rows], k[rows], v[rows], seg, layer_cache, fmt)
-        return self.linear(out.view(-1, self.q_size), w["o"])
+        return self.linear(fmt.unrotate(out).reshape(-1, self.q_size), w["o"])
 
     @staticmethod
     def _decode_groups(meta: AttentionMetadata, block_size: int) -> list[DecodeGroup]:
@@ -237,7 +242,8 @@ class LlamaModel:
         # NOTE: index_select, not layer_cache[:, tables]: the same gather, but advanced indexing
         # costs milliseconds per layer on 2 busy threads (docs/benchmarks.md, profile).
         kv = layer_cache.index_select(1, group.block_tables.view(-1))  # [2, b*blocks, bs, kvh, row]
-        kv = fmt.load(kv.view(2, b, -1, self.config.num_kv_heads, layer_cache.shape[-1]).transpose(2, 3))
+        kv = kv.view(2, b, -1, self.config.num_kv_heads, layer_cache.shape[-1]).transpose(2, 3)
+        kv = fmt.load_rotated(kv)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], attn_mask=group.mask,
                                              scale=self.scale, enable_gqa=True)
         return out.squeeze(2)
@@ -248,7 +254,7 @@ class LlamaModel:
             keys, values, mask, causal = k, v, None, True
         else:
             ctx = seg.start + seg.q_len
-            kv = fmt.load(layer_cache.index_select(1, seg.block_table).flatten(1, 2)[:, :ctx])
+            kv = fmt.load_rotated(layer_cache.index_select(1, seg.block_table).flatten(1, 2)[:, :ctx])
             keys, values = kv[0], kv[1]
             q_pos = torch.arange(seg.start, ctx, device=q.device)
             mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
@@ -260,7 +266,8 @@ class LlamaModel:
     def reference_logits(self, token_ids: list[int], kv_dtype: str = "float32") -> torch.Tensor:
         """No-cache reference: the whole sequence recomputed densely; logits of every position.
         K/V go through kv_dtype's round trip as a cache of that dtype stores them (nothing for
-        float32), so it is the reference of an engine with that cache."""
+        float32), and attention runs in the rows' basis as the paged forward's does, so it is the
+        reference of an engine with that cache."""
         fmt = KV_FORMATS[kv_dtype]
         ids = torch.tensor(token_ids, device=self.device)
         rot = self.rope.at(torch.arange(len(token_ids), device=self.device))
@@ -268,8 +275,8 @@ class LlamaModel:
         for w in self.layers:
             x = rms_norm(h, w["ln1"], self.config.rms_norm_eps)
             q, k, v = self._qkv(x, rot, w)
-            k, v = fmt.round_trip(k), fmt.round_trip(v)
-            attn = sdpa_4d(q, k, v, None, True, self.scale)
+            q, k, v = fmt.rotate(q), fmt.load_rotated(fmt.store(k)), fmt.load_rotated(fmt.store(v))
+            attn = fmt.unrotate(sdpa_4d(q, k, v, None, True, self.scale))
             h = h + self.linear(attn.reshape(-1, self.q_size), w["o"])
             h = h + self._mlp(rms_norm(h, w["ln2"], self.config.rms_norm_eps), w)
         return self.linear(rms_norm(h, self.final_norm, self.config.rms_norm_eps), self.lm_head)

@@ -53,3 +53,15 @@ def test_a_request_cache_salt_keys_its_hashes_apart():
     tokens = list(range(8))
     assert hash_blocks(tokens, 4, a) != hash_blocks(tokens, 4, b) != hash_blocks(tokens, 4, salt)
     assert request_salt(engine_salt("m2", 4, "float32"), b"tenant-a") != a  # the engine's salt still counts
+
+
+def test_the_salt_names_the_row_format_so_int8_rows_of_its_first_encoding_never_match():
+    """int8's rows changed encoding (pdserve/engine/kv_format.py); the other dtypes' salts did not."""
+    import hashlib
+
+    def first_salt(kv_dtype: str) -> bytes:  # engine_salt before row formats
+        return hashlib.sha256(f"pdserve-kv-v1|m1|bs=16|dtype={kv_dtype}".encode()).digest()[:16]
+
+    for kv_dtype in ("float32", "float16", "bfloat16", "fp8"):
+        assert engine_salt("m1", 16, kv_dtype) == first_salt(kv_dtype)
+    assert engine_salt("m1", 16, "int8") != first_salt("int8")
