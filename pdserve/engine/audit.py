@@ -49,11 +49,12 @@ chunked, decode-filled and preempted blocks, worst 4.7e-7 / 5.9e-4 / 1.0e-3.) A 
 bfloat16 cache rounds each value once; a last-bit difference before rounding can flip it, so
 there the differences are a few units in the last place of the cache type.
 
-An int8 or fp8 cache is compared as the model reads it (codes times their row's scale). A
-last-bit difference can move a code by a whole step, 1/127 of its row's largest value for int8
-(about 1/14 at e4m3's top for fp8), and that moved value changes every layer above it, so the
-differences grow with depth (int8, chunks + decode steps: 0 at layer 0, one step up to layer 12,
-0.07 at layer 20). Measured as above, SmolLM2-135M (the 1,000-token rows with prompts of our own):
+An int8 or fp8 cache is compared as the model reads it (codes times their row's scale, plus
+int8's offset). A last-bit difference can move a code by a whole step (int8: 1/255 of its rotated
+row's range; about 1/14 at e4m3's top for fp8), and that moved value changes every layer above it,
+so the differences grow with depth (int8, chunks + decode steps: 0 at layer 0, one step up to layer
+12, 0.07 at layer 20). Measured as above on int8's first format (absmax, 1/127 of the row's largest
+value), SmolLM2-135M (the 1,000-token rows with prompts of our own):
 
     path (SmolLM2-135M)                          int8     fp8
     prompts one by one, one chunk each           0        0        (13/13 bit-exact)

@@ -13,7 +13,7 @@ An int8 or fp8 cache is exact within its dtype: the reference attends over the
 same quantized K/V (reference_logits(ids, kv_dtype)). Its logits get a looser
 tolerance for a reason of their own: a batch of another shape moves a K/V value
 by about 1e-6, and where that crosses a rounding boundary one code moves by a
-whole step (up to 1/127 of its row's largest value), which the layers above
+whole step (int8: 1/255 of its rotated row's range), which the layers above
 carry on. On the tiny model that moves logits by up to 2.3e-3 (measured over
 288 prompt runs, none of whose tokens changed); on SmolLM2 by up to 0.24, and
 the gap between the top two logits by up to 0.10, so there tokens are compared
@@ -167,6 +167,10 @@ def test_smollm2_paths_match_reference(smollm_loaded):
 # top two reference logits are closer than 2x the largest change of that gap measured are near-ties.
 SMOLLM_INT8_LOGIT_TOL = 0.5
 CLEAR_MARGIN = 0.2
+# The test must not pass by finding near-ties everywhere: at least this many of its 2 x 8 x 8 steps
+# are compared. A float32 or bfloat16 cache has 54 clear steps on these prompts (the near-ties are
+# the model's); int8's first row format, whose larger error moved two of them, had 76.
+MIN_CLEAR_STEPS = 48
 
 
 def check_clear_steps_against_reference(engine: LLMEngine, prompts: list[list[int]]) -> int:
@@ -199,7 +203,7 @@ def test_smollm2_int8_paths_match_the_int8_reference(smollm_loaded):
     prompts = varied_prompts(smollm_loaded.config.vocab_size)[:8]
     compared = check_clear_steps_against_reference(engine, prompts)
     compared += check_clear_steps_against_reference(engine, prompts)  # again: prefix hits
-    assert compared >= len(prompts) * MAX_TOKENS  # at least half of the 2 x 8 x 8 steps are clear
+    assert compared >= MIN_CLEAR_STEPS
     assert engine.pool.num_cached_blocks > 0
 
 
