@@ -8,6 +8,7 @@ pdserve's workers get PASSIVE (deploy/config.py DEFAULT_WORKER_ENV). This measur
 with SmolLM2's LLMEngine at --threads torch threads (default: every core):
 
   decode   median step time of a batch-1 greedy decode of --new-tokens tokens after a 56-token prompt
+  decode4  the same with 4 such requests decoding together
   prefill  time to the first token of a fresh --prompt-tokens prompt (max_tokens=1)
 
 each on a quiet machine and beside one busy process (a Python loop on one core: what a router,
@@ -15,8 +16,8 @@ a client or another worker is to a worker sharing its cores). The policy is read
 loads, so every measurement runs in a fresh child process (this module with --child) whose
 environment sets it or leaves it unset; the policies alternate rep by rep, medians of --reps.
 
-Headlines: passive_decode_ratio_quiet / _busy and passive_prefill_ratio_quiet / _busy = PASSIVE's
-time / the default's (below 1: PASSIVE faster).
+Headlines: passive_decode_ratio_quiet / _busy, passive_decode4_ratio_quiet / _busy and
+passive_prefill_ratio_quiet / _busy = PASSIVE's time / the default's (below 1: PASSIVE faster).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from bench.common import bench_parser, format_table, median, progress, run_timed
 
 POLICIES = {"default": None, "passive": "PASSIVE"}  # None: OMP_WAIT_POLICY unset, libgomp's spinning
 LOADS = ("quiet", "busy")
+MEASURES = ("decode_step", "decode4_step", "prefill")  # each child's figures, in seconds as <name>_s
 
 
 @contextlib.contextmanager
@@ -65,7 +67,7 @@ def measure_in_child(policy: str, args: argparse.Namespace) -> dict[str, float]:
 
 
 def child(args: argparse.Namespace) -> None:
-    """One decode and one prefill measurement in this process, as JSON on stdout."""
+    """One measurement of each of MEASURES in this process, as JSON on stdout."""
     import random
     import time
 
@@ -79,17 +81,23 @@ def child(args: argparse.Namespace) -> None:
     rng = random.Random(0)
     ours.stream(random_prompt(rng, 56), 4)  # warm the code paths
     ours.reset()
-    steps: list[float] = []
-    ours.engine.add_request(random_prompt(rng, 56), ours.greedy(args.new_tokens), detokenize=False)
-    ours.engine.step()  # the prefill
-    while ours.engine.has_unfinished():
-        started = time.perf_counter()
-        ours.engine.step()
-        steps.append(time.perf_counter() - started)
-    ours.reset()
+
+    def decode_step_s(batch: int) -> float:
+        for _ in range(batch):
+            ours.engine.add_request(random_prompt(rng, 56), ours.greedy(args.new_tokens), detokenize=False)
+        ours.engine.step()  # the prefills
+        steps: list[float] = []
+        while ours.engine.has_unfinished():
+            started = time.perf_counter()
+            ours.engine.step()
+            steps.append(time.perf_counter() - started)
+        ours.reset()
+        return median(steps)
+
+    decode, decode4 = decode_step_s(1), decode_step_s(4)
     prefill_s, _ = ours.ttft(random_prompt(rng, args.prompt_tokens))
     ours.reset()
-    print(json.dumps({"decode_step_s": median(steps), "prefill_s": prefill_s}))
+    print(json.dumps({"decode_step_s": decode, "decode4_step_s": decode4, "prefill_s": prefill_s}))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -106,23 +114,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "prompt_tokens": args.prompt_tokens, "loadavg_at_start": load_at_start,
                               "cpu_cores": len(os.sched_getaffinity(0))}
     for (policy, load), runs in samples.items():
-        result[f"{policy}_decode_step_ms_{load}"] = 1e3 * median([r["decode_step_s"] for r in runs])
-        result[f"{policy}_prefill_ms_{load}"] = 1e3 * median([r["prefill_s"] for r in runs])
+        for what in MEASURES:
+            result[f"{policy}_{what}_ms_{load}"] = 1e3 * median([r[f"{what}_s"] for r in runs])
     for load in LOADS:
-        for what in ("decode_step", "prefill"):
-            result[f"passive_{what.split('_')[0]}_ratio_{load}"] = (
+        for what in MEASURES:
+            result[ratio_key(what, load)] = (
                 result[f"passive_{what}_ms_{load}"] / result[f"default_{what}_ms_{load}"])
     return result
 
 
+def ratio_key(what: str, load: str) -> str:
+    """passive_decode_ratio_quiet, passive_decode4_ratio_busy, passive_prefill_ratio_quiet, ..."""
+    return f"passive_{what.removesuffix('_step')}_ratio_{load}"
+
+
 def report(r: dict[str, Any]) -> str:
-    rows = [[load, f"{r[f'default_decode_step_ms_{load}']:.1f}", f"{r[f'passive_decode_step_ms_{load}']:.1f}",
-             f"{r[f'passive_decode_ratio_{load}']:.2f}", f"{r[f'default_prefill_ms_{load}']:.0f}",
-             f"{r[f'passive_prefill_ms_{load}']:.0f}", f"{r[f'passive_prefill_ratio_{load}']:.2f}"]
-            for load in LOADS]
+    rows = [[load, what, f"{r[f'default_{what}_ms_{load}']:.1f}", f"{r[f'passive_{what}_ms_{load}']:.1f}",
+             f"{r[ratio_key(what, load)]:.2f}"] for load in LOADS for what in MEASURES]
     head = f"threads={r['threads']} reps={r['reps']} loadavg_at_start={r['loadavg_at_start']:.2f}\n"
-    return head + format_table(["machine", "decode step ms (default)", "(passive)", "ratio",
-                                f"prefill {r['prompt_tokens']} ms (default)", "(passive)", "ratio"], rows)
+    return head + format_table(["machine", "measure", "default ms", "passive ms", "passive / default"], rows)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
