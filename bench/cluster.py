@@ -24,15 +24,14 @@ alternate rep by rep; medians over reps after a warm-up. Greedy tokens of both s
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import statistics
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
+from unittest import mock
 
 from bench.common import (
     bench_parser,
@@ -79,7 +78,8 @@ class InProcess:
         self._conn, child = ctx.Pipe()
         self._process = ctx.Process(target=_serve_engine, args=(child, spec.model_path, spec.cache,
                                                                 spec.scheduler, threads), daemon=True)
-        with environment_of_children(spec.worker_environment):
+        # NOTE: a spawned child copies os.environ as it starts; patch.dict restores ours after.
+        with mock.patch.dict(os.environ, spec.worker_environment):
             self._process.start()
         ready = self._conn.recv()
         assert ready == "ready", ready
@@ -92,21 +92,6 @@ class InProcess:
     def close(self) -> None:
         self._conn.send(None)
         self._process.join(timeout=30)
-
-
-@contextlib.contextmanager
-def environment_of_children(variables: dict[str, str]) -> Iterator[None]:
-    """os.environ with `variables` set while the block starts processes (a spawned child copies it)."""
-    saved = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _serve_engine(conn: Any, model_path: str | None, cache: Any, scheduler: Any, threads: int) -> None:

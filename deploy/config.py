@@ -48,8 +48,9 @@ _RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 # gRPC threads then grew its RSS by ~70 MiB over 6 minutes of load, flat with 2 arenas
 # (docs/reliability.md, soak control runs). OMP_WAIT_POLICY: torch's OpenMP threads spin at every
 # barrier by default; on cores shared with the router, the gRPC threads or another worker, a
-# spinning thread holds a core while the thread it waits for is descheduled, and a batch-1 decode
-# step took 5x its time (docs/benchmarks.md, "OpenMP's wait policy"). PASSIVE threads sleep.
+# spinning thread holds a core while the thread it waits for is descheduled: beside one busy
+# process a decode step took twice its time (docs/benchmarks.md, "OpenMP's wait policy",
+# bench.omp_wait_policy). PASSIVE threads sleep.
 # Read when torch loads, so it must be in the environment the process starts with.
 DEFAULT_WORKER_ENV = {"MALLOC_ARENA_MAX": "2", "OMP_WAIT_POLICY": "PASSIVE"}
 
