@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from pdserve.engine.hashing import BlockHash, hash_blocks, request_salt
+from pdserve.engine.hashing import BlockHash, PromptHashes, request_salt
 from pdserve.index.breaker import CircuitBreaker
 from router.config import ROUTING_POLICIES, PlacementConfig
 from router.least_load import NoWorkerError, place_by_load
@@ -139,7 +139,7 @@ class Placer:
         (None when the index did not answer)."""
         tiered: tuple[dict[str, int], dict[str, LowerHeld]] | None = ({}, {})
         if self.match is not None:
-            hashes = hash_blocks(prompt, hashing.block_size, request_salt(hashing.salt, cache_salt))
+            hashes = PromptHashes(prompt, hashing.block_size, request_salt(hashing.salt, cache_salt))
             with_tiers = self.directory.tiered()
             tiered = (self.breaker.call(lambda: held_by_tier(self.match, hashes, with_tiers), None)
                       if hashes else ({}, {}))

@@ -28,9 +28,10 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Protocol
 
 import grpc
@@ -100,6 +101,7 @@ class WorkerDirectory:
         self._loads: dict[str, SeenReport] = {}
         self._refresh_s = refresh_s
         self._workers: dict[str, WorkerRecord] = {}
+        self._hashing: Mapping[str, BlockHashing] = {}  # from _workers, built once per refresh
         self._in_flight: Counter[str] = Counter()
         self._channels: dict[str, grpc.Channel] = {}
         self._absent_since: dict[str, float] = {}  # channel address -> when no live worker had it
@@ -137,8 +139,10 @@ class WorkerDirectory:
         with self._lock:
             left = [w for worker_id, w in self._workers.items() if worker_id not in registered]
         workers = {**self._still_serving(left), **registered}
+        hashing = MappingProxyType({w.worker_id: BlockHashing(w.block_size, bytes.fromhex(w.salt))
+                                    for w in workers.values()})
         with self._lock:
-            self._workers = workers
+            self._workers, self._hashing = workers, hashing
             self._loads = {w: seen for w in workers
                            if (seen := note_report(self._loads.get(w), loads.get(w), self._in_flight[w]))}
             retired = self._retire_channels({w.address for w in workers.values()})
@@ -225,11 +229,11 @@ class WorkerDirectory:
                     out.append(Candidate(w.worker_id, w.address, load, self._used_fraction(w, seen)))
         return out
 
-    def block_hashing(self) -> dict[str, BlockHashing]:
-        """worker id -> how it hashes its blocks, as its registry entry says."""
+    def block_hashing(self) -> Mapping[str, BlockHashing]:
+        """worker id -> how it hashes its blocks, as its registry entry says (read-only; a refresh
+        replaces it, so a placement's view stays whole)."""
         with self._lock:
-            return {w.worker_id: BlockHashing(w.block_size, bytes.fromhex(w.salt))
-                    for w in self._workers.values()}
+            return self._hashing
 
     def tiered(self) -> set[str]:
         """The workers whose registry entry lists a tier below the device pool (host, disk)."""

@@ -71,15 +71,19 @@ class BlockHolders:
 
         Walks the prompt once, narrowing the set of entries still matching with C-level set
         operations (a subset test per block), and stops at the first block no candidate holds.
+        NOTE: it iterates block_hashes rather than indexing it, so a lazy sequence (the router's
+        hashing.PromptHashes) is read, and its blocks hashed, only as far as the walk goes.
         """
-        if not block_hashes:
+        blocks = iter(block_hashes)
+        first = next(blocks, None)
+        if first is None:
             return {}
-        current = {w for w in set(self._holders.get(block_hashes[0], ())) if is_current(w)}
+        current = {w for w in set(self._holders.get(first, ())) if is_current(w)}
         depth: dict[str, int] = {}
-        for i in range(1, len(block_hashes)):
+        for i, h in enumerate(blocks, 1):
             if not current:
                 break
-            holders = self._holders.get(block_hashes[i])
+            holders = self._holders.get(h)
             if holders is None:
                 depth.update({w.worker_id: i for w in current})
                 return depth

@@ -1,5 +1,7 @@
 """Chained block hashes: known answers, prefix dependence, salt separation."""
 
+import pytest
+
 from pdserve.engine.hashing import ROOT_PARENT, engine_salt, hash_block, hash_blocks, request_salt
 
 
@@ -65,3 +67,29 @@ def test_the_salt_names_the_row_format_so_int8_rows_of_its_first_encoding_never_
     for kv_dtype in ("float32", "float16", "bfloat16", "fp8"):
         assert engine_salt("m1", 16, kv_dtype) == first_salt(kv_dtype)
     assert engine_salt("m1", 16, "int8") != first_salt("int8")
+
+
+def test_prompt_hashes_read_as_hash_blocks_does():
+    from pdserve.engine.hashing import PromptHashes
+    salt = b"s" * 16
+    tokens = list(range(1000, 1000 + 16 * 20 + 5))  # 20 full blocks and a partial one
+    whole = hash_blocks(tokens, 16, salt)
+    lazy = PromptHashes(tokens, 16, salt)
+    assert len(lazy) == 20
+    assert lazy[13] == whole[13] and lazy[-1] == whole[-1] and lazy[0] == whole[0]
+    assert lazy[3:9] == whole[3:9] and lazy[::-3] == whole[::-3] and lazy[30:] == []
+    assert list(lazy) == whole
+    assert list(PromptHashes(tokens, 16, salt, parent=whole[0])) == hash_blocks(tokens, 16, salt, parent=whole[0])
+    with pytest.raises(IndexError):
+        lazy[20]
+
+
+def test_prompt_hashes_hash_a_block_only_when_it_or_a_later_one_is_read():
+    """The router's decision hashes what its index match reads: a cold prompt costs one chunk."""
+    from pdserve.engine.hashing import PromptHashes
+    lazy = PromptHashes(list(range(16 * 64)), 16, b"s" * 16)
+    assert lazy.computed == 0
+    lazy[0]
+    assert lazy.computed == PromptHashes.CHUNK_BLOCKS
+    lazy[40]
+    assert lazy.computed == 41

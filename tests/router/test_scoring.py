@@ -188,3 +188,28 @@ def test_held_by_tier_asks_the_index_once_when_no_worker_has_a_lower_tier():
     held, lower = held_by_tier(match, hashes, tiered=set())
     assert (held, lower) == ({w: n for w, n in runs.items() if n}, {})
     assert calls == [64]
+
+
+def test_held_by_tier_reads_a_prompts_hashes_only_as_far_as_some_worker_holds_them():
+    """The decision's hashing stops with the index's match: blocks after the deepest held run, in any
+    tier, are never hashed (the same figures as hashing the whole prompt)."""
+    from pdserve.engine.events import Tier, index_key
+    from pdserve.engine.hashing import PromptHashes, hash_blocks
+    from pdserve.index.base import WorkerKey
+    from router.scoring import LowerHeld, held_by_tier
+    from pdserve.index.memory import InMemoryPrefixIndex
+    tokens, salt = list(range(16 * 128)), b"s" * 16
+    whole = hash_blocks(tokens, 16, salt)
+    index = InMemoryPrefixIndex(clock=lambda: 0.0)
+    a, b = WorkerKey("a", 1), WorkerKey("b", 1)
+    for w in (a, b):
+        index.set_live(w, 60)
+    index.apply(a, whole[:10], [])
+    index.apply(a, [index_key(h, Tier.HOST) for h in whole[10:20]], [])  # a: 10 device + 10 host
+    index.apply(b, whole[:5], [])
+
+    lazy = PromptHashes(tokens, 16, salt)
+    held, lower = held_by_tier(index.match, lazy, tiered={"a"})
+    assert (held, lower) == held_by_tier(index.match, whole, tiered={"a"})
+    assert held == {"a": 20, "b": 5} and lower == {"a": LowerHeld(host=10)}
+    assert lazy.computed <= 21 + PromptHashes.CHUNK_BLOCKS  # the 21 blocks read, in chunks; not all 128
