@@ -4,7 +4,9 @@
               torch threads of the workers it stands for: --threads) runs
               prefills of (new tokens x cached tokens) and decode batches of (batch size x context);
               every step is timed with the chunks it ran, and the step formula of sim/costs.py is
-              fitted to them by least squares with non-negative coefficients
+              fitted to them by least squares with non-negative coefficients: a token curve (the
+              step's cost by the rows its matmuls multiply, at CURVE_KNOTS) plus the attention terms
+              (fit_step_costs)
     transfer  bench/kv_transfer_wire.py's gRPC push of a small and a large KV payload between two
               processes: bandwidth from the large one, per-frame latency from what the small one
               took beyond its bytes / bandwidth
@@ -27,7 +29,8 @@ from pdserve.engine.sequence import SamplingParams
 from sim.costs import CostModel, Hardware, StepCosts, TransferCosts
 
 PREFILL_GRID = [(n, c) for n in (32, 128, 384) for c in (0, 256)]  # (new tokens, cached tokens)
-DECODE_GRID = [(b, ctx) for b in (1, 4, 8) for ctx in (64, 448)]  # (batch, context per sequence)
+# (batch, context per sequence): every decode batch size is a knot of the token curve below
+DECODE_GRID = [(b, ctx) for b in (1, 2, 4, 8) for ctx in (64, 448)] + [(16, 64)]
 WIRE_MIB = (4, 32)  # whole 4 MiB float32 blocks of make_pool
 
 
@@ -39,10 +42,7 @@ def calibrate(threads: int, quick: bool = False, progress: bool = True) -> CostM
     config = EngineConfig(num_threads=threads)
     engine = LLMEngine.from_config(config, progress=False)
     rows, times = _measure_steps(engine, reps=1 if quick else 2, progress=progress)
-    x, y = np.array(rows), np.array(times)
-    # NOTE: weighted by 1/time, so the fit minimises relative error: a 30 ms decode step counts as
-    # much as a 5 s prefill, else the long prefills decide every coefficient and decode is lost.
-    coef = nonnegative_lstsq(x / y[:, None], np.ones_like(y))
+    step, relative = fit_step_costs(rows, times)
     model = engine.model_config
     cache = config.cache
     hw = Hardware(
@@ -54,7 +54,6 @@ def calibrate(threads: int, quick: bool = False, progress: bool = True) -> CostM
         SchedulerConfig().max_num_seqs,
     )
     transfer = _measure_transfer(progress)
-    relative = np.abs(x @ coef - y) / y
     source = {
         "note": "measured on this machine by `pdserve sim calibrate`",
         "host": platform.node(),
@@ -64,29 +63,64 @@ def calibrate(threads: int, quick: bool = False, progress: bool = True) -> CostM
         "steps": len(rows),
         "fit_relative_error_median": round(float(np.median(relative)), 3),
         "fit_relative_error_p90": round(float(np.percentile(relative, 90)), 3),
-        "samples": {
-            "columns": ["1", "prefill_tokens", "prefill_attn/1000", "decode_seqs", "decode_context/1000"],
-            "rows": rows,
-            "step_s": times,
-        },
+        "samples": {"columns": list(SAMPLE_COLUMNS), "rows": rows, "step_s": times},
         "load_average": list(_loadavg()),
     }
-    return CostModel(StepCosts(*map(float, coef)), transfer, hw, source)
+    return CostModel(step, transfer, hw, source)
+
+
+SAMPLE_COLUMNS = ("prefill_tokens", "prefill_attn/1000", "decode_seqs", "decode_context/1000")
+# The token curve's knots (rows a step multiplies): where the calibration grid puts steps, so each
+# knot is pinned by samples on both sides (decode batches of 1-16 rows, prefills of 32-2048).
+CURVE_KNOTS = (1, 2, 4, 8, 16, 32, 128, 384, 1024, 2048)
 
 
 def _features(chunks) -> list[float]:
+    """A step's SAMPLE_COLUMNS, from the chunks it ran."""
     def is_decode(c) -> bool:
         return c.num_tokens == 1 and c.start >= c.seq.num_prompt_tokens
 
     prefill = [(c.num_tokens, c.start) for c in chunks if not is_decode(c)]
     decode = [c.end for c in chunks if is_decode(c)]
     return [
-        1.0,
         sum(n for n, _ in prefill),
         sum(n * (c + n / 2) for n, c in prefill) / 1000,
         len(decode),
         sum(decode) / 1000,
     ]
+
+
+def fit_step_costs(samples: list[list[float]], times: list[float],
+                   knots: tuple[int, ...] = CURVE_KNOTS) -> tuple[StepCosts, np.ndarray]:
+    """sim/costs.py's step formula with a token curve, fitted to timed steps (SAMPLE_COLUMNS each):
+    the curve's value at every knot, prefill_attn_s and decode_context_s, by least squares with
+    every coefficient >= 0. Returns the costs and each step's relative error.
+
+    NOTE: weighted by 1/time, so the fit minimises relative error: a 40 ms decode step counts as
+    much as a 5 s prefill, else the long prefills decide every coefficient and decode is lost.
+    """
+    rows = [int(n + b) for n, _, b, _ in samples]
+    # a knot no step weighs on would come out 0 and bend the curve there: fit only the pinned ones
+    knots = tuple(k for j, k in enumerate(knots) if any(curve_weights(r, knots)[j] for r in rows))
+    x = np.array([[*curve_weights(r, knots), attn, ctx] for r, (_, attn, _, ctx) in zip(rows, samples)])
+    y = np.array(times)
+    coef = nonnegative_lstsq(x / y[:, None], np.ones_like(y))
+    curve = tuple((k, float(v)) for k, v in zip(knots, coef[:len(knots)]))
+    step = StepCosts(0.0, 0.0, prefill_attn_s=float(coef[-2]), decode_context_s=float(coef[-1]),
+                     token_curve=curve)
+    return step, np.abs(x @ coef - y) / y
+
+
+def curve_weights(rows: int, knots: tuple[int, ...]) -> list[float]:
+    """The weights of each knot's value in StepCosts.curve_s(rows): the curve is linear in them."""
+    w = [0.0] * len(knots)
+    if rows <= knots[0]:
+        w[0] = 1.0
+        return w
+    i = next((j for j, k in enumerate(knots) if k >= rows), len(knots) - 1)  # the segment ending at i
+    t = (rows - knots[i - 1]) / (knots[i] - knots[i - 1])
+    w[i - 1], w[i] = 1 - t, t  # t > 1 past the last knot: extrapolation along the last segment
+    return w
 
 
 def _measure_steps(engine, reps: int, progress: bool) -> tuple[list[list[float]], list[float]]:

@@ -8,9 +8,19 @@ One step of a worker runs prefill chunks and decode tokens together (the engine 
            + decode_seq_s      * (decoding sequences in the step)
            + decode_context_s  * (total context of the decoding sequences) / 1000
 
+           + token_curve(prefill tokens + decoding sequences)
+
 where a chunk of n new tokens after c cached/computed ones attends to c + n/2 tokens on average.
 A decode step on a GPU is memory-bound: its cost is nearly flat in batch size (decode_seq_s small
 next to base_s), which is what makes disaggregation pay there; on this CPU it is not.
+
+token_curve: the cost of the step's matmuls as a function of the rows they multiply (every prefill
+token and decoding sequence is one row), given as measured knots (rows, seconds) and interpolated
+linearly between them (extrapolated along the last segment past the last knot). It is how a
+calibrated CPU file describes what a line cannot: on this CPU a 1-row step reads the weights once
+through a fast matrix-vector kernel (~40 ms at 1 thread) while 4 rows already take ~3x that through
+the matrix-matrix kernel, and 4 and 8 rows cost about the same. A calibrated file sets the curve and
+leaves base_s, prefill_token_s at 0; the GPU file has no curve and uses the linear terms alone.
 
     transfer_s = frames x frame_latency_s + bytes / bandwidth_bytes_per_s,   frames = layers
 
@@ -20,6 +30,7 @@ written as JSON (`pdserve sim calibrate` writes one; sim/data/h100_llama8b.json 
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -35,11 +46,33 @@ class StepCosts:
     prefill_attn_s: float = 0.0
     decode_seq_s: float = 0.0
     decode_context_s: float = 0.0
+    token_curve: tuple[tuple[int, float], ...] = ()  # (rows in the step, seconds), rows increasing from 1
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if not getattr(self, f.name) >= 0:
+            if f.name != "token_curve" and not getattr(self, f.name) >= 0:
                 raise ValueError(f"step cost {f.name} must be >= 0 seconds, got {getattr(self, f.name)}")
+        knots = tuple((int(rows), float(s)) for rows, s in self.token_curve)  # JSON gives lists
+        object.__setattr__(self, "token_curve", knots)
+        rows = [r for r, _ in knots]
+        if knots and (rows[0] < 1 or any(b <= a for a, b in zip(rows, rows[1:]))
+                      or not all(s >= 0 for _, s in knots)):
+            raise ValueError(f"token_curve must be (rows, seconds) knots with rows increasing from >= 1 and "
+                             f"seconds >= 0, got {list(knots)}")
+
+    def curve_s(self, rows: int) -> float:
+        """token_curve at `rows` (0 without a curve or rows): linear between knots, and along the
+        last segment past the last knot (the first knot's value below it)."""
+        knots = self.token_curve
+        if not knots or rows <= 0:
+            return 0.0
+        i = bisect.bisect_left(knots, rows, key=lambda k: k[0])
+        if i < len(knots) and knots[i][0] == rows:
+            return knots[i][1]
+        if i == 0 or len(knots) == 1:
+            return knots[0][1]
+        (r0, s0), (r1, s1) = knots[i - 1:i + 1] if i < len(knots) else knots[-2:]
+        return max(0.0, s0 + (s1 - s0) * (rows - r0) / (r1 - r0))
 
 
 @dataclass(frozen=True)
@@ -82,7 +115,8 @@ class CostModel:
         new = sum(n for n, _ in prefill)
         attn = sum(n * (c + n / 2) for n, c in prefill) / 1000
         return (s.base_s + s.prefill_token_s * new + s.prefill_attn_s * attn
-                + s.decode_seq_s * decode_seqs + s.decode_context_s * decode_context / 1000)
+                + s.decode_seq_s * decode_seqs + s.decode_context_s * decode_context / 1000
+                + s.curve_s(new + decode_seqs))
 
     def transfer_s(self, tokens: int) -> float:
         """Time to ship the KV of `tokens` tokens, one frame per layer."""

@@ -69,3 +69,41 @@ def test_the_gpu_cost_file_cites_its_source_and_says_it_was_not_measured_here():
     assert "not measured" in costs.source["note"].lower() and costs.source["references"]
     # memory-bound decode: a batch of 64 costs well under twice a batch of 1
     assert costs.step_s([], 64, 64 * 1024) < 2 * costs.step_s([], 1, 1024)
+
+
+def test_the_token_curve_interpolates_between_its_knots_and_extends_its_last_segment(tmp_path):
+    from dataclasses import replace
+
+    from sim.costs import StepCosts
+    step = StepCosts(0.0, 0.0, decode_context_s=0.01, token_curve=((1, 0.04), (4, 0.10), (8, 0.12)))
+    assert [step.curve_s(r) for r in (0, 1, 4, 8)] == [0.0, 0.04, 0.10, 0.12]
+    assert step.curve_s(2) == pytest.approx(0.06) and step.curve_s(6) == pytest.approx(0.11)
+    assert step.curve_s(12) == pytest.approx(0.14)  # past 8: the 4..8 slope, 5 ms a row
+    costs = replace(make_costs(), step=step)
+    # a step of 2 decoding sequences over 3,000 tokens of context and a 2-token prefill chunk: 4 rows
+    assert costs.step_s([(2, 0)], 2, 3000) == pytest.approx(0.10 + 0.01 * 3)
+    save_costs(costs, tmp_path / "c.json")
+    assert load_costs(tmp_path / "c.json") == costs
+    with pytest.raises(ValueError, match="token_curve"):
+        StepCosts(0.0, 0.0, token_curve=((4, 0.1), (2, 0.2)))
+
+
+def test_calibration_fits_the_curve_and_attention_terms_back_from_steps_they_timed():
+    """fit_step_costs recovers known costs exactly from steps timed by them; a knot no step falls
+    near is left out of the curve rather than fitted to 0."""
+    from sim.calibrate import fit_step_costs
+    from sim.costs import StepCosts
+    truth = StepCosts(0.0, 0.0, prefill_attn_s=0.002, decode_context_s=0.01,
+                      token_curve=((1, 0.04), (4, 0.12), (8, 0.13), (32, 0.2), (128, 0.45)))
+    # (prefill tokens, attention pairs / 1000, decoding sequences, their context / 1000)
+    samples = [[0, 0, b, b * ctx] for b in (1, 4, 8) for ctx in (0.064, 0.448)]
+    samples += [[n, n * (c + n / 2) / 1000, 0, 0] for n in (32, 128) for c in (0, 256)]
+    samples += [[96, 20.0, 2, 1.0]]
+    times = [truth.curve_s(n + b) + truth.prefill_attn_s * attn + truth.decode_context_s * ctx
+             for n, attn, b, ctx in samples]
+    fitted, relative = fit_step_costs(samples, times, knots=(1, 4, 8, 16, 32, 128, 4096))
+    assert relative.max() < 1e-9
+    assert [k for k, _ in fitted.token_curve] == [1, 4, 8, 32, 128]  # no step between 8 and 32, nor past 128
+    for rows in (1, 4, 8, 32, 128):
+        assert fitted.curve_s(rows) == pytest.approx(truth.curve_s(rows))
+    assert fitted.prefill_attn_s == pytest.approx(0.002) and fitted.decode_context_s == pytest.approx(0.01)
