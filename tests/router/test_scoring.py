@@ -196,8 +196,8 @@ def test_held_by_tier_reads_a_prompts_hashes_only_as_far_as_some_worker_holds_th
     from pdserve.engine.events import Tier, index_key
     from pdserve.engine.hashing import PromptHashes, hash_blocks
     from pdserve.index.base import WorkerKey
-    from router.scoring import LowerHeld, held_by_tier
     from pdserve.index.memory import InMemoryPrefixIndex
+    from router.scoring import LowerHeld, held_by_tier
     tokens, salt = list(range(16 * 128)), b"s" * 16
     whole = hash_blocks(tokens, 16, salt)
     index = InMemoryPrefixIndex(clock=lambda: 0.0)
