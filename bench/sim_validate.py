@@ -1,6 +1,6 @@
 """The simulator against the real cluster: same workloads, seeds and arrival times, both reports.
 
-    python -m bench.sim_validate [--json] [--requests N] [--costs sim/data/this_machine.json]
+    python -m bench.sim_validate [--json] [--requests N] [--reps N] [--costs sim/data/this_machine.json]
 
 For each topology (1 prefill + 1 decode; 2 colocated) it starts the real cluster with
 `pdserve up`'s LocalCluster (deploy/launcher.py), runs `pdserve loadtest`'s runner on each workload
@@ -164,16 +164,51 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     # an earlier run's prompts would hit them all; the simulator starts every run cold.
     rates = (args.light_rate, args.heavy_rate)
     runs = [(w, rate, 10 + 2 * i + j) for i, w in enumerate(args.workloads) for j, rate in enumerate(rates)]
-    rows = [row for topo in args.topologies for row in run_topology(topo, runs, args)]
-    cells = [m for r in rows for m in r["metrics"].values()]
-    return {
+    reps = []
+    for rep in range(args.reps):  # NOTE: each rep starts its clusters afresh: no prefix cache carries over
+        if args.reps > 1:
+            progress(f"rep {rep + 1} of {args.reps}")
+        reps.append([row for topo in args.topologies for row in run_topology(topo, runs, args)])
+    cells = [m for r in reps[0] for m in r["metrics"].values()]
+    result = {
         "tolerance": args.tolerance,
         "requests_per_run": args.requests,
         "costs": args.costs,
         "within": sum(c["within"] for c in cells),
         "cells": len(cells),
-        "runs": rows,
+        "runs": reps[0],
     }
+    if len(reps) > 1:
+        result["repeats"] = summarize_repeats(reps, args.tolerance)
+    return result
+
+
+def summarize_repeats(reps: list[list[dict[str, Any]]], tolerance: float) -> dict[str, Any]:
+    """What repeating the real runs says (reps: each rep's rows, in the same order).
+
+    real_self_within: the share of (cell, rep) where that rep's real value is within tolerance of the
+    mean of the other reps' (how often a simulator that predicted the real mean exactly would pass
+    one run: the ceiling the machine's own noise puts on the per-run target); sim_vs_real_mean: the
+    cells whose simulated value (the same in every rep) is within tolerance of the reps' real mean.
+    """
+    within_per_rep = [sum(c["within"] for row in rows for c in row["metrics"].values()) for rows in reps]
+    self_hits, self_cells, sim_hits, cells = 0, 0, 0, 0
+    for rows in zip(*reps):
+        for name in rows[0]["metrics"]:
+            real = [row["metrics"][name]["real"] for row in rows]
+            sim = rows[0]["metrics"][name]["sim"]
+            if any(v is None for v in real) or sim is None:
+                continue
+            cells += 1
+            mean = sum(real) / len(real)
+            sim_hits += mean != 0 and abs(sim - mean) / abs(mean) <= tolerance
+            for value in real:
+                others = (sum(real) - value) / (len(real) - 1)
+                self_cells += 1
+                self_hits += others != 0 and abs(value - others) / abs(others) <= tolerance
+    return {"reps": len(reps), "within_per_rep": within_per_rep,
+            "real_self_within": round(self_hits / self_cells, 3) if self_cells else None,
+            "sim_vs_real_mean_within": sim_hits, "cells": cells}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -193,6 +228,13 @@ def table(result: dict[str, Any]) -> str:
     lines.append(
         f"{result['within']} of {result['cells']} metrics within {result['tolerance']:.0%} (real/sim)"
     )
+    rep = result.get("repeats")
+    if rep:
+        lines.append(
+            f"{rep['reps']} reps: within per rep {rep['within_per_rep']}; a real run within "
+            f"{result['tolerance']:.0%} of the other runs' mean in {rep['real_self_within']:.0%} of cells; "
+            f"the simulator within it of the real mean in {rep['sim_vs_real_mean_within']} of {rep['cells']}"
+        )
     return "\n".join(lines)
 
 
@@ -227,8 +269,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--tolerance", type=float, default=0.2, help="relative error target (default: %(default)s)"
     )
+    p.add_argument(
+        "--reps", type=int, default=1,
+        help="run the real clusters this many times (a fresh start each); with 2 or more, `repeats` reports "
+             "how often the real runs agree with each other within --tolerance, the ceiling their noise puts "
+             "on the target, and the simulator against their mean (default: %(default)s)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.reps < 1:
+        p.error(f"--reps must be >= 1, got {args.reps}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,24 @@
+"""bench.sim_validate's summary of repeated real runs: hand-computed cases (pure; no cluster)."""
+
+from bench.sim_validate import summarize_repeats
+
+
+def rows(*cells: tuple[float, float, bool]) -> list[dict]:
+    """One topology row per cell tuple: (real, sim, within)."""
+    return [{"metrics": {"ttft_p50_ms": {"real": r, "sim": s, "within": w}}} for r, s, w in cells]
+
+
+def test_repeats_report_each_reps_count_the_real_runs_own_agreement_and_the_sim_against_their_mean():
+    # cell A: real 100 then 130 (each 30% / 23% off the other), sim 115 (within 20% of the mean 115)
+    # cell B: real 200 then 210 (within 5%), sim 300 (50% over the mean 205)
+    rep1 = rows((100, 115, True), (200, 300, False))
+    rep2 = rows((130, 115, True), (210, 300, False))
+    out = summarize_repeats([rep1, rep2], tolerance=0.2)
+    assert out == {"reps": 2, "within_per_rep": [1, 1], "real_self_within": 0.5,
+                   "sim_vs_real_mean_within": 1, "cells": 2}
+
+
+def test_a_cell_without_a_value_in_some_rep_is_left_out():
+    reps = [rows((None, 1.0, False), (10, 10, True)), rows((5, 1.0, False), (10, 10, True))]
+    out = summarize_repeats(reps, 0.2)
+    assert out["cells"] == 1 and out["real_self_within"] == 1.0 and out["sim_vs_real_mean_within"] == 1
