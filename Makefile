@@ -51,7 +51,7 @@ define pytest_or_fail_on_none
 	exit $$rc
 endef
 
-test: setup ## run the whole test suite (about 18 minutes on 2 cores)
+test: setup ## run the whole test suite (about 17-19 minutes on 2 cores)
 	$(call pytest_or_fail_on_none,)
 
 # The tests marked slow (tests/conftest.py marks every test that loads SmolLM2 or starts Ray) are left out.

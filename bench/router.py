@@ -67,7 +67,7 @@ from bench.common import (
     warn_if_busy,
 )
 from loadtest.stats import percentile
-from pdserve.engine.hashing import engine_salt, hash_blocks
+from pdserve.engine.hashing import PromptHashes, engine_salt, hash_blocks
 from pdserve.index.base import WorkerKey
 from pdserve.index.redis_index import RedisPrefixIndex
 from pdserve.index.registry import WorkerInfo
@@ -242,7 +242,7 @@ def _time_decisions(placer: Placer, directory: WorkerDirectory, backend: Any,
         placer.place(prompt)
     progress(f"decision: timing {len(prompts):,} decisions on {len(prompts[0]):,}-token prompts")
     times: dict[str, list[float]] = {"place": [], "hash": [], "match": [], "score": [], "redis_match": []}
-    depths = []
+    depths, hashed = [], []
     for prompt in prompts:
         start = time.perf_counter()
         placer.place(prompt)
@@ -260,6 +260,9 @@ def _time_decisions(placer: Placer, directory: WorkerDirectory, backend: Any,
         backend.index.match(hashes)
         times["redis_match"].append(time.perf_counter() - start)
         depths.append(held)
+        lazy = PromptHashes(prompt, BLOCK_SIZE, salt)  # untimed: how many blocks a decision hashes
+        backend.mirror.match(lazy)
+        hashed.append(lazy.computed)
     if placer.breaker.failures:
         raise RuntimeError(f"{placer.breaker.failures} index lookups failed and fell back to load-only "
                            "routing: those decisions are not what this benchmark names")
@@ -274,6 +277,8 @@ def _time_decisions(placer: Placer, directory: WorkerDirectory, backend: Any,
         "decisions": len(prompts), "decision_workers": 16,
         "matched_workers_mean": sum(len(d) for d in depths) / len(depths),
         "matched_depth_blocks_mean": ratio(sum(sum(d.values()) for d in depths), sum(len(d) for d in depths)),
+        # the placer's lazy hashing (hashing.PromptHashes) stops with the match: of the prompt's blocks
+        "hashed_blocks_mean": sum(hashed) / len(hashed), "prompt_blocks": len(prompts[0]) // BLOCK_SIZE,
     }
 
 
@@ -560,13 +565,14 @@ def report(r: dict[str, Any]) -> str:
     lines = []
     if "decision_p50_ms" in r:
         head = (f"decision: Placer.place, {r['decisions']:,} prompts of 4,096 tokens, 16 workers, "
-                f"{r['matched_workers_mean']:.1f} of them matched per prompt on average")
+                f"{r['matched_workers_mean']:.1f} of them matched per prompt on average; "
+                f"{r['hashed_blocks_mean']:.0f} of its {r['prompt_blocks']} blocks hashed per decision")
         p50, p99 = TARGETS["decision_p50_ms"], TARGETS["decision_p99_ms"]
         rows = [["decision p50", r["decision_p50_ms"], f"<= {p50}",
                  met("decision_p50_ms", lambda v: v <= p50)],
                 ["decision p99", r["decision_p99_ms"], f"<= {p99}",
                  met("decision_p99_ms", lambda v: v <= p99)],
-                ["  hash_blocks p50", r["hash_p50_ms"], "", ""],
+                ["  hash_blocks p50 (all blocks)", r["hash_p50_ms"], "", ""],
                 ["  IndexMirror.match p50", r["match_p50_ms"], "", ""],
                 ["  scoring.choose p50", r["score_p50_ms"], "", ""],
                 ["(Redis MATCH_LUA p50, not in the decision)", r["redis_match_p50_ms"], "", ""]]
