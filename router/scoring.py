@@ -174,23 +174,20 @@ def choose(prompt_tokens: int, block_size: int, decode: Sequence[Candidate], pre
     feeders = _cheapest_prefill(prompt_tokens, block_size, prefill, held_blocks, lower, weights)
     options = [option for d in decode
                for option in _options(prompt_tokens, block_size, d, feeders, held_blocks, lower, weights)]
-    best = min(o[0] for o in options)
-    winner = Choice(*_choice_fields(rng.choice([o for o in options if o[0] == best])))
+    best = min(o[_COST] for o in options)
+    winner = Choice(*rng.choice([o for o in options if o[_COST] == best]))
     if log.isEnabledFor(logging.DEBUG):
         log.debug("route %d tokens: %s (cost %.1f) among %s", prompt_tokens, _label(winner), winner.cost,
-                  ", ".join(f"{_label(Choice(*_choice_fields(o)))}={o[0]:.1f}" for o in options))
+                  ", ".join(f"{_label(Choice(*o))}={o[_COST]:.1f}" for o in options))
     return winner
 
 
-# An option before it wins: (cost, decode, prefill, decode_cached_blocks, prefill_cached_blocks).
-# NOTE: a plain tuple, not a Choice: a decision prices up to D x (tied P) options and keeps one, and
-# a frozen dataclass costs ~1 us to build (a third of scoring's time on 8 + 8 workers).
-_Option = tuple[float, Candidate, Candidate | None, int, int]
-
-
-def _choice_fields(o: _Option) -> tuple[Candidate, Candidate | None, float, int, int]:
-    cost, d, p, d_held, p_held = o
-    return d, p, cost, d_held, p_held
+# An option before it wins: Choice's fields in its order (decode, prefill, cost, decode_cached_blocks,
+# prefill_cached_blocks). NOTE: a plain tuple, not a Choice: a decision prices up to D x (tied P)
+# options and keeps one, and a frozen dataclass costs ~1 us to build (a third of scoring's time on
+# 8 + 8 workers).
+_Option = tuple[Candidate, Candidate | None, float, int, int]
+_COST = 2
 
 
 @dataclass(frozen=True)
@@ -237,11 +234,11 @@ def _options(tokens: int, bs: int, d: Candidate, feeders: _Feeders | None, held:
     d_held = usable_blocks(d_all, tokens, bs)
     d_load = w.decode_load * d.active_requests + w.blocks_used * d.used_block_fraction
     lacking = tokens - bs * d_held + _reload_tokens(d.worker_id, d_all, d_held, lower, bs, w)
-    local: _Option = (w.local_prefill * lacking + d_load, d, None, d_held, d_held)
+    local: _Option = (d, None, w.local_prefill * lacking + d_load, d_held, d_held)
     if lacking < w.local_prefill_max_tokens or feeders is None:
         return [local]
     cost = feeders.cost + w.transfer * (n_blocks - d_held) + d_load
-    return [local, *((cost, d, p, d_held, p_held) for p, p_held in feeders.workers)]
+    return [local, *((d, p, cost, d_held, p_held) for p, p_held in feeders.workers)]
 
 
 def _label(c: Choice) -> str:
