@@ -35,6 +35,8 @@ $(STAMP): pyproject.toml | $(PY)
 
 setup: $(STAMP) ## create .venv and install pdserve with dev tools and the SmolLM2 model (idempotent)
 	@$(MAKE) --no-print-directory protos
+	@# the avx2 linear kernel's GEMV, built once into torch's extension cache (says why not, never fails)
+	@$(PY) -m pdserve.engine.gemv
 
 # -I. keeps the folder path in the generated imports (`from protos.pdserve.v1 import x_pb2`).
 protos: $(STAMP) ## generate gRPC stubs from protos/*.proto (no-op when there are none)

@@ -1,4 +1,4 @@
-"""The engine's two matmul kernels on SmolLM2's shapes: torch's default (MKL on x86) against oneDNN.
+"""The engine's matmul kernels on SmolLM2's shapes: torch's default (MKL on x86), oneDNN, and avx2.
 
     python -m bench.matmul_kernels [--json] [--threads N] [--reps N]
 
@@ -6,11 +6,15 @@ NOTE: not kernels.py: bench/vllm_driver.py runs with bench/ on its sys.path, and
 probes `import kernels` (the Hugging Face kernels package) at import time.
 
 For each product [M, in] x [in, out] of a SmolLM2 layer (qkv 576->960, gate_up 576->3072,
-down 1536->576) and M rows (1: batch-1 decode; 14: a short suffix; 256; 2,048: a prefill chunk),
-both kernels of pdserve/engine/linear.py (MatmulLinear, OneDNNLinear) run on 30 distinct weights
-in turn, so that each call reads its weight from memory as a model's layers do. Reported: the
-best of --reps passes (the least disturbed by other processes) as GFLOP/s and, for M = 1, the
-weight bytes streamed per second; ratio = oneDNN / matmul.
+down 1536->576, and lm_head 576->49,152 with M of 1 to 4) and M rows (1: batch-1 decode; 2, 4, 8:
+small decode batches; 14: a short suffix; 256; 2,048: a prefill chunk), each kernel of
+pdserve/engine/linear.py (MatmulLinear, OneDNNLinear, and Avx2Linear where its GEMV builds) runs on
+30 distinct weights in turn (lm_head: 3), so that each call reads its weight from memory as a
+model's layers do. Reported: the best of --reps passes (the least disturbed by other processes) as
+GFLOP/s and the weight bytes streamed per second; ratio = oneDNN / matmul; and, for reference, the
+bytes per second of a plain read of the same weights (w.sum()), the bandwidth a GEMV can approach.
+avx2 runs pdserve's GEMV up to gemv.MAX_ROWS rows and oneDNN above, so its rows above that repeat
+oneDNN's: where the two cross is what sets MAX_ROWS.
 """
 
 from __future__ import annotations
@@ -21,32 +25,47 @@ from typing import Any
 import torch
 
 from bench.common import bench_parser, environment, format_table, publish, set_threads, warn_if_busy
-from pdserve.engine.linear import MatmulLinear, OneDNNLinear, onednn_available
+from pdserve.engine.linear import Linear, MatmulLinear, OneDNNLinear, onednn_available, select_linear
 
-SHAPES = {"qkv": (576, 960), "gate_up": (576, 3072), "down": (1536, 576)}
-ROWS = (1, 14, 256, 2048)
+SHAPES = {"qkv": (576, 960), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
+ROWS = (1, 2, 4, 8, 14, 256, 2048)
+LM_HEAD_ROWS = (1, 2, 4, 8)  # lm_head runs on the sampled rows only: one per decode sequence
 LAYERS = 30
+WEIGHT_COPIES = {"lm_head": 3}  # 113 MB each: 3 copies already exceed any cache
 
 
-def best_seconds(fn: Any, reps: int) -> float:
+def best_seconds(fn: Any, reps: int, copies: int) -> float:
     fn(0)  # warm-up: kernel selection, first touch
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
-        for layer in range(LAYERS):
+        for layer in range(copies):
             fn(layer)
-        best = min(best, (time.perf_counter() - start) / LAYERS)
+        best = min(best, (time.perf_counter() - start) / copies)
     return best
 
 
-def measure(name: str, shape: tuple[int, int], rows: int, reps: int) -> dict[str, Any]:
+def kernels() -> list[Linear]:
+    """matmul and onednn, and avx2 where its GEMV builds here (it says why not, once)."""
+    found: list[Linear] = [MatmulLinear(), OneDNNLinear()]
+    try:
+        found.append(select_linear(torch.device("cpu"), "avx2"))
+    except ValueError as e:
+        print(f"avx2 left out: {e}")
+    return found
+
+
+def measure(name: str, shape: tuple[int, int], rows: int, reps: int, linears: list[Linear]) -> dict[str, Any]:
     n_in, n_out = shape
-    weights = [torch.randn(n_out, n_in) for _ in range(LAYERS)]
+    copies = WEIGHT_COPIES.get(name, LAYERS)
+    weights = [torch.randn(n_out, n_in) for _ in range(copies)]
     x = torch.randn(rows, n_in)
     out: dict[str, Any] = {"product": name, "rows": rows}
-    for kernel in (MatmulLinear(), OneDNNLinear()):
+    s = best_seconds(lambda layer: weights[layer].sum(), reps, copies)
+    out["read_weight_gb_per_s"] = 4 * n_in * n_out / s / 1e9
+    for kernel in linears:
         prepared = [kernel.prepare(w) for w in weights]
-        s = best_seconds(lambda layer, k=kernel, p=prepared: k(x, p[layer]), reps)
+        s = best_seconds(lambda layer, k=kernel, p=prepared: k(x, p[layer]), reps, copies)
         out[f"{kernel.name}_gflops"] = 2 * rows * n_in * n_out / s / 1e9
         out[f"{kernel.name}_weight_gb_per_s"] = 4 * n_in * n_out / s / 1e9
     out["ratio"] = out["onednn_gflops"] / out["matmul_gflops"]
@@ -54,14 +73,14 @@ def measure(name: str, shape: tuple[int, int], rows: int, reps: int) -> dict[str
 
 
 def report(result: dict[str, Any]) -> str:
-    def streamed(r: dict[str, Any], kernel: str) -> Any:
-        return r[f"{kernel}_weight_gb_per_s"] if r["rows"] == 1 else ""
-
-    rows = [[r["product"], r["rows"], r["matmul_gflops"], r["onednn_gflops"], r["ratio"],
-             streamed(r, "matmul"), streamed(r, "onednn")] for r in result["products"]]
-    head = f"threads={result['threads']} best of {result['reps']} passes over {LAYERS} weights"
-    return "\n".join([head, format_table(["product", "M", "matmul GFLOP/s", "oneDNN GFLOP/s", "ratio",
-                                          "matmul GB/s", "oneDNN GB/s"], rows)])
+    names = result["kernels"]
+    rows = [[r["product"], r["rows"], *(r[f"{k}_gflops"] for k in names), r["ratio"],
+             *(r[f"{k}_weight_gb_per_s"] for k in names), r["read_weight_gb_per_s"]]
+            for r in result["products"]]
+    head = f"threads={result['threads']} best of {result['reps']} passes over {LAYERS} weights (lm_head: 3)"
+    headers = ["product", "M", *(f"{k} GFLOP/s" for k in names), "oneDNN/matmul",
+               *(f"{k} GB/s" for k in names), "read GB/s"]
+    return "\n".join([head, format_table(headers, rows)])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,8 +93,11 @@ def main(argv: list[str] | None = None) -> None:
         p.error("this torch build has no oneDNN linear on this CPU; nothing to compare")
     threads = set_threads(args.threads)
     load = warn_if_busy(threads)
-    products = [measure(name, shape, rows, args.reps) for name, shape in SHAPES.items() for rows in ROWS]
-    result = {"products": products, "threads": threads, "reps": args.reps,
+    linears = kernels()
+    products = [measure(name, shape, rows, args.reps, linears) for name, shape in SHAPES.items()
+                for rows in (LM_HEAD_ROWS if name == "lm_head" else ROWS)]
+    result = {"products": products, "kernels": [k.name for k in linears], "threads": threads,
+              "reps": args.reps,
               "environment": {**environment(threads), "loadavg_at_start": load}}
     publish(report(result), result, args.json)
 

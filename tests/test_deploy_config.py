@@ -156,7 +156,7 @@ def test_a_wrong_type_is_named_with_the_file(tmp_path, text, message):
                                        "not a custom resource; use gpus_per_worker for GPUs"),
     ("gpus_per_worker: -1", "gpus_per_worker (--gpus-per-worker) must be >= 0, got -1"),
     ("torch_threads: 0", "torch_threads (--torch-threads) must be >= 1, got 0"),
-    ("linear_kernel: mkl", "linear_kernel (--linear-kernel) must be one of matmul, onednn, got 'mkl'"),
+    ("linear_kernel: mkl", "linear_kernel (--linear-kernel) must be one of matmul, onednn, avx2, got 'mkl'"),
     ("router: {max_concurrent_streams: 0}",
      "router.max_concurrent_streams (--max-concurrent-streams) must be > 0, got 0"),
     ("router: {max_prompt_tokens: -5}",

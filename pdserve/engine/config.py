@@ -152,7 +152,7 @@ class SchedulerConfig:
                 raise FieldError(name, "must be >= 1", getattr(self, name))
 
 
-LINEAR_KERNELS = ("matmul", "onednn")
+LINEAR_KERNELS = ("matmul", "onednn", "avx2")
 
 
 def cpu_threads_per_worker(workers: int) -> int:

@@ -3,6 +3,8 @@
     select_linear(device, kernel) -> Linear       (EngineConfig.linear_kernel)
         matmul  MatmulLinear: torch.matmul over W.T kept contiguous; any device. The default.
         onednn  OneDNNLinear: torch.ops.mkldnn._linear_pointwise; x86 CPU builds of torch only
+        avx2    Avx2Linear: pdserve's GEMV (pdserve/engine/gemv.py) for up to 4 rows, oneDNN above;
+                an x86 CPU with AVX2, oneDNN, and a C++ compiler and ninja to build the GEMV
     linear.prepare(W) once when the weights load; linear(x, prepared) every step
 
 NOTE: why two. torch's fp32 matmul on an x86 CPU goes to MKL's sgemm, which on the AMD EPYC
@@ -13,7 +15,10 @@ backend calls oneDNN. But MKL is what transformers runs: our matmul path meets
 tests/engine/test_oracle.py's 1e-4 (a one-off check on four SmolLM2 prompts found 0.0 max-abs),
 while oneDNN sums in another order and its logits differed by up to 5e-3 in the same check, which
 that test does not allow. So oneDNN is opt-in, and tests/engine/test_linear_kernels.py runs the
-exactness suite on it (its own no-cache reference at 1e-4; transformers on greedy tokens).
+exactness suite on it (its own no-cache reference at 1e-4; transformers on greedy tokens). avx2 adds
+a GEMV of our own for decode-sized products, which both libraries run well below the memory
+bandwidth that bounds them (gemv.py); it sums in its own order too, so it is opt-in as well and
+under the same tests.
 """
 
 from __future__ import annotations
@@ -21,6 +26,11 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+
+from pdserve.engine.gemv import MAX_ROWS as MAX_GEMV_ROWS
+from pdserve.engine.gemv import Gemv
+from pdserve.engine.gemv import kernel as gemv_kernel
+from pdserve.engine.gemv import unavailable as gemv_unavailable
 
 
 class Linear(Protocol):
@@ -63,6 +73,29 @@ class OneDNNLinear:
         return torch.ops.mkldnn._linear_pointwise(x, prepared, None, "none", [], "")
 
 
+class Avx2Linear:
+    """pdserve's GEMV for a few rows of x (a decode step's products), oneDNN for more; W [out, in].
+
+    NOTE: a product's kernel depends on its row count only, never on the values, so a step's
+    result is a function of its inputs; which rows share a step can change which kernel runs,
+    as it can change oneDNN's own blocking.
+    """
+
+    name = "avx2"
+
+    def __init__(self, gemv: Gemv) -> None:
+        self._gemv = gemv
+        self._onednn = OneDNNLinear()
+
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.contiguous()
+
+    def __call__(self, x: torch.Tensor, prepared: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= MAX_GEMV_ROWS:
+            return self._gemv(x.contiguous(), prepared)
+        return self._onednn(x, prepared)
+
+
 def onednn_available(device: torch.device) -> bool:
     """oneDNN's linear works here: an x86 CPU build of torch with mkldnn, checked by one call."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
@@ -78,9 +111,14 @@ def select_linear(device: torch.device, kernel: str = "matmul") -> Linear:
     """The kernel named by EngineConfig.linear_kernel; onednn only where it works."""
     if kernel == "matmul":
         return MatmulLinear()
-    if kernel != "onednn":
-        raise ValueError(f"linear kernel {kernel!r}: use matmul or onednn")
+    if kernel not in ("onednn", "avx2"):
+        raise ValueError(f"linear kernel {kernel!r}: use matmul, onednn or avx2")
     if not onednn_available(device):
-        raise ValueError(f"linear_kernel 'onednn' is not available on {device} with this torch build; "
+        raise ValueError(f"linear_kernel {kernel!r} is not available on {device} with this torch build; "
                          "use matmul")
-    return OneDNNLinear()
+    if kernel == "onednn":
+        return OneDNNLinear()
+    gemv = gemv_kernel()
+    if gemv is None:
+        raise ValueError(f"linear_kernel 'avx2' is not available: {gemv_unavailable()}")
+    return Avx2Linear(gemv)

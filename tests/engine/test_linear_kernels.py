@@ -1,9 +1,11 @@
-"""The opt-in oneDNN matmul kernel (EngineConfig.linear_kernel="onednn") under the exactness suite.
+"""The opt-in matmul kernels (EngineConfig.linear_kernel "onednn" and "avx2") under the exactness suite.
 
 Against the no-cache reference on the same kernel: the suite's own assertions and 1e-4 tolerance
 (tests/engine/test_exactness.py), every cache path. Against transformers, which runs MKL: greedy
-tokens identical, and logits within ONEDNN_VS_TRANSFORMERS (oneDNN sums in another order; the
-default matmul kernel meets test_oracle.py's 1e-4).
+tokens identical, and logits within ONEDNN_VS_TRANSFORMERS (oneDNN and pdserve's GEMV sum in other
+orders; the default matmul kernel meets test_oracle.py's 1e-4). avx2's reference runs its prompts
+through oneDNN (many rows) while its decode steps run the GEMV (one row each), so the comparison
+crosses the two kernels.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.engine import gemv
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.linear import MatmulLinear, OneDNNLinear, onednn_available, select_linear
+from pdserve.engine.linear import Avx2Linear, MatmulLinear, OneDNNLinear, onednn_available, select_linear
 from pdserve.engine.sequence import SamplingParams
 from pdserve.field_error import FieldError
 from tests.conftest import assert_no_leaks, make_engine
@@ -26,13 +29,23 @@ needs_onednn = pytest.mark.skipif(not onednn_available(torch.device("cpu")),
                                   reason="this torch build has no oneDNN linear on this CPU")
 
 
-def onednn_engine(loaded, **kwargs):
-    return make_engine(loaded, linear_kernel="onednn", **kwargs)
+def _avx2_unavailable() -> str | None:
+    if not onednn_available(torch.device("cpu")):
+        return "this torch build has no oneDNN linear on this CPU"
+    return gemv.unavailable()
+
+
+needs_avx2 = pytest.mark.skipif(_avx2_unavailable() is not None, reason=f"avx2 kernel: {_avx2_unavailable()}")
+OPT_IN_KERNELS = [pytest.param("onednn", marks=needs_onednn), pytest.param("avx2", marks=needs_avx2)]
+
+
+def kernel_engine(loaded, kernel, **kwargs):
+    return make_engine(loaded, linear_kernel=kernel, **kwargs)
 
 
 def test_kernel_names_are_checked():
     assert isinstance(select_linear(torch.device("cpu"), "matmul"), MatmulLinear)
-    with pytest.raises(ValueError, match="use matmul or onednn"):
+    with pytest.raises(ValueError, match="use matmul, onednn or avx2"):
         select_linear(torch.device("cpu"), "mkl")
     with pytest.raises(FieldError, match="linear_kernel"):
         EngineConfig(linear_kernel="fast")
@@ -46,33 +59,71 @@ def test_onednn_computes_the_same_products_as_matmul():
     assert torch.allclose(ours, MatmulLinear()(x, MatmulLinear().prepare(w)), atol=1e-4, rtol=1e-5)
 
 
-@needs_onednn
+@needs_avx2
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n_in, n_out", [(576, 960), (1536, 576), (37, 10), (8, 3)],
+                         ids=["qkv", "down", "tails", "under-one-group"])
+def test_gemv_computes_the_same_products_as_matmul(rows, n_in, n_out):
+    """Every row count it serves, and shapes whose rows and columns leave tails (not whole groups of
+    4 output rows, nor whole 8-lane vectors of input)."""
+    g = torch.Generator().manual_seed(rows * 1000 + n_in)
+    x, w = torch.randn(rows, n_in, generator=g), torch.randn(n_out, n_in, generator=g)
+    ours = gemv.kernel()(x, w)
+    assert ours.shape == (rows, n_out)
+    assert torch.allclose(ours, x.double().mm(w.double().t()).float(), atol=1e-4, rtol=1e-5)
+
+
+@needs_avx2
+def test_avx2_sends_few_rows_to_the_gemv_and_more_to_onednn(monkeypatch):
+    linear = select_linear(torch.device("cpu"), "avx2")
+    assert isinstance(linear, Avx2Linear)
+    g = torch.Generator().manual_seed(9)
+    w = linear.prepare(torch.randn(64, 48, generator=g))
+    calls = []
+    monkeypatch.setattr(linear, "_gemv", lambda x, w: calls.append(x.shape[0]) or gemv.kernel()(x, w))
+    for rows in (1, gemv.MAX_ROWS, gemv.MAX_ROWS + 1, 14):
+        x = torch.randn(rows, 48, generator=g)
+        assert torch.allclose(linear(x, w), x @ w.t(), atol=1e-4, rtol=1e-5)
+    assert calls == [1, gemv.MAX_ROWS]
+
+
+@needs_avx2
+def test_gemv_takes_a_row_that_is_a_view():
+    """A decode row arrives as a slice of a wider tensor; the kernel is given it contiguous."""
+    g = torch.Generator().manual_seed(3)
+    wide, w = torch.randn(3, 96, generator=g), torch.randn(16, 48, generator=g)
+    x = wide[:, ::2]
+    linear = select_linear(torch.device("cpu"), "avx2")
+    assert torch.allclose(linear(x, linear.prepare(w)), x @ w.t(), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", OPT_IN_KERNELS)
 @pytest.mark.parametrize("engine_kwargs",
                          [{}, {"budget": 7}, {"block_size": 8, "num_blocks": 10, "budget": 32}],
                          ids=["batched", "chunked", "preempted"])
-def test_onednn_cache_paths_match_the_reference(tiny_loaded, engine_kwargs):
+def test_opt_in_kernel_cache_paths_match_the_reference(tiny_loaded, kernel, engine_kwargs):
     prompts = varied_prompts(tiny_loaded.config.vocab_size)
-    engine = onednn_engine(tiny_loaded, **engine_kwargs)
+    engine = kernel_engine(tiny_loaded, kernel, **engine_kwargs)
     check_against_reference(engine, prompts)
     results = check_against_reference(engine, prompts)  # again: prefix hits
     assert sum(r.usage.cached_tokens for r in results) > 0
 
 
-@needs_onednn
-def test_onednn_greedy_continuation_matches_transformers(tiny_loaded, hf_tiny):
-    engine = onednn_engine(tiny_loaded, block_size=4, budget=16)
+@pytest.mark.parametrize("kernel", OPT_IN_KERNELS)
+def test_opt_in_kernel_greedy_continuation_matches_transformers(tiny_loaded, hf_tiny, kernel):
+    engine = kernel_engine(tiny_loaded, kernel, block_size=4, budget=16)
     ids = [5, 17, 300, 4000, 12, 7, 99, 1024, 33]
     [ours] = engine.generate([ids], SamplingParams(temperature=0, max_tokens=32), detokenize=False)
     assert ours.token_ids == hf_greedy(hf_tiny, ids, 32)
     assert_no_leaks(engine)
 
 
-@needs_onednn
+@pytest.mark.parametrize("kernel", OPT_IN_KERNELS)
 @pytest.mark.slow  # transformers' GGUF load
-def test_onednn_smollm2_matches_transformers_within_its_bound(smollm_loaded, hf_smollm):
+def test_opt_in_kernel_smollm2_matches_transformers_within_its_bound(smollm_loaded, hf_smollm, kernel):
     messages = [{"role": "user", "content": "Write one sentence about the sea."}]
     chat_ids = smollm_loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    engine = onednn_engine(smollm_loaded, block_size=16, num_blocks=64, budget=40)
+    engine = kernel_engine(smollm_loaded, kernel, block_size=16, num_blocks=64, budget=40)
     with torch.inference_mode():
         diff = (engine.model.reference_logits(chat_ids) - hf_logits(hf_smollm, chat_ids)).abs().max().item()
     assert diff <= ONEDNN_VS_TRANSFORMERS

@@ -1,0 +1,72 @@
+// pdserve's GEMV: y = x @ W.T for a few rows of x, streaming W once (pdserve/engine/gemv.py).
+//
+// W is [out, in] float32, row-major. Output rows are cut into groups of 4 and the groups shared
+// out to torch's intra-op threads; each group's 4 weight rows are read once from memory and dotted
+// with every row of x while they sit in L1. A dot product keeps 8 partial sums (one AVX2
+// register), added in a fixed order at the end, so a result does not depend on the thread count.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kGroupRows = 4;
+constexpr int64_t kGrainGroups = 16;  // groups per parallel task: 64 rows, at least 147 KB of W
+
+inline float horizontal_sum(__m256 v) {
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+  sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
+  return _mm_cvtss_f32(sum);
+}
+
+// The dot products of `rows` (1..4) consecutive weight rows with one row of x.
+template <int64_t rows>
+inline void dot_rows(const float* w, const float* x, int64_t k, float* y) {
+  __m256 acc[rows];
+  for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
+  const int64_t vector_end = k - k % 8;
+  for (int64_t i = 0; i < vector_end; i += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + i);
+    for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * k + i), xv, acc[r]);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float tail = 0.0f;
+    for (int64_t i = vector_end; i < k; ++i) tail += w[r * k + i] * x[i];
+    y[r] = horizontal_sum(acc[r]) + tail;
+  }
+}
+
+}  // namespace
+
+torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: x [m, in] and w [out, in]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat, "gemv: float32 only");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.device().is_cpu() && w.device().is_cpu(),
+              "gemv: contiguous CPU tensors only");
+  const int64_t m = x.size(0), k = x.size(1), out = w.size(0);
+  auto y = torch::empty({m, out}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t full_groups = out / kGroupRows;
+  at::parallel_for(0, full_groups, kGrainGroups, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t row = g * kGroupRows;
+      for (int64_t i = 0; i < m; ++i) {
+        float sums[kGroupRows];
+        dot_rows<kGroupRows>(wp + row * k, xp + i * k, k, sums);
+        for (int64_t r = 0; r < kGroupRows; ++r) yp[i * out + row + r] = sums[r];
+      }
+    }
+  });
+  for (int64_t row = full_groups * kGroupRows; row < out; ++row) {
+    for (int64_t i = 0; i < m; ++i) dot_rows<1>(wp + row * k, xp + i * k, k, yp + i * out + row);
+  }
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemv", &gemv, "y = x @ w.T for a few rows of x (float32, CPU, AVX2)");
+}

@@ -1,0 +1,94 @@
+"""pdserve's AVX2 GEMV (gemv.cpp): y = x @ W.T for up to MAX_ROWS rows of x, W [out, in] float32.
+
+    kernel()          the built extension's gemv, or None where it cannot be built or run here
+    unavailable()     why not, in words (None when it works)
+    python -m pdserve.engine.gemv   builds it now (`make setup` does), and says where or why not
+
+NOTE: why a kernel of our own. A decode step at batch 1 is a stream of the model's weights through
+matrix-vector products, and it is bound by memory bandwidth. On the 2-core AMD EPYC machines this
+project runs on, torch's MKL GEMV and oneDNN's read SmolLM2's weights at 10-18 GB/s where a plain
+read of the same bytes (`w.sum()`) runs at 22-29 GB/s; this kernel reads them at 16-23 GB/s, and a
+batch-1 forward took 44 ms against oneDNN's 54-64 ms in the same process (docs/benchmarks.md).
+It sums each dot product in 8 lanes, in its own order, so like oneDNN it is not bit-equal to MKL:
+it serves only the opt-in `avx2` linear kernel (pdserve/engine/linear.py).
+
+Built with torch's C++ extension tooling (g++ and ninja) on first use, into torch's extension cache,
+under a name that carries a digest of the source and flags: an edit rebuilds it, and a build for
+other flags is never loaded. Flags are -mavx2 -mfma, not -march=native, because the machine's CPU
+model changes between sessions while the cache stays.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 4  # rows of x up to which the kernel beats oneDNN (python -m bench.matmul_kernels)
+SOURCE = Path(__file__).with_name("gemv.cpp")
+# NOTE: -fopenmp is what makes at::parallel_for parallel: without it the header's OpenMP pragma is
+# ignored and the kernel runs on one thread at about half its bandwidth.
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
+
+Gemv = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def extension_name() -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    return f"pdserve_gemv_{digest}"
+
+
+def _cpu_has_avx2() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def _missing_tool() -> str | None:
+    for tool in ("c++", "ninja"):
+        if shutil.which(tool) is None:
+            return tool
+    return None
+
+
+@cache
+def _build() -> tuple[Gemv | None, str | None]:
+    if not _cpu_has_avx2():
+        return None, f"this CPU has no AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    tool = _missing_tool()
+    if tool:
+        return None, f"building the GEMV kernel needs {tool} on PATH; install it, or use linear_kernel onednn"
+    from torch.utils.cpp_extension import load
+
+    try:
+        module = load(extension_name(), [str(SOURCE)], extra_cflags=list(FLAGS),
+                      extra_ldflags=["-fopenmp"], verbose=False)
+    except (RuntimeError, OSError, ImportError) as e:  # a compiler error, or a broken cache entry
+        log.warning("building the GEMV kernel failed: %s", e)
+        return None, f"building the GEMV kernel failed ({e}); use linear_kernel onednn"
+    return module.gemv, None
+
+
+def kernel() -> Gemv | None:
+    return _build()[0]
+
+
+def unavailable() -> str | None:
+    return _build()[1]
+
+
+def main() -> None:
+    reason = unavailable()
+    if reason:
+        print(f"pdserve GEMV kernel: not built: {reason}")
+        return
+    print(f"pdserve GEMV kernel: built ({extension_name()})")
+
+
+if __name__ == "__main__":
+    main()
