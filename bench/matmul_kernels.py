@@ -28,7 +28,7 @@ from bench.common import bench_parser, environment, format_table, publish, set_t
 from pdserve.engine.linear import Linear, MatmulLinear, OneDNNLinear, onednn_available, select_linear
 
 SHAPES = {"qkv": (576, 960), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
-ROWS = (1, 2, 4, 8, 14, 256, 2048)
+ROWS = (1, 2, 4, 8, 14, 32, 256, 2048)
 LM_HEAD_ROWS = (1, 2, 4, 8)  # lm_head runs on the sampled rows only: one per decode sequence
 LAYERS = 30
 WEIGHT_COPIES = {"lm_head": 3}  # 113 MB each: 3 copies already exceed any cache

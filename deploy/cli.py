@@ -367,7 +367,8 @@ def _add_up_cache(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
                        help="every worker's matmul kernel: matmul = torch's own, as transformers runs "
                             "it; onednn = oneDNN, 2-3x faster prefill and batched decode on x86 "
                             "CPUs, logits within 1e-3; avx2 = oneDNN plus pdserve's own GEMV for "
-                            "decode steps of up to 4 rows, built with g++ and ninja on first use "
+                            "products of up to 32 rows (decode batches, short suffixes), built "
+                            "with g++ and ninja on first use "
                             f"(default: {d.linear_kernel}; docs/benchmarks.md)")
     cache.add_argument("--max-chunk-bytes", type=int, metavar="BYTES",
                        help="KV payload per frame a prefill worker sends a decode worker, whole blocks, at "

@@ -1,5 +1,8 @@
 """pdserve's AVX2 GEMV (gemv.cpp): y = x @ W.T for up to MAX_ROWS rows of x, W [out, in] float32.
 
+A GEMV in name: for one row of x it is one, and for a few rows (a decode batch, a short prefill
+suffix) it still reads each weight row from memory once and dots it with every row of x.
+
     kernel()          the built extension's gemv, or None where it cannot be built or run here
     unavailable()     why not, in words (None when it works)
     python -m pdserve.engine.gemv   builds it now (`make setup` does), and says where or why not
@@ -31,7 +34,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 4  # rows of x up to which the kernel beats oneDNN (python -m bench.matmul_kernels)
+# Rows of x up to which the kernel beat oneDNN on every SmolLM2 product (qkv, gate_up, down) on
+# 2 threads: 1.2-1.6x at 2-32 rows; from 64 to 128 the two cross (python -m bench.matmul_kernels).
+MAX_ROWS = 32
 SOURCE = Path(__file__).with_name("gemv.cpp")
 # NOTE: -fopenmp is what makes at::parallel_for parallel: without it the header's OpenMP pragma is
 # ignored and the kernel runs on one thread at about half its bandwidth.

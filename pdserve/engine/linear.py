@@ -3,7 +3,7 @@
     select_linear(device, kernel) -> Linear       (EngineConfig.linear_kernel)
         matmul  MatmulLinear: torch.matmul over W.T kept contiguous; any device. The default.
         onednn  OneDNNLinear: torch.ops.mkldnn._linear_pointwise; x86 CPU builds of torch only
-        avx2    Avx2Linear: pdserve's GEMV (pdserve/engine/gemv.py) for up to 4 rows, oneDNN above;
+        avx2    Avx2Linear: pdserve's GEMV (pdserve/engine/gemv.py) for up to 32 rows, oneDNN above;
                 an x86 CPU with AVX2, oneDNN, and a C++ compiler and ninja to build the GEMV
     linear.prepare(W) once when the weights load; linear(x, prepared) every step
 

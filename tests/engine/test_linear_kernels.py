@@ -60,12 +60,13 @@ def test_onednn_computes_the_same_products_as_matmul():
 
 
 @needs_avx2
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 32])
 @pytest.mark.parametrize("n_in, n_out", [(576, 960), (1536, 576), (37, 10), (8, 3)],
                          ids=["qkv", "down", "tails", "under-one-group"])
 def test_gemv_computes_the_same_products_as_matmul(rows, n_in, n_out):
-    """Every row count it serves, and shapes whose rows and columns leave tails (not whole groups of
-    4 output rows, nor whole 8-lane vectors of input)."""
+    """Row counts that leave each remainder of its blocks of 3 rows of x, the most it serves, and
+    shapes whose rows and columns leave tails (not whole groups of 4 output rows, nor whole 8-lane
+    vectors of input)."""
     g = torch.Generator().manual_seed(rows * 1000 + n_in)
     x, w = torch.randn(rows, n_in, generator=g), torch.randn(n_out, n_in, generator=g)
     ours = gemv.kernel()(x, w)
@@ -81,10 +82,20 @@ def test_avx2_sends_few_rows_to_the_gemv_and_more_to_onednn(monkeypatch):
     w = linear.prepare(torch.randn(64, 48, generator=g))
     calls = []
     monkeypatch.setattr(linear, "_gemv", lambda x, w: calls.append(x.shape[0]) or gemv.kernel()(x, w))
-    for rows in (1, gemv.MAX_ROWS, gemv.MAX_ROWS + 1, 14):
+    for rows in (1, gemv.MAX_ROWS, gemv.MAX_ROWS + 1, 300):
         x = torch.randn(rows, 48, generator=g)
         assert torch.allclose(linear(x, w), x @ w.t(), atol=1e-4, rtol=1e-5)
     assert calls == [1, gemv.MAX_ROWS]
+
+
+@needs_avx2
+def test_a_gemv_row_does_not_depend_on_the_rows_beside_it():
+    """Each output is its own 8-lane sum in a fixed order, whatever blocking its row count takes."""
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(7, 576, generator=g), torch.randn(960, 576, generator=g)
+    together = gemv.kernel()(x, w)
+    for i in range(7):
+        assert torch.equal(gemv.kernel()(x[i:i + 1].contiguous(), w)[0], together[i])
 
 
 @needs_avx2
