@@ -6,9 +6,9 @@ Steps SmolLM2's LLMEngine (bench.engine's Ours) through three workloads and prof
   decode1   16 batch-1 decode steps after a 40-token prompt
   decode32  10 decode steps of 32 sequences of 32-512 context tokens
   suffix    one prefill of 14 new tokens after 544 cached ones
-Each op's self CPU time is put in one group: matmuls (aten::mm), KV gather (index_select),
-attention (scaled_dot_product*), KV write (index_put*), everything else. Reported: each
-group's share of the profiled op time.
+Each op's self CPU time is put in one group: matmuls (aten::mm, oneDNN's linear, pdserve::gemv),
+KV gather (index_select), attention (scaled_dot_product*), KV write (index_put*), everything
+else. Reported: each group's share of the profiled op time.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 from bench.common import add_linear_kernel_flag, bench_parser, format_table, publish, set_threads
 from bench.engine import Ours, random_prompt
 
-GROUPS = {"matmuls": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"),
+GROUPS = {"matmuls": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "pdserve::gemv"),
           "kv_gather": ("aten::index_select",), "attention": ("aten::_scaled_dot_product",),
           "kv_write": ("aten::index_put", "aten::_index_put")}
 

@@ -3,7 +3,7 @@
 A GEMV in name: for one row of x it is one, and for a few rows (a decode batch, a short prefill
 suffix) it still reads each weight row from memory once and dots it with every row of x.
 
-    kernel()          the built extension's gemv, or None where it cannot be built or run here
+    kernel()          the operator torch.ops.pdserve.gemv, or None where it cannot be built or run here
     unavailable()     why not, in words (None when it works)
     python -m pdserve.engine.gemv   builds it now (`make setup` does), and says where or why not
 
@@ -16,9 +16,9 @@ It sums each dot product in 8 lanes, in its own order, so like oneDNN it is not 
 it serves only the opt-in `avx2` linear kernel (pdserve/engine/linear.py).
 
 Built with torch's C++ extension tooling (g++ and ninja) on first use, into torch's extension cache,
-under a name that carries a digest of the source and flags: an edit rebuilds it, and a build for
-other flags is never loaded. Flags are -mavx2 -mfma, not -march=native, because the machine's CPU
-model changes between sessions while the cache stays.
+under a name that carries a digest of the source, the flags and torch's version: an edit or another
+torch rebuilds it, and a build for other flags is never loaded. Flags are -mavx2 -mfma, not
+-march=native, because the machine's CPU model changes between sessions while the cache stays.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ Gemv = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def extension_name() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    key = SOURCE.read_bytes() + " ".join((*FLAGS, torch.__version__)).encode()
+    digest = hashlib.sha256(key).hexdigest()[:12]
     return f"pdserve_gemv_{digest}"
 
 
@@ -71,12 +72,12 @@ def _build() -> tuple[Gemv | None, str | None]:
     from torch.utils.cpp_extension import load
 
     try:
-        module = load(extension_name(), [str(SOURCE)], extra_cflags=list(FLAGS),
-                      extra_ldflags=["-fopenmp"], verbose=False)
+        load(extension_name(), [str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
+             verbose=False)
     except (RuntimeError, OSError, ImportError) as e:  # a compiler error, or a broken cache entry
         log.warning("building the GEMV kernel failed: %s", e)
         return None, f"building the GEMV kernel failed ({e}); use linear_kernel onednn"
-    return module.gemv, None
+    return torch.ops.pdserve.gemv, None  # registered by loading the library (gemv.cpp)
 
 
 def kernel() -> Gemv | None:
