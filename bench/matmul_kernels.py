@@ -1,4 +1,4 @@
-"""The engine's matmul kernels on SmolLM2's shapes: torch's default (MKL on x86), oneDNN, and avx2.
+"""The engine's matmul kernels on SmolLM2's shapes: torch's default (MKL on x86), oneDNN, pdserve's GEMV.
 
     python -m bench.matmul_kernels [--json] [--threads N] [--reps N]
 
@@ -6,15 +6,15 @@ NOTE: not kernels.py: bench/vllm_driver.py runs with bench/ on its sys.path, and
 probes `import kernels` (the Hugging Face kernels package) at import time.
 
 For each product [M, in] x [in, out] of a SmolLM2 layer (qkv 576->960, gate_up 576->3072,
-down 1536->576, and lm_head 576->49,152 with M of 1 to 4) and M rows (1: batch-1 decode; 2, 4, 8:
-small decode batches; 14: a short suffix; 256; 2,048: a prefill chunk), each kernel of
-pdserve/engine/linear.py (MatmulLinear, OneDNNLinear, and Avx2Linear where its GEMV builds) runs on
-30 distinct weights in turn (lm_head: 3), so that each call reads its weight from memory as a
-model's layers do. Reported: the best of --reps passes (the least disturbed by other processes) as
-GFLOP/s and the weight bytes streamed per second; ratio = oneDNN / matmul; and, for reference, the
-bytes per second of a plain read of the same weights (w.sum()), the bandwidth a GEMV can approach.
-avx2 runs pdserve's GEMV up to gemv.MAX_ROWS rows and oneDNN above, so its rows above that repeat
-oneDNN's: where the two cross is what sets MAX_ROWS.
+down 1536->576, and lm_head 576->49,152 with M of 1 to 8) and M rows (1: batch-1 decode; 2 to 32:
+decode batches; 14: a short suffix; 64, 128; 256; 2,048: a prefill chunk), each kernel runs on 30
+distinct weights in turn (lm_head: 3), so that each call reads its weight from memory as a model's
+layers do: MatmulLinear and OneDNNLinear of pdserve/engine/linear.py, and pdserve::gemv
+(pdserve/engine/gemv.py) at every row count where it builds. avx2 runs the GEMV up to
+gemv.MAX_ROWS rows and oneDNN above: where the gemv and onednn columns cross is what sets MAX_ROWS.
+Reported: the best of --reps passes (the least disturbed by other processes) as GFLOP/s and the
+weight bytes streamed per second; ratio = oneDNN / matmul; and, for reference, the bytes per second
+of a plain read of the same weights (w.sum()), the bandwidth a GEMV can approach.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from typing import Any
 import torch
 
 from bench.common import bench_parser, environment, format_table, publish, set_threads, warn_if_busy
-from pdserve.engine.linear import Linear, MatmulLinear, OneDNNLinear, onednn_available, select_linear
+from pdserve.engine import gemv
+from pdserve.engine.linear import Linear, MatmulLinear, OneDNNLinear, onednn_available
 
 SHAPES = {"qkv": (576, 960), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
-ROWS = (1, 2, 4, 8, 14, 32, 256, 2048)
+ROWS = (1, 2, 4, 8, 14, 32, 64, 128, 256, 2048)
 LM_HEAD_ROWS = (1, 2, 4, 8)  # lm_head runs on the sampled rows only: one per decode sequence
 LAYERS = 30
 WEIGHT_COPIES = {"lm_head": 3}  # 113 MB each: 3 copies already exceed any cache
@@ -45,13 +46,29 @@ def best_seconds(fn: Any, reps: int, copies: int) -> float:
     return best
 
 
+class GemvAtAnyRows:
+    """pdserve::gemv as a Linear, at every row count (the engine's avx2 kernel stops at MAX_ROWS)."""
+
+    name = "gemv"
+
+    def __init__(self, kernel: gemv.Gemv) -> None:
+        self._kernel = kernel
+
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.contiguous()
+
+    def __call__(self, x: torch.Tensor, prepared: torch.Tensor) -> torch.Tensor:
+        return self._kernel(x, prepared)
+
+
 def kernels() -> list[Linear]:
-    """matmul and onednn, and avx2 where its GEMV builds here (it says why not, once)."""
+    """matmul and onednn, and pdserve's GEMV where it builds here (it says why not, once)."""
     found: list[Linear] = [MatmulLinear(), OneDNNLinear()]
-    try:
-        found.append(select_linear(torch.device("cpu"), "avx2"))
-    except ValueError as e:
-        print(f"avx2 left out: {e}")
+    kernel = gemv.kernel()
+    if kernel is None:
+        print(f"gemv left out: {gemv.unavailable()}")
+    else:
+        found.append(GemvAtAnyRows(kernel))
     return found
 
 

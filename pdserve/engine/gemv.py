@@ -9,9 +9,10 @@ suffix) it still reads each weight row from memory once and dots it with every r
 
 NOTE: why a kernel of our own. A decode step at batch 1 is a stream of the model's weights through
 matrix-vector products, and it is bound by memory bandwidth. On the 2-core AMD EPYC machines this
-project runs on, torch's MKL GEMV and oneDNN's read SmolLM2's weights at 10-18 GB/s where a plain
-read of the same bytes (`w.sum()`) runs at 22-29 GB/s; this kernel reads them at 16-23 GB/s, and a
-batch-1 forward took 44 ms against oneDNN's 54-64 ms in the same process (docs/benchmarks.md).
+project runs on, torch's MKL GEMV and oneDNN's read SmolLM2's weights at 9-19 GB/s where a plain
+read of the same bytes (`w.sum()`) runs at 17-24 GB/s; this kernel reads them at 12-21 GB/s, and
+from 2 to 32 rows it led oneDNN 1.1-2.2x (python -m bench.matmul_kernels). bench.engine's batch-1
+decode step took 47-56 ms with it against oneDNN's 59 ms (docs/benchmarks.md, 2026-12-03).
 It sums each dot product in 8 lanes, in its own order, so like oneDNN it is not bit-equal to MKL:
 it serves only the opt-in `avx2` linear kernel (pdserve/engine/linear.py).
 
