@@ -76,7 +76,9 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w) {
       dot_rows<kGroupRows>(wp + row * k, xp, m, k, yp + row, out);
     }
   });
-  for (int64_t row = full_groups * kGroupRows; row < out; ++row) dot_rows<1>(wp + row * k, xp, m, k, yp + row, out);
+  for (int64_t row = full_groups * kGroupRows; row < out; ++row) {
+    dot_rows<1>(wp + row * k, xp, m, k, yp + row, out);
+  }
   return y;
 }
 

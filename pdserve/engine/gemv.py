@@ -35,8 +35,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Rows of x up to which the kernel beat oneDNN on every SmolLM2 product (qkv, gate_up, down) on
-# 2 threads: 1.2-1.6x at 2-32 rows; from 64 to 128 the two cross (python -m bench.matmul_kernels).
+# Rows of x up to which the kernel beat oneDNN on every SmolLM2 layer product (qkv, gate_up, down)
+# on 2 threads in two runs of python -m bench.matmul_kernels: 1.1-2.2x from 2 to 32 rows, still
+# ahead at 64, and the two cross at 128 (docs/benchmarks.md, 2026-12-03).
 MAX_ROWS = 32
 SOURCE = Path(__file__).with_name("gemv.cpp")
 # NOTE: -fopenmp is what makes at::parallel_for parallel: without it the header's OpenMP pragma is

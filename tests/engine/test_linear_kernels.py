@@ -10,10 +10,13 @@ crosses the two kernels.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from pdserve.engine import gemv
+from pdserve.engine.audit import TOLERANCE, KVAuditor
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.linear import Avx2Linear, MatmulLinear, OneDNNLinear, onednn_available, select_linear
 from pdserve.engine.sequence import SamplingParams
@@ -118,6 +121,26 @@ def test_opt_in_kernel_cache_paths_match_the_reference(tiny_loaded, kernel, engi
     check_against_reference(engine, prompts)
     results = check_against_reference(engine, prompts)  # again: prefix hits
     assert sum(r.usage.cached_tokens for r in results) > 0
+
+
+@pytest.mark.parametrize("kernel", OPT_IN_KERNELS)
+def test_opt_in_kernel_blocks_filled_by_decode_steps_audit_clean(tiny_loaded, kernel):
+    """Decode steps (under avx2, the GEMV's products) fill whole blocks beside prefill chunks; the
+    KV audit recomputes each as one prefill (oneDNN's products): the rows agree across the kernels."""
+    engine = kernel_engine(tiny_loaded, kernel, budget=40)
+    rng = random.Random(11)
+    for _ in range(4):
+        prompt = [rng.randrange(tiny_loaded.config.vocab_size) for _ in range(rng.randint(20, 60))]
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                           detokenize=False)
+        for _ in range(3):
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    report = KVAuditor(engine).audit()
+    assert report.mismatched == 0 and report.checked > 0, report
+    assert report.max_rel_diff <= TOLERANCE["float32"] / 4, report
+    assert_no_leaks(engine)
 
 
 @pytest.mark.parametrize("kernel", OPT_IN_KERNELS)
