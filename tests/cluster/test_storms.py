@@ -1,7 +1,8 @@
 """Under pressure, on 1 prefill + 1 decode with small KV pools (SmolLM2, local Ray, real Redis).
 
 Cancellation storm: 200 requests cancelled at random moments (queued, prefilling, transferring,
-decoding) or cut by their deadline; a few seconds later no worker holds a block for any of them.
+decoding: the test checks both sides of the first token) or cut by their deadline; a few seconds
+later no worker holds a block for any of them.
 Pool exhaustion: more concurrent work than both pools hold; preemption and the fallback to
 prefill on the decode worker keep every output exact, and nothing deadlocks.
 """
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import random
-import time
+import threading
+from collections import Counter
 
 import pytest
 
@@ -45,9 +47,12 @@ def storm_prompt(rng: random.Random) -> list[int]:
 
 
 def cancel_at_random(client, rng: random.Random) -> str:
-    """Start one request and end it early: cancel after a random delay, or give it a short deadline."""
+    """Start one request and end it early: a short deadline; a cancel on a timer, which lands
+    wherever the request is by then (queued, prefilling, transferring, decoding); or a cancel
+    after a random number of tokens, which lands while it decodes."""
     prompt, max_tokens = storm_prompt(rng), rng.choice([4, 16, 32])
-    if rng.random() < 0.25:
+    way = rng.random()
+    if way < 0.25:
         try:
             client.generate(token_ids=prompt, max_tokens=max_tokens, ignore_eos=True,
                             timeout_s=rng.uniform(0.05, 1.5))
@@ -55,12 +60,28 @@ def cancel_at_random(client, rng: random.Random) -> str:
         except PdserveError as e:
             return e.code
     stream = client.stream(token_ids=prompt, max_tokens=max_tokens, ignore_eos=True)
-    deadline = time.monotonic() + rng.uniform(0.0, 1.5)
-    for _ in stream:
-        if time.monotonic() >= deadline:
-            break
-    stream.cancel()
-    return "cancelled"
+    if way < 0.85:
+        return _cancel_on_a_timer(stream, rng.uniform(0.0, 1.5))
+    after = rng.randint(1, 3)
+    for tokens, _ in enumerate(stream, start=1):
+        if tokens == after:
+            stream.cancel()
+            return "cancelled streaming"
+    return "finished"
+
+
+def _cancel_on_a_timer(stream, delay_s: float) -> str:
+    cancelled = threading.Event()
+    def cancel() -> None:
+        cancelled.set()
+        stream.cancel()
+    timer = threading.Timer(delay_s, cancel)
+    timer.start()
+    tokens = sum(1 for _ in stream)
+    timer.cancel()
+    if not cancelled.is_set():
+        return "finished"
+    return "cancelled streaming" if tokens else "cancelled before its first token"
 
 
 def test_cancellation_storm_leaks_no_block(small_pools):
@@ -68,8 +89,14 @@ def test_cancellation_storm_leaks_no_block(small_pools):
     seeds = [rng.random() for _ in range(200)]
     with client_of(small_pools) as client, cf.ThreadPoolExecutor(16) as pool:
         outcomes = list(pool.map(lambda s: cancel_at_random(client, random.Random(s)), seeds))
-    assert len(outcomes) == 200 and set(outcomes) <= {"finished", "cancelled", "DEADLINE_EXCEEDED"}
-    assert outcomes.count("DEADLINE_EXCEEDED") > 0 and outcomes.count("cancelled") > 100
+    assert len(outcomes) == 200
+    counts = Counter(outcomes)
+    assert set(counts) <= {"finished", "cancelled streaming", "cancelled before its first token",
+                           "DEADLINE_EXCEEDED"}, counts
+    # every phase is hit: before the first token (queued, prefilling, transferring) and while decoding
+    assert counts["DEADLINE_EXCEEDED"] > 0, counts
+    # (seed 7 draws 27 cancels after 1-3 tokens; the timer's cancels land mostly before the first)
+    assert counts["cancelled streaming"] >= 27 and counts["cancelled before its first token"] > 50, counts
     wait_until_cluster_clean(small_pools, timeout_s=30.0)
     for status in worker_status(small_pools).values():
         assert status.free_blocks == status.num_blocks == POOL_BLOCKS
