@@ -43,8 +43,11 @@ def test_a_killed_decode_worker_comes_back_warm_from_its_disk_tier_with_exact_to
     victim = first.decode_worker
     before = describe(cluster, victim)
     os.kill(before["pid"], signal.SIGKILL)
+    # asked while Ray restarts it (loading the model takes seconds): answered by the new process
+    restarted = describe(cluster, victim)
+    assert restarted["pid"] != before["pid"] and restarted["epoch"] > before["epoch"]
     after = wait_for_epoch(cluster, victim, above=before["epoch"])
-    assert after["pid"] != before["pid"]
+    assert after["pid"] == restarted["pid"]
     (status,) = worker_status(cluster).values()
     assert status.disk_used_blocks >= PREFIX_TOKENS // 16  # found its files again
     with client_of(cluster) as client:

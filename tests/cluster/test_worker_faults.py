@@ -119,7 +119,11 @@ def wait_until_every_stream_has(readers: list[Reader], tokens: int, timeout_s: f
 
 
 def describe(cluster, worker_id: str) -> dict:
-    return ray.get(cluster.actors[worker_id].describe.remote(), timeout=120)
+    """The worker's identity, from its live process. Asked while Ray restarts the actor (which it
+    still does for a moment after the new process has registered in Redis), a call without retries
+    fails with ActorUnavailableError; with them Ray holds it until the constructor has returned."""
+    describe = cluster.actors[worker_id].describe.options(max_task_retries=-1)
+    return ray.get(describe.remote(), timeout=120)
 
 
 def wait_for_epoch(cluster, worker_id: str, above: int, timeout_s: float = 120.0) -> dict:
