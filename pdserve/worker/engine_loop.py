@@ -2,7 +2,8 @@
 
     submit()/resume() --register a RequestStream--> engine.add_request / resume_transferred
     loop thread: while work: outputs = engine.step(observer); each output -> its stream's queue;
-                 the duration of each step that had work goes to observe_step (a metric)
+                 the duration of each step that had work goes to observe_step (a metric) and
+                 to steps_total / step_seconds_total (WorkerStatus)
     abort(): engine.abort (blocks freed now) and the stream ends with finish_reason "abort"
     a step that raises: every request in flight is aborted (blocks freed) and its stream ends
     with finish_reason "error"; the loop keeps serving new requests. After max_failed_steps
@@ -60,6 +61,8 @@ class EngineLoop:
         self._on_failing = on_failing
         self._failed_in_a_row = 0
         self._observe_step = observe_step  # seconds of each step that had work to do
+        self.steps_total = 0  # steps that had work, and their wall time: read lock-free by Status
+        self.step_seconds_total = 0.0
         self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Condition()
         self._stopping = False
@@ -137,9 +140,9 @@ class EngineLoop:
             with self._wake:
                 if self._stopping:
                     return
-                busy = self.engine.has_unfinished()
-                if not busy:
+                if not self.engine.has_unfinished():
                     self._wake.wait(timeout=_IDLE_WAIT_S)
+                busy = self.engine.has_unfinished()
             started = time.perf_counter()
             try:
                 outputs = self.engine.step(self.observer)
@@ -150,10 +153,16 @@ class EngineLoop:
                 self._count_failure()
                 continue
             self._failed_in_a_row = 0
-            if busy and self._observe_step is not None:
-                self._observe_step(time.perf_counter() - started)
+            if busy:
+                self._count_step(time.perf_counter() - started)
             for output in outputs:
                 self._deliver(output)
+
+    def _count_step(self, seconds: float) -> None:
+        self.steps_total += 1
+        self.step_seconds_total += seconds
+        if self._observe_step is not None:
+            self._observe_step(seconds)
 
     def _count_failure(self) -> None:
         self._failed_in_a_row += 1

@@ -125,6 +125,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         audit = self.auditor.totals()
         status.kv_audited_blocks_total, status.kv_audit_mismatches_total = audit.checked, audit.mismatched
         status.kv_audit_evicted_total, status.kv_audit_seconds_total = audit.evicted, audit.seconds
+        loop = self.parts.loop
+        status.steps_total, status.step_seconds_total = loop.steps_total, loop.step_seconds_total
         self._fill_role_status(status)
         status.MergeFrom(self.identity)
         return status

@@ -63,6 +63,22 @@ def test_prefill_here_matches_one_engine(workers, tiny_loaded):
     wait_until_clean(decode, timeout_s=0)
 
 
+def test_status_counts_each_engine_step_with_work_and_its_time_as_the_histogram_does(workers):
+    _, decode = workers
+    status = lambda: stub(decode).Status(worker_pb2.StatusRequest(), timeout=10)  # noqa: E731
+    histogram_sum = lambda: decode.metrics.registry.get_sample_value("pdserve_worker_step_seconds_sum")  # noqa: E731
+    before, histogram_before = status(), histogram_sum()
+    tokens, _ = decode_tokens(stub(decode).Decode(worker_pb2.DecodeRequest(
+        request_id="steps", prompt_token_ids=PROMPT, sampling=sampling_to_proto(GREEDY), prefill_here=True),
+        timeout=30))
+    wait_until_clean(decode, timeout_s=5)
+    after = status()
+    # one step prefills the prompt and samples the first token, then one step a token
+    assert after.steps_total - before.steps_total == len(tokens) == GREEDY.max_tokens
+    seconds = after.step_seconds_total - before.step_seconds_total
+    assert seconds > 0 and seconds == pytest.approx(histogram_sum() - histogram_before)
+
+
 def test_bad_request_is_invalid_argument(workers):
     prefill, decode = workers
     with pytest.raises(grpc.RpcError) as err:
