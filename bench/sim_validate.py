@@ -76,7 +76,25 @@ def simulate_like(
 
     reqs = from_workload(make_workload(workload_name, params), requests, rate, seed)
     result = simulate(reqs, ClusterShape(*shape, routing="prefix"), load_costs(costs_path), seed)
-    return build_report(result.records, duration_s=result.duration_s, slo=SLO())
+    report = build_report(result.records, duration_s=result.duration_s, slo=SLO())
+    return report, steps_entry(result.steps, result.step_seconds)
+
+
+def steps_entry(steps: int, seconds: float) -> dict[str, Any]:
+    """Engine steps that had work, summed over the workers: how many, their time, the mean step."""
+    mean_ms = round(1000 * seconds / steps, 1) if steps else None
+    return {"steps": steps, "busy_s": round(seconds, 2), "step_ms_mean": mean_ms}
+
+
+def real_step_totals(cluster) -> tuple[int, float]:
+    """The real workers' steps with work and their wall time so far (WorkerStatus totals)."""
+    import ray
+
+    from protos.pdserve.v1 import worker_pb2
+
+    replies = ray.get([actor.status.remote() for actor in cluster.actors.values()], timeout=60)
+    statuses = [worker_pb2.WorkerStatus.FromString(r) for r in replies]
+    return sum(s.steps_total for s in statuses), sum(s.step_seconds_total for s in statuses)
 
 
 def run_topology(
@@ -118,8 +136,10 @@ def run_topology(
                 label=name,
             )
             load = os.getloadavg()
+            steps_before, seconds_before = real_step_totals(cluster)
             real = asyncio.run(run_loadtest_async(config)).report
-            sim = simulate_like(
+            steps_after, seconds_after = real_step_totals(cluster)
+            sim, sim_steps = simulate_like(
                 workload,
                 WORKLOADS[workload],
                 args.requests,
@@ -136,6 +156,9 @@ def run_topology(
                     "seed": seed,
                     "load_average_1m": round(load[0], 2),
                     "metrics": compare(real, sim, args.tolerance),
+                    # where a miss comes from: slower steps, or more of them (not counted in `within`)
+                    "steps": {"real": steps_entry(steps_after - steps_before, seconds_after - seconds_before),
+                              "sim": sim_steps},
                 }
             )
     finally:
@@ -214,16 +237,17 @@ def summarize_repeats(reps: list[list[dict[str, Any]]], tolerance: float) -> dic
 def table(result: dict[str, Any]) -> str:
     lines = [
         f"{'topology':<12} {'workload':<14} {'rate':>5} {'load':>5}  "
-        + "  ".join(f"{m:>24}" for m in METRICS)
+        + "  ".join(f"{m:>24}" for m in METRICS) + f"  {'step ms mean':>14}"
     ]
     for r in result["runs"]:
         cells = [
             f"{_fmt(c['real'])}/{_fmt(c['sim'])} {'ok' if c['within'] else 'MISS'}"
             for c in r["metrics"].values()
         ]
+        steps = _step_means(r.get("steps"))
         lines.append(
             f"{r['topology']:<12} {r['workload']:<14} {r['rate']:>5} {r['load_average_1m']:>5}  "
-            + "  ".join(f"{c:>24}" for c in cells)
+            + "  ".join(f"{c:>24}" for c in cells) + f"  {steps:>14}"
         )
     lines.append(
         f"{result['within']} of {result['cells']} metrics within {result['tolerance']:.0%} (real/sim)"
@@ -236,6 +260,11 @@ def table(result: dict[str, Any]) -> str:
             f"the simulator within it of the real mean in {rep['sim_vs_real_mean_within']} of {rep['cells']}"
         )
     return "\n".join(lines)
+
+
+def _step_means(steps: dict[str, Any] | None) -> str:
+    """real/simulated mean step; "-" for results written before runs recorded their steps."""
+    return f"{_fmt(steps['real']['step_ms_mean'])}/{_fmt(steps['sim']['step_ms_mean'])}" if steps else "-"
 
 
 def _fmt(x: float | None) -> str:

@@ -95,6 +95,7 @@ class SimResult:
     duration_s: float  # simulated: first send to last end
     events: int
     steps: int
+    step_seconds: float  # the sum of every worker's step durations
     preemptions: int
     leaked_blocks: int  # blocks still referenced at the end: 0 unless the simulator has a bug
 
@@ -244,7 +245,8 @@ class Cluster:
         end = max((r.end_s for r in records), default=0.0)
         workers = self.workers.values()
         return SimResult(records, end - start, events, sum(w.steps for w in workers),
-                         sum(w.preemptions for w in workers), sum(len(w.leaked_blocks()) for w in workers))
+                         sum(w.step_seconds for w in workers), sum(w.preemptions for w in workers),
+                         sum(len(w.leaked_blocks()) for w in workers))
 
 
 def _rid(req: SimRequest) -> str:

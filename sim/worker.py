@@ -63,6 +63,7 @@ class SimWorker:
         self.replies: dict[str, tuple[int, ...]] = {}
         self.busy = False
         self.steps = 0
+        self.step_seconds = 0.0  # the sum of its steps' durations
         self.preemptions = 0
         self._chunks: list[ScheduledChunk] = []
         self._arrival = itertools.count()
@@ -113,7 +114,9 @@ class SimWorker:
             return None
         self._chunks, self.busy = out.chunks, True
         self.steps += 1
-        return self.step_duration(out.chunks)
+        duration = self.step_duration(out.chunks)
+        self.step_seconds += duration
+        return duration
 
     def step_duration(self, chunks: list[ScheduledChunk]) -> float:
         prefill, decode_seqs, decode_context = [], 0, 0

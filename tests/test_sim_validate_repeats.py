@@ -1,6 +1,6 @@
-"""bench.sim_validate's summary of repeated real runs: hand-computed cases (pure; no cluster)."""
+"""bench.sim_validate's summary of repeated real runs, and its table: hand-computed cases (no cluster)."""
 
-from bench.sim_validate import summarize_repeats
+from bench.sim_validate import steps_entry, summarize_repeats, table
 
 
 def rows(*cells: tuple[float, float, bool]) -> list[dict]:
@@ -22,3 +22,14 @@ def test_a_cell_without_a_value_in_some_rep_is_left_out():
     reps = [rows((None, 1.0, False), (10, 10, True)), rows((5, 1.0, False), (10, 10, True))]
     out = summarize_repeats(reps, 0.2)
     assert out["cells"] == 1 and out["real_self_within"] == 1.0 and out["sim_vs_real_mean_within"] == 1
+
+
+def test_the_table_gives_each_runs_mean_step_real_over_simulated_and_a_dash_for_older_results():
+    run = {"topology": "2 colocated", "workload": "synthetic", "rate": 0.5, "load_average_1m": 1.0,
+           "metrics": {"ttft_p50_ms": {"real": 120.0, "sim": 100.0, "within": True}}}
+    steps = {"real": steps_entry(10, 1.26), "sim": steps_entry(12, 0.864)}
+    assert steps["real"] == {"steps": 10, "busy_s": 1.26, "step_ms_mean": 126.0}
+    result = {"runs": [{**run, "steps": steps}, run], "within": 2, "cells": 2, "tolerance": 0.2}
+    lines = table(result).splitlines()
+    assert lines[1].endswith(" 126/72") and lines[2].endswith(" -")
+    assert steps_entry(0, 0.0)["step_ms_mean"] is None

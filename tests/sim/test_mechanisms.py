@@ -55,10 +55,11 @@ def test_a_single_request_disaggregated_waits_for_its_transfer_before_the_first_
 
 
 def test_two_requests_contend_the_second_waits_for_the_step_in_flight_then_shares_one():
-    rs = run([make_request(0, 8, 2), make_request(1, 8, 2)], ClusterShape(0, 1), make_costs()).records
+    result = run([make_request(0, 8, 2), make_request(1, 8, 2)], ClusterShape(0, 1), make_costs())
     # A's arrival starts a step at once (10 + 8 = 18 ms); B, due at the same instant, waits for it,
     # then shares one step: A's decode + B's 8 tokens (10 + 1 + 8 = 19 ms); B decodes alone (11 ms)
-    assert [ms(r.token_times_s) for r in rs] == [[18, 37], [37, 48]]
+    assert [ms(r.token_times_s) for r in result.records] == [[18, 37], [37, 48]]
+    assert (result.steps, ms([result.step_seconds])) == (3, [48])  # the worker's busy time, step by step
 
 
 def test_a_small_token_budget_chunks_the_second_prefill_behind_the_first_decode():
