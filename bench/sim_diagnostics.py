@@ -1,20 +1,29 @@
-"""Two measurements behind the simulator's validation (docs/simulator.md): is this machine steady,
-and do two workers' engines slow each other down on it?
+"""Measurements behind the simulator's validation (docs/simulator.md): is this machine steady, do
+two workers' engines slow each other down on it, and where does the real cluster's CPU go?
 
     python -m bench.sim_diagnostics drift [--probes N] [--every S] [--threads T] [--json]
     python -m bench.sim_diagnostics pair [--threads T] [--json]
+    python -m bench.sim_diagnostics cpu [--workload W] [--rate R] [--requests N] [--json]
 
 drift  one in-process engine (SmolLM2, the cluster's EngineConfig at --threads) times a 128-token
        prefill and the median batch-1 decode step of 10, --probes times, --every seconds apart, on
        an otherwise idle machine: how far the machine's speed moves from minute to minute, which
        bounds how closely any cost file calibrated at one moment can predict a run at another.
-pair   the batch-1 decode step, the batch-4 decode step (medians of 30) and a 128-token prefill
-       (median of 3), first in one engine process alone, then in two engine processes started
-       together (each at --threads): what two workers on one machine cost each other, with nothing
-       else running.
+pair   two engine processes (each at --threads) time a probe: the batch-1 and batch-4 decode steps
+       (medians of 10) and a 128-token prefill. In each of 4 rounds engine 0 probes alone while
+       engine 1 waits, then both probe together; the ratio of engine 0's medians, together ÷ alone,
+       is what two workers on one machine cost each other. Interleaving the two phases keeps the
+       machine's drift (above) out of the ratio, which a run alone followed by a run together let in.
 
-Each engine runs in a child process of its own (spawned), so the parent's torch threads and memory
-do not count. Ratios are together ÷ alone, and max ÷ min over the drift probes.
+cpu    the real cluster of the validation (2 colocated workers, `pdserve up`'s LocalCluster) runs one
+       bench.sim_validate workload at --rate; before and after, every process's CPU seconds (by
+       pid: kernel threads change names) and the workers' engine steps (WorkerStatus). It reports
+       the run's wall time, the workers' busy seconds (the sum of their steps' wall time) and CPU
+       seconds by group: the workers, this process (the router and the load tester run here), and
+       every other process by name. Busy above the workers' CPU is time their steps spent off a core.
+
+Each engine of drift and pair runs in a child process of its own (spawned), so the parent's torch
+threads and memory do not count. Ratios are together ÷ alone, and max ÷ min over the drift probes.
 """
 
 from __future__ import annotations
@@ -22,14 +31,17 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import statistics
 import time
 from typing import Any
 
 from bench.common import environment, progress
+from bench.sim_validate import WORKLOADS
 
 PREFILL_TOKENS = 128
 DECODE_STEPS = 30
+PAIR_ROUNDS, PAIR_DECODE_STEPS = 4, 10
 
 
 def _engine(threads: int) -> Any:
@@ -83,28 +95,42 @@ def _drift_child(threads: int, probes: int, every_s: float, out: Any) -> None:
     out.put(rows)
 
 
-def _pair_child(threads: int, ready: Any, go: Any, out: Any) -> None:
+def _pair_child(index: int, threads: int, rounds: int, ready: Any, barrier: Any, out: Any) -> None:
+    """Rounds of two phases: engine 0 alone (engine 1 waits at the barrier), then both together.
+    Alone and together alternate within the same two processes, so the machine's minute-to-minute
+    drift falls on both sides of the ratio alike."""
     engine = _engine(threads)
     ready.put(True)
-    go.wait()
-    out.put({"decode1_ms": _decode_step_ms(engine, 1), "decode4_ms": _decode_step_ms(engine, 4),
-             "prefill_ms": _prefill_ms(engine)})
+    alone, together = [], []
+    for _ in range(rounds):
+        barrier.wait()
+        if index == 0:
+            alone.append(_pair_probe(engine))
+        barrier.wait()
+        together.append(_pair_probe(engine))
+    out.put((index, alone, together))
 
 
-def _run_together(threads: int, count: int) -> list[dict[str, float]]:
+def _pair_probe(engine: Any) -> dict[str, float]:
+    return {"decode1_ms": _decode_step_ms(engine, 1, steps=PAIR_DECODE_STEPS),
+            "decode4_ms": _decode_step_ms(engine, 4, steps=PAIR_DECODE_STEPS),
+            "prefill_ms": _prefill_ms(engine, reps=1)}
+
+
+def _run_pair(threads: int, rounds: int) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """Engine 0's probes alone and together (see _pair_child)."""
     ctx = multiprocessing.get_context("spawn")
-    ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-    children = [ctx.Process(target=_pair_child, args=(threads, ready, go, out), daemon=True)
-                for _ in range(count)]
+    ready, out, barrier = ctx.Queue(), ctx.Queue(), ctx.Barrier(2)
+    children = [ctx.Process(target=_pair_child, args=(i, threads, rounds, ready, barrier, out), daemon=True)
+                for i in range(2)]
     for c in children:
         c.start()
-    for _ in children:  # model loading and warm-up are not timed; the timed parts start together
+    for _ in children:  # model loading and warm-up are not timed
         ready.get(timeout=300)
-    go.set()
-    results = [out.get(timeout=600) for _ in children]
+    results = dict((i, (a, t)) for i, a, t in (out.get(timeout=900) for _ in children))
     for c in children:
         c.join(timeout=30)
-    return results
+    return results[0]
 
 
 def drift(args: argparse.Namespace) -> dict[str, Any]:
@@ -122,12 +148,80 @@ def drift(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def pair(args: argparse.Namespace) -> dict[str, Any]:
-    progress(f"pair: one engine alone, {args.threads} torch thread(s)")
-    alone = _run_together(args.threads, 1)[0]
-    progress("pair: two engines together")
-    together = _run_together(args.threads, 2)
-    ratios = {f"{k}_together_over_alone": max(t[k] for t in together) / alone[k] for k in alone}
-    return {"alone": alone, "together": together, **ratios}
+    return measure_pair(args.threads)
+
+
+def measure_pair(threads: int, rounds: int = PAIR_ROUNDS, say: Any = progress) -> dict[str, Any]:
+    """The pair measurement (the module's docstring); `pdserve sim calibrate` uses it too."""
+    say(f"pair: {rounds} rounds of one engine alone, then two together, {threads} torch thread(s) each")
+    alone, together = _run_pair(threads, rounds)
+    medians = {which: {k: statistics.median(p[k] for p in probes) for k in probes[0]}
+               for which, probes in (("alone", alone), ("together", together))}
+    alone_ms, together_ms = medians["alone"], medians["together"]
+    ratios = {f"{k}_together_over_alone": together_ms[k] / alone_ms[k] for k in alone_ms}
+    return {**medians, "rounds": rounds, **ratios}
+
+
+def cpu(args: argparse.Namespace) -> dict[str, Any]:
+    import asyncio
+
+    import ray
+
+    from bench.sim_validate import real_step_totals
+    from deploy.config import ClusterSpec
+    from deploy.launcher import LocalCluster
+    from loadtest.arrivals import Bounds, Poisson
+    from loadtest.runner import LoadTestConfig, RequestOptions, run_loadtest_async
+    from loadtest.workloads import make_workload
+    from pdserve.client import PdserveClient
+
+    spec = ClusterSpec(num_prefill=0, num_decode=2, port=0, http_port=0, metrics_port=None,
+                       namespace="simdiag-cpu")
+    cluster = LocalCluster(spec, say=lambda line: progress(f"cpu: {line}"))
+    try:
+        router = cluster.start()
+        workers = {ray.get(a.describe.remote(), timeout=60)["pid"] for a in cluster.actors.values()}
+        with PdserveClient(router, timeout_s=600) as client:  # warm each worker's kernels once
+            for _ in cluster.actors:
+                client.generate(token_ids=list(range(1000, 1100)), temperature=0, max_tokens=4)
+        workload = make_workload(args.workload, WORKLOADS[args.workload])
+        config = LoadTestConfig(router=router, workload=workload,
+                                arrivals=Poisson(args.rate), bounds=Bounds(args.requests, 900.0), seed=11,
+                                options=RequestOptions(temperature=0.0, ignore_eos=True, timeout_s=600),
+                                progress=False, label="cpu")
+        progress(f"cpu: {args.workload} at {args.rate}/s, {args.requests} requests")
+        cpu_before, (steps_before, busy_before), start = _cpu_seconds(workers), real_step_totals(cluster), \
+            time.perf_counter()
+        asyncio.run(run_loadtest_async(config))
+        wall = time.perf_counter() - start
+        cpu_after, (steps_after, busy_after) = _cpu_seconds(workers), real_step_totals(cluster)
+    finally:
+        cluster.stop()
+    by_group: dict[str, float] = {}
+    for (group, pid), seconds in cpu_after.items():
+        if (group, pid) in cpu_before:
+            by_group[group] = by_group.get(group, 0.0) + seconds - cpu_before[(group, pid)]
+    return {"workload": args.workload, "rate": args.rate, "requests": args.requests, "wall_s": round(wall, 2),
+            "cores": os.cpu_count(), "steps": steps_after - steps_before,
+            "workers_busy_s": round(busy_after - busy_before, 2),
+            "cpu_s": {g: round(s, 2) for g, s in sorted(by_group.items(), key=lambda kv: -kv[1])
+                      if s >= 0.01}}
+
+
+def _cpu_seconds(workers: set[int]) -> dict[tuple[str, int], float]:
+    """(group, pid) -> user + system CPU seconds of every process on the machine."""
+    import psutil
+
+    out = {}
+    for p in psutil.process_iter(["name"]):
+        try:
+            times = p.cpu_times()
+        except psutil.Error:
+            continue
+        group = ("workers" if p.pid in workers else "this process (router, load tester)"
+                 if p.pid == os.getpid() else p.info["name"])
+        out[(group, p.pid)] = times.user + times.system
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -137,21 +231,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d.add_argument("--probes", type=int, default=12, help="timed probes (default: %(default)s)")
     d.add_argument("--every", type=float, default=8.0, help="seconds between probes (default: %(default)s)")
     q = sub.add_parser("pair", help="what two engines on this machine cost each other")
+    c = sub.add_parser("cpu", help="where the real cluster's CPU goes during a run")
+    c.add_argument("--workload", default="synthetic", choices=sorted(WORKLOADS),
+                   help="a bench.sim_validate workload (default: %(default)s)")
+    c.add_argument("--rate", type=float, default=1.5, help="requests/s (default: %(default)s)")
+    c.add_argument("--requests", type=int, default=16, help="requests in the run (default: %(default)s)")
+    c.add_argument("--json", action="store_true", help="print one JSON object")
     for s in (d, q):
         s.add_argument("--threads", type=int, default=1,
                        help="torch threads of each engine, as each of two workers gets "
                             "(default: %(default)s)")
         s.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
-    if args.threads < 1 or getattr(args, "probes", 1) < 1 or getattr(args, "every", 0) < 0:
+    if getattr(args, "threads", 1) < 1 or getattr(args, "probes", 1) < 1 or getattr(args, "every", 0) < 0:
         p.error("--threads and --probes must be >= 1 and --every >= 0")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    measured = drift(args) if args.command == "drift" else pair(args)
-    result = {**measured, "environment": environment(args.threads)}
+    measured = {"drift": drift, "pair": pair, "cpu": cpu}[args.command](args)
+    result = {**measured, "environment": environment(getattr(args, "threads", 1))}
     if args.json:
         print(json.dumps(result))
     else:

@@ -7,6 +7,9 @@
               fitted to them by least squares with non-negative coefficients: a token curve (the
               step's cost by the rows its matmuls multiply, at CURVE_KNOTS) plus the attention terms
               (fit_step_costs)
+    sharing   bench/sim_diagnostics.py's pair measurement (not with --quick): two engine processes
+              stepping together against one alone; the mean of its three ratios, less 1, is the
+              step's shared_machine_slowdown (sim/costs.py)
     transfer  bench/kv_transfer_wire.py's gRPC push of a small and a large KV payload between two
               processes: bandwidth from the large one, per-frame latency from what the small one
               took beyond its bytes / bandwidth
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import platform
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -47,6 +51,9 @@ def calibrate(threads: int, quick: bool = False, progress: bool = True) -> CostM
     rows, times = _measure_steps(engine, QUICK_DECODE_GRID if quick else DECODE_GRID, reps=1 if quick else 2,
                                  progress=progress)
     step, relative = fit_step_costs(rows, times)
+    sharing = None if quick else _measure_sharing(threads, progress)
+    if sharing is not None:
+        step = replace(step, shared_machine_slowdown=sharing["slowdown"])
     model = engine.model_config
     cache = config.cache
     hw = Hardware(
@@ -69,6 +76,7 @@ def calibrate(threads: int, quick: bool = False, progress: bool = True) -> CostM
         "fit_relative_error_p90": round(float(np.percentile(relative, 90)), 3),
         "samples": {"columns": list(SAMPLE_COLUMNS), "rows": rows, "step_s": times},
         "load_average": list(_loadavg()),
+        "shared_machine": sharing or "not measured (--quick): shared_machine_slowdown left at 0",
     }
     return CostModel(step, transfer, hw, source)
 
@@ -195,6 +203,15 @@ def _measure_transfer(progress: bool) -> TransferCosts:
     frames = 32  # bench.kv_transfer_wire.make_pool's layers: one frame per layer at least
     latency = max(0.0, (small["grpc_s"] - WIRE_MIB[0] * MIB / bandwidth) / frames)
     return TransferCosts(bandwidth, latency)
+
+
+def _measure_sharing(threads: int, progress: bool) -> dict[str, Any]:
+    from bench.common import progress as say
+    from bench.sim_diagnostics import measure_pair
+
+    pair = measure_pair(threads, say=say if progress else lambda _: None)
+    ratios = {k: round(v, 3) for k, v in pair.items() if k.endswith("_together_over_alone")}
+    return {"slowdown": round(max(0.0, float(np.mean(list(ratios.values()))) - 1), 3), **ratios}
 
 
 def _loadavg() -> tuple[float, float, float]:

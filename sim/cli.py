@@ -98,8 +98,9 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
         "--out", default=DEFAULT_CPU_COSTS, metavar="FILE", help="where to write (default: %(default)s)"
     )
     p.add_argument("--quick", action="store_true",
-                   help="one repetition per grid point instead of two, and no decode batches of 4 or 8 "
-                        "at the long context (what the test suite calibrates with)")
+                   help="one repetition per grid point instead of two, no decode batches of 4 or 8 "
+                        "at the long context, and no measurement of two workers sharing the machine "
+                        "(shared_machine_slowdown stays 0; what the test suite calibrates with)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch threads of the engine timed: those of the workers the costs stand for "
                         "(default: what each of two CPU workers on this machine gets, as in `pdserve up`'s "

@@ -141,7 +141,22 @@ class Cluster:
         if not w.busy:
             duration = w.start_step()
             if duration is not None:
-                self._push(self.now + duration, EventKind.STEP_DONE, w)
+                w.step_end = self.now + duration
+                self._share_the_machine(w)
+                self._push(w.step_end, EventKind.STEP_DONE, w)
+
+    def _share_the_machine(self, w: SimWorker) -> None:
+        """w's new step and every step in flight elsewhere slow each other down over their overlap
+        (CostModel's shared_machine_slowdown); a stretched step's earlier STEP_DONE goes stale."""
+        slowdown = self.costs.step.shared_machine_slowdown
+        if not slowdown:
+            return
+        for other in self.workers.values():
+            overlap = min(other.step_end, w.step_end) - self.now if other is not w and other.busy else 0.0
+            if overlap > 0:
+                w.stretch(slowdown * overlap)
+                other.stretch(slowdown * overlap)
+                self._push(other.step_end, EventKind.STEP_DONE, other)
 
     # --- arrivals and placement -----------------------------------------------------------------
     def _arrive(self, req: SimRequest) -> None:
@@ -191,6 +206,8 @@ class Cluster:
 
     # --- workers' steps and transfers -----------------------------------------------------------
     def _step_done(self, w: SimWorker) -> None:
+        if not w.busy or self.now != w.step_end:
+            return  # stale: the step was stretched, and a later event ends it
         for e in w.finish_step():
             t = self._tracks[e.request_id]
             if w.role is Role.PREFILL:

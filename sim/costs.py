@@ -22,6 +22,11 @@ through a fast matrix-vector kernel (~40 ms at 1 thread) while 4 rows already ta
 the matrix-matrix kernel, and 4 and 8 rows cost about the same. A calibrated file sets the curve and
 leaves base_s, prefill_token_s at 0; the GPU file has no curve and uses the linear terms alone.
 
+shared_machine_slowdown: while another simulated worker runs a step at the same time, a step takes
+this fraction longer over the time they overlap, and so does the other's (CPU workers sharing one
+machine's cores, caches and memory bandwidth; `pdserve sim calibrate` measures it as two engine
+processes stepping together against one alone, less 1; 0 where each worker has its own GPU).
+
     transfer_s = frames x frame_latency_s + bytes / bandwidth_bytes_per_s,   frames = layers
 
 The hardware block says how big the KV is (bytes per token, blocks per worker). Loaded from and
@@ -47,6 +52,7 @@ class StepCosts:
     decode_seq_s: float = 0.0
     decode_context_s: float = 0.0
     token_curve: tuple[tuple[int, float], ...] = ()  # (rows in the step, seconds), rows increasing from 1
+    shared_machine_slowdown: float = 0.0  # a fraction, not seconds (the module's docstring)
 
     def __post_init__(self) -> None:
         for f in fields(self):

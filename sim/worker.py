@@ -64,6 +64,7 @@ class SimWorker:
         self.busy = False
         self.steps = 0
         self.step_seconds = 0.0  # the sum of its steps' durations
+        self.step_end = 0.0  # when the step in flight ends (the cluster moves it: stretch())
         self.preemptions = 0
         self._chunks: list[ScheduledChunk] = []
         self._arrival = itertools.count()
@@ -127,6 +128,11 @@ class SimWorker:
             else:
                 prefill.append((c.num_tokens, c.start))
         return self.costs.step_s(prefill, decode_seqs, decode_context)
+
+    def stretch(self, seconds: float) -> None:
+        """The step in flight takes `seconds` longer (another worker's step shares the machine)."""
+        self.step_end += seconds
+        self.step_seconds += seconds
 
     def finish_step(self) -> list[Emitted]:
         chunks, self._chunks, self.busy = self._chunks, [], False

@@ -17,8 +17,9 @@ from sim.workload import SimRequest, reply_tokens
 MS = 1e-3
 
 
-def make_costs(num_blocks: int = 64, budget: int = 2048) -> CostModel:
-    return CostModel(StepCosts(base_s=10 * MS, prefill_token_s=1 * MS, decode_seq_s=1 * MS),
+def make_costs(num_blocks: int = 64, budget: int = 2048, slowdown: float = 0.0) -> CostModel:
+    return CostModel(StepCosts(base_s=10 * MS, prefill_token_s=1 * MS, decode_seq_s=1 * MS,
+                               shared_machine_slowdown=slowdown),
                      TransferCosts(bandwidth_bytes_per_s=1e6, frame_latency_s=0.5 * MS),
                      Hardware(kv_bytes_per_token=1000, num_layers=2, num_blocks=num_blocks, block_size=4,
                               max_num_batched_tokens=budget))
@@ -60,6 +61,18 @@ def test_two_requests_contend_the_second_waits_for_the_step_in_flight_then_share
     # then shares one step: A's decode + B's 8 tokens (10 + 1 + 8 = 19 ms); B decodes alone (11 ms)
     assert [ms(r.token_times_s) for r in result.records] == [[18, 37], [37, 48]]
     assert (result.steps, ms([result.step_seconds])) == (3, [48])  # the worker's busy time, step by step
+
+
+def test_two_workers_stepping_at_once_slow_each_other_over_their_overlap():
+    requests = [make_request(0, 8, 2), make_request(1, 8, 2)]
+    result = run(requests, ClusterShape(0, 2, routing="least_load"), make_costs(slowdown=0.5))
+    a, b = result.records
+    assert {a.decode_worker, b.decode_worker} == {"decode-0", "decode-1"}
+    # both prefills (18 ms) run together for all 18 ms: each takes 18 + 0.5 x 18 = 27 ms. The first to
+    # finish starts its decode (11 ms) while the other's event at 27 ms is still due (no overlap left);
+    # the second's decode then overlaps the first's by all 11 ms: both take 11 + 5.5 ms, to 43.5 ms
+    assert ms(a.token_times_s) == ms(b.token_times_s) == [27, 43.5]
+    assert ms([result.step_seconds]) == [2 * (27 + 16.5)]
 
 
 def test_a_small_token_budget_chunks_the_second_prefill_behind_the_first_decode():
