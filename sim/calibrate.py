@@ -63,6 +63,7 @@ def calibrate(threads: int, quick: bool = False, progress: bool = True) -> CostM
         cache.block_size,
         SchedulerConfig().max_num_batched_tokens,
         SchedulerConfig().max_num_seqs,
+        workers_per_machine=1 if quick else 2,  # the pair measurement's two engines
     )
     transfer = _measure_transfer(progress)
     source = {

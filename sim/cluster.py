@@ -107,6 +107,8 @@ class Cluster:
         self.prefill = [SimWorker(f"prefill-{i}", Role.PREFILL, costs) for i in range(shape.num_prefill)]
         self.decode = [SimWorker(f"decode-{i}", Role.DECODE, costs) for i in range(shape.num_decode)]
         self.workers = {w.worker_id: w for w in (*self.prefill, *self.decode)}
+        per_machine = costs.hardware.workers_per_machine
+        self.machine = {w: i // per_machine for i, w in enumerate(self.workers)}  # worker id -> machine
         self.active = dict.fromkeys(self.workers, 0)
         self.rng = random.Random(f"{seed}/router")
         self.turns = {Role.PREFILL: itertools.count(), Role.DECODE: itertools.count()}
@@ -146,13 +148,15 @@ class Cluster:
                 self._push(w.step_end, EventKind.STEP_DONE, w)
 
     def _share_the_machine(self, w: SimWorker) -> None:
-        """w's new step and every step in flight elsewhere slow each other down over their overlap
+        """w's new step and every step in flight on w's machine slow each other down over their overlap
         (CostModel's shared_machine_slowdown); a stretched step's earlier STEP_DONE goes stale."""
         slowdown = self.costs.step.shared_machine_slowdown
         if not slowdown:
             return
-        for other in self.workers.values():
-            overlap = min(other.step_end, w.step_end) - self.now if other is not w and other.busy else 0.0
+        mates = [o for o in self.workers.values()
+                 if o is not w and o.busy and self.machine[o.worker_id] == self.machine[w.worker_id]]
+        for other in mates:
+            overlap = min(other.step_end, w.step_end) - self.now
             if overlap > 0:
                 w.stretch(slowdown * overlap)
                 other.stretch(slowdown * overlap)

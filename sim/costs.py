@@ -22,10 +22,12 @@ through a fast matrix-vector kernel (~40 ms at 1 thread) while 4 rows already ta
 the matrix-matrix kernel, and 4 and 8 rows cost about the same. A calibrated file sets the curve and
 leaves base_s, prefill_token_s at 0; the GPU file has no curve and uses the linear terms alone.
 
-shared_machine_slowdown: while another simulated worker runs a step at the same time, a step takes
-this fraction longer over the time they overlap, and so does the other's (CPU workers sharing one
-machine's cores, caches and memory bandwidth; `pdserve sim calibrate` measures it as two engine
-processes stepping together against one alone, less 1; 0 where each worker has its own GPU).
+shared_machine_slowdown: while another simulated worker on the same machine runs a step at the same
+time, a step takes this fraction longer over the time they overlap, and so does the other's (CPU
+workers sharing one machine's cores, caches and memory bandwidth; `pdserve sim calibrate` measures
+it as two engine processes stepping together against one alone, less 1, and sets the hardware's
+workers_per_machine to 2; 0 and 1 where each worker has its own GPU). The simulator puts workers on
+machines in order, workers_per_machine to a machine: prefill-0, prefill-1, ..., then decode-0, ...
 
     transfer_s = frames x frame_latency_s + bytes / bandwidth_bytes_per_s,   frames = layers
 
@@ -101,6 +103,7 @@ class Hardware:
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
+    workers_per_machine: int = 1  # workers that share one machine (shared_machine_slowdown); 1 for a GPU each
 
     def __post_init__(self) -> None:
         for f in fields(self):

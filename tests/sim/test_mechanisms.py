@@ -17,12 +17,13 @@ from sim.workload import SimRequest, reply_tokens
 MS = 1e-3
 
 
-def make_costs(num_blocks: int = 64, budget: int = 2048, slowdown: float = 0.0) -> CostModel:
+def make_costs(num_blocks: int = 64, budget: int = 2048, slowdown: float = 0.0,
+               per_machine: int = 1) -> CostModel:
     return CostModel(StepCosts(base_s=10 * MS, prefill_token_s=1 * MS, decode_seq_s=1 * MS,
                                shared_machine_slowdown=slowdown),
                      TransferCosts(bandwidth_bytes_per_s=1e6, frame_latency_s=0.5 * MS),
                      Hardware(kv_bytes_per_token=1000, num_layers=2, num_blocks=num_blocks, block_size=4,
-                              max_num_batched_tokens=budget))
+                              max_num_batched_tokens=budget, workers_per_machine=per_machine))
 
 
 def make_request(index: int, prompt: int | tuple[int, ...], reply: int, arrival_s: float = 0.0) -> SimRequest:
@@ -63,9 +64,11 @@ def test_two_requests_contend_the_second_waits_for_the_step_in_flight_then_share
     assert (result.steps, ms([result.step_seconds])) == (3, [48])  # the worker's busy time, step by step
 
 
-def test_two_workers_stepping_at_once_slow_each_other_over_their_overlap():
+def test_two_workers_stepping_at_once_on_one_machine_slow_each_other_over_their_overlap():
     requests = [make_request(0, 8, 2), make_request(1, 8, 2)]
-    result = run(requests, ClusterShape(0, 2, routing="least_load"), make_costs(slowdown=0.5))
+    apart = run(requests, ClusterShape(0, 2, routing="least_load"), make_costs(slowdown=0.5))
+    assert [ms(r.token_times_s) for r in apart.records] == [[18, 29], [18, 29]]  # a machine each
+    result = run(requests, ClusterShape(0, 2, routing="least_load"), make_costs(slowdown=0.5, per_machine=2))
     a, b = result.records
     assert {a.decode_worker, b.decode_worker} == {"decode-0", "decode-1"}
     # both prefills (18 ms) run together for all 18 ms: each takes 18 + 0.5 x 18 = 27 ms. The first to

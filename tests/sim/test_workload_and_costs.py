@@ -57,7 +57,7 @@ def test_a_trace_row_with_no_output_is_an_error_that_names_it(tmp_path):
 
 
 def test_a_cost_model_survives_its_json(tmp_path):
-    costs = make_costs(slowdown=0.1)
+    costs = make_costs(slowdown=0.1, per_machine=2)
     save_costs(costs, tmp_path / "c.json")
     assert load_costs(tmp_path / "c.json") == costs
     assert load_costs(GPU_COSTS).step.shared_machine_slowdown == 0.0  # no key in the file: a GPU each
