@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted(ROOT.glob("*/README.md"))]
+# (not the READMEs tools write into hidden folders, such as .pytest_cache/README.md)
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+        *sorted(p for p in ROOT.glob("*/README.md") if not p.parent.name.startswith("."))]
 TOP = {p.name for p in ROOT.iterdir() if not p.name.startswith(".")}
 MADE_BY_USERS = ("certs/", "bench/out", "loadtest/out", "loadtest/results", "/tmp", "~")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s#]+)(?:#[^)]*)?\)")
