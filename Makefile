@@ -35,8 +35,9 @@ $(STAMP): pyproject.toml | $(PY)
 
 setup: $(STAMP) ## create .venv and install pdserve with dev tools and the SmolLM2 model (idempotent)
 	@$(MAKE) --no-print-directory protos
-	@# the avx2 linear kernel's GEMV, built once into torch's extension cache (says why not, never fails)
-	@$(PY) -m pdserve.engine.gemv
+	@# pdserve's AVX2 kernels (the avx2 GEMV and decode attention), built once into torch's extension
+	@# cache (says why not, never fails)
+	@$(PY) -m pdserve.engine.cpu_kernels
 
 # -I. keeps the folder path in the generated imports (`from protos.pdserve.v1 import x_pb2`).
 protos: $(STAMP) ## generate gRPC stubs from protos/*.proto (no-op when there are none)

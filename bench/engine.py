@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from bench.common import (
-    add_linear_kernel_flag,
+    add_kernel_flags,
     bench_parser,
     copy_bandwidth,
     environment,
@@ -89,14 +89,14 @@ class Ours:
     """LLMEngine, driven one step at a time so that token timestamps are exact."""
 
     def __init__(self, loaded: Any, num_blocks: int, block_size: int, threads: int,
-                 linear_kernel: str = "matmul") -> None:
+                 linear_kernel: str = "matmul", attention_kernel: str = "sdpa") -> None:
         from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
         from pdserve.engine.llm_engine import LLMEngine
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_dtype="float32",
                             enable_prefix_caching=True)
         scheduler = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64)
         config = EngineConfig(cache=cache, scheduler=scheduler, device="cpu", num_threads=threads,
-                              linear_kernel=linear_kernel)
+                              linear_kernel=linear_kernel, attention_kernel=attention_kernel)
         self.engine = LLMEngine(loaded, config)
 
     @staticmethod
@@ -399,7 +399,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     progress(f"threads={threads}; loading SmolLM2 for pdserve")
     loaded = load_model(None, progress=False)
-    ours = Ours(loaded, kv_blocks_needed(sizes), sizes.block_size, threads, args.linear_kernel)
+    ours = Ours(loaded, kv_blocks_needed(sizes), sizes.block_size, threads, args.linear_kernel,
+                args.attention_kernel)
     progress("loading the same GGUF into transformers")
     theirs = Theirs(gguf_path())
     rng = random.Random(0)
@@ -424,7 +425,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     assert not ours.engine.leaked_blocks()
     import transformers
     env = {**environment(threads), "loadavg_at_start": load_at_start}
-    return {**result, "threads": threads, "linear_kernel": args.linear_kernel, "torch": torch.__version__,
+    return {**result, "threads": threads, "linear_kernel": args.linear_kernel,
+            "attention_kernel": args.attention_kernel, "torch": torch.__version__,
             "transformers": transformers.__version__, "reps": sizes.reps,
             "concurrent_reps": sizes.concurrent_reps, "quick": args.quick, "sizes": asdict(sizes),
             "environment": env}
@@ -477,7 +479,8 @@ def report(r: dict[str, Any]) -> str:
     peak = (f"prefill at {r['prefill_fraction_length']:,} tokens: {r['prefill_fraction_of_peak']:.1%} of "
             f"{r['peak_matmul_flops'] / 1e9:.1f} GFLOP/s fp32 matmul peak "
             f"({r['prefill_flops_per_token'] / 1e6:.1f} MFLOP/token)")
-    head = (f"threads={r['threads']} linear_kernel={r['linear_kernel']} torch={r['torch']} "
+    head = (f"threads={r['threads']} linear_kernel={r['linear_kernel']} "
+            f"attention_kernel={r.get('attention_kernel', 'sdpa')} torch={r['torch']} "
             f"transformers={r['transformers']} reps={r['reps']} "
             f"(concurrent {r['concurrent_reps']}); greedy tokens equal to transformers': "
             f"{r['decode_greedy_tokens_match']}")
@@ -492,7 +495,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(e.g. prefill_ratio_128, concurrent_ratio_8)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads for both sides (default: one per usable CPU core)")
-    add_linear_kernel_flag(p)
+    add_kernel_flags(p)
     p.add_argument("--reps", type=int, default=None,
                    help="measured repetitions per phase after one warm-up; medians are reported "
                         f"(default {FULL.reps}, concurrent phase {FULL.concurrent_reps}; "

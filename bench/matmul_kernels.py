@@ -10,8 +10,9 @@ down 1536->576, and lm_head 576->49,152 with M of 1 to 8) and M rows (1: batch-1
 decode batches; 14: a short suffix; 64, 128; 256; 2,048: a prefill chunk), each kernel runs on 30
 distinct weights in turn (lm_head: 3), so that each call reads its weight from memory as a model's
 layers do: MatmulLinear and OneDNNLinear of pdserve/engine/linear.py, and pdserve::gemv
-(pdserve/engine/gemv.py) at every row count where it builds. avx2 runs the GEMV up to
-gemv.MAX_ROWS rows and oneDNN above: where the gemv and onednn columns cross is what sets MAX_ROWS.
+(pdserve/engine/gemv.cpp) at every row count where it builds. avx2 runs the GEMV up to
+MAX_GEMV_ROWS rows and oneDNN above: where the gemv and onednn columns cross is what sets
+MAX_GEMV_ROWS (pdserve/engine/linear.py).
 Reported: the best of --reps passes (the least disturbed by other processes) as GFLOP/s and the
 weight bytes streamed per second; ratio = oneDNN / matmul; and, for reference, the bytes per second
 of a plain read of the same weights (w.sum()), the bandwidth a GEMV can approach.
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from bench.common import bench_parser, environment, format_table, publish, set_threads, warn_if_busy
-from pdserve.engine import gemv
+from pdserve.engine import cpu_kernels
 from pdserve.engine.linear import Linear, MatmulLinear, OneDNNLinear, onednn_available
 
 SHAPES = {"qkv": (576, 960), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
@@ -47,11 +48,11 @@ def best_seconds(fn: Any, reps: int, copies: int) -> float:
 
 
 class GemvAtAnyRows:
-    """pdserve::gemv as a Linear, at every row count (the engine's avx2 kernel stops at MAX_ROWS)."""
+    """pdserve::gemv as a Linear, at every row count (the engine's avx2 kernel stops at MAX_GEMV_ROWS)."""
 
     name = "gemv"
 
-    def __init__(self, kernel: gemv.Gemv) -> None:
+    def __init__(self, kernel: cpu_kernels.Gemv) -> None:
         self._kernel = kernel
 
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
@@ -64,9 +65,9 @@ class GemvAtAnyRows:
 def kernels() -> list[Linear]:
     """matmul and onednn, and pdserve's GEMV where it builds here (it says why not, once)."""
     found: list[Linear] = [MatmulLinear(), OneDNNLinear()]
-    kernel = gemv.kernel()
+    kernel = cpu_kernels.gemv()
     if kernel is None:
-        print(f"gemv left out: {gemv.unavailable()}")
+        print(f"gemv left out: {cpu_kernels.unavailable()}")
     else:
         found.append(GemvAtAnyRows(kernel))
     return found

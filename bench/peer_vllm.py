@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from bench.common import (
-    add_linear_kernel_flag,
+    add_kernel_flags,
     bench_parser,
     ensure_venv,
     environment,
@@ -465,7 +465,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                "without it the thread counts cannot be matched")
         threads = set_threads(vllm_threads)
         progress(f"pdserve runs at torch threads={threads}, vLLM's worker count")
-        ours = Ours(loaded, kv_blocks_needed(w), w.block_size, threads, args.linear_kernel)
+        ours = Ours(loaded, kv_blocks_needed(w), w.block_size, threads, args.linear_kernel,
+                    args.attention_kernel)
         judge = TieJudge(model_dir)
         result: dict[str, Any] = {}
         decode_prompt = loaded.tokenizer.apply_chat_template(DECODE_MESSAGES)
@@ -481,6 +482,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "vllm_decode_ratio": result["vllm_decode_ratio"],
                 "vllm_prefill_ratio": result["vllm_prefill_ratio"],
                 "threads": threads, "linear_kernel": args.linear_kernel,
+                "attention_kernel": args.attention_kernel,
                 "vllm_worker_omp_num_threads": vllm_threads,
                 "vllm_version": peer.ready["vllm_version"], "greedy_tokens_identical": identical}
     vllm_side = {k: peer.ready[k] for k in ("torch", "worker_cpus_allowed", "driver_cpus_allowed",
@@ -503,7 +505,7 @@ def report(r: dict[str, Any]) -> str:
              r[f"vllm_concurrent_ratio_{n}"], "ours ÷ vLLM", same["concurrent"]]]
     table = format_table(["workload", "ours", "vLLM", "ratio", "ratio is", "greedy identical"], rows)
     head = (f"vLLM {r['vllm_version']} (CPU) vs pdserve at threads={r['threads']} "
-            f"linear_kernel={r['linear_kernel']} "
+            f"linear_kernel={r['linear_kernel']} attention_kernel={r.get('attention_kernel', 'sdpa')} "
             f"(vLLM worker OMP_NUM_THREADS={r['vllm_worker_omp_num_threads']}); reps={r['reps']}; "
             f"vLLM start {r['vllm_start_s']:.0f} s (compile cache: {r.get('vllm_compile_cache', '?')}); "
             f"load average at start {r['loadavg_at_start']['1min']:.2f}")
@@ -520,7 +522,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=None,
                    help=f"measured repetitions per workload (decode and prefill after one warm-up); medians "
                         f"are reported (default {FULL.reps}, --quick {QUICK.reps})")
-    add_linear_kernel_flag(p)
+    add_kernel_flags(p)
     p.add_argument("--venv", type=Path, default=OUT / "vllm-venv",
                    help="vLLM's virtualenv, created there on first use (default bench/out/vllm-venv)")
     args = p.parse_args(argv)

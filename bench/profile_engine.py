@@ -1,13 +1,14 @@
 """Where an engine step's time goes: torch.profiler's self CPU time per op, in docs/benchmarks.md's groups.
 
-    python -m bench.profile_engine [--json] [--threads N] [--linear-kernel K] [--only NAME]
+    python -m bench.profile_engine [--json] [--threads N] [--linear-kernel K] [--attention-kernel K]
+                                   [--only NAME]
 
 Steps SmolLM2's LLMEngine (bench.engine's Ours) through three workloads and profiles them:
   decode1   16 batch-1 decode steps after a 40-token prompt
   decode32  10 decode steps of 32 sequences of 32-512 context tokens
   suffix    one prefill of 14 new tokens after 544 cached ones
 Each op's self CPU time is put in one group: matmuls (aten::mm, oneDNN's linear, pdserve::gemv),
-KV gather (index_select), attention (scaled_dot_product*), KV write (index_put*), everything
+KV gather (index_select), attention (scaled_dot_product*, pdserve::paged_decode_attention), KV write (index_put*), everything
 else. Reported: each group's share of the profiled op time.
 """
 
@@ -16,11 +17,11 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from bench.common import add_linear_kernel_flag, bench_parser, format_table, publish, set_threads
+from bench.common import add_kernel_flags, bench_parser, format_table, publish, set_threads
 from bench.engine import Ours, random_prompt
 
 GROUPS = {"matmuls": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "pdserve::gemv"),
-          "kv_gather": ("aten::index_select",), "attention": ("aten::_scaled_dot_product",),
+          "kv_gather": ("aten::index_select",), "attention": ("aten::_scaled_dot_product", "pdserve::paged_decode_attention"),
           "kv_write": ("aten::index_put", "aten::_index_put")}
 
 
@@ -75,10 +76,11 @@ def run(args: Any) -> dict[str, Any]:
     from pdserve.engine.weights import load_model
 
     threads = set_threads(args.threads)
-    ours = Ours(load_model(None, progress=False), 2048, 16, threads, args.linear_kernel)
+    ours = Ours(load_model(None, progress=False), 2048, 16, threads, args.linear_kernel, args.attention_kernel)
     rng = random.Random(0)
     ours.generate([random_prompt(rng, 64)], [4])  # warm-up
-    result: dict[str, Any] = {"threads": threads, "linear_kernel": args.linear_kernel}
+    result: dict[str, Any] = {"threads": threads, "linear_kernel": args.linear_kernel,
+                              "attention_kernel": args.attention_kernel}
     for name in [args.only] if args.only else WORKLOADS:
         result[name] = profiled(ours, prepare(ours, name, rng))
     return result
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     p = bench_parser("python -m bench.profile_engine", __doc__)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: %(default)s)")
     p.add_argument("--only", choices=WORKLOADS, help="profile one workload only")
-    add_linear_kernel_flag(p)
+    add_kernel_flags(p)
     args = p.parse_args(argv)
     result = run(args)
     publish(report(result), result, args.json)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from pdserve import __version__
 from pdserve.client_security import add_client_security_arguments, given_flags
-from pdserve.engine.config import KV_DTYPES, LINEAR_KERNELS, CacheConfig, SchedulerConfig
+from pdserve.engine.config import ATTENTION_KERNELS, KV_DTYPES, LINEAR_KERNELS, CacheConfig, SchedulerConfig
 from pdserve.engine.hashing import CACHE_ISOLATION
 from pdserve.engine.sampling_defaults import SMOLLM2_MODEL_CARD
 from pdserve.units import human_bytes
@@ -370,6 +370,11 @@ def _add_up_cache(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
                             "products of up to 32 rows (decode batches, short suffixes), built "
                             "with g++ and ninja on first use "
                             f"(default: {d.linear_kernel}; docs/benchmarks.md)")
+    cache.add_argument("--attention-kernel", choices=ATTENTION_KERNELS,
+                       help="every worker's decode attention: sdpa = torch's, over each sequence's blocks "
+                            "gathered into a dense copy; avx2 = pdserve's own paged kernel, reading the "
+                            "rows where they lie in the pool (float32 KV cache only), built with g++ and "
+                            f"ninja on first use (default: {d.attention_kernel}; docs/benchmarks.md)")
     cache.add_argument("--max-chunk-bytes", type=int, metavar="BYTES",
                        help="KV payload per frame a prefill worker sends a decode worker, whole blocks, at "
                             f"least one (default: {d.kv_frames.max_chunk_bytes:,}; docs/benchmarks.md has "

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from pdserve.engine.config import LINEAR_KERNELS, CacheConfig, SchedulerConfig
+from pdserve.engine.config import ATTENTION_KERNELS, LINEAR_KERNELS, CacheConfig, SchedulerConfig
 from pdserve.engine.hashing import CACHE_ISOLATION
 from pdserve.engine.sampling_defaults import SamplingOverrides
 from pdserve.field_error import FieldError
@@ -80,6 +80,7 @@ class ClusterSpec:
     kv_frames: KVFrames = field(default_factory=KVFrames)  # how prefill workers cut KV transfers
     actor_placement: str = "pack"  # how Ray places the worker actors: ACTOR_PLACEMENTS
     linear_kernel: str = "matmul"  # every worker's matmul kernel: LINEAR_KERNELS (pdserve/engine/linear.py)
+    attention_kernel: str = "sdpa"  # every worker's decode attention: ATTENTION_KERNELS (pdserve/engine/model.py)
     # NOTE: None decides at start: 1 when the cluster has a GPU for every worker, else 0 (CPU). An
     # autoscaling cluster has no GPU node yet at start, so its config says 1 explicitly.
     gpus_per_worker: float | None = None
@@ -120,6 +121,10 @@ class ClusterSpec:
         self._check_parts()
         _check_choice("actor_placement (--actor-placement)", self.actor_placement, tuple(ACTOR_PLACEMENTS))
         _check_choice("linear_kernel (--linear-kernel)", self.linear_kernel, LINEAR_KERNELS)
+        _check_choice("attention_kernel (--attention-kernel)", self.attention_kernel, ATTENTION_KERNELS)
+        if self.attention_kernel == "avx2" and self.cache.kv_dtype != "float32":
+            raise ValueError("attention_kernel (--attention-kernel) avx2 reads float32 K/V rows only, but "
+                             f"cache.kv_dtype (--kv-dtype) is {self.cache.kv_dtype}: use sdpa, or kv_dtype float32")
         _check_choice("router.cache_isolation (--cache-isolation)", self.cache_isolation, CACHE_ISOLATION)
         if self.cache_isolation == "token" and self.api_token_file is None:
             raise ValueError("router.cache_isolation (--cache-isolation) token keeps each API token's cache "
@@ -213,6 +218,7 @@ FILE_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "decode.resources": ("actor_resources", (dict,)),
     "actor_placement": ("actor_placement", (str,)),
     "linear_kernel": ("linear_kernel", (str,)),
+    "attention_kernel": ("attention_kernel", (str,)),
     "gpus_per_worker": ("gpus_per_worker", (int, float, _NONE)),
     "torch_threads": ("torch_threads", (int, _NONE)),
     "cache.block_size": ("cache.block_size", (int,)),
@@ -266,7 +272,7 @@ FLAG_FIELDS: dict[str, str] = {
     "model": "model_path", "prefill": "num_prefill", "decode": "num_decode", "routers": "num_routers",
     "actor_placement": "actor_placement", "gpus_per_worker": "gpus_per_worker",
     "torch_threads": "torch_threads",
-    "linear_kernel": "linear_kernel",
+    "linear_kernel": "linear_kernel", "attention_kernel": "attention_kernel",
     "host": "host", "port": "port", "metrics_port": "metrics_port", "redis_url": "redis_url",
     "http_port": "http_port", "served_model_name": "served_model_name",
     "address": "ray_address", "namespace": "namespace",

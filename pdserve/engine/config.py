@@ -153,6 +153,7 @@ class SchedulerConfig:
 
 
 LINEAR_KERNELS = ("matmul", "onednn", "avx2")
+ATTENTION_KERNELS = ("sdpa", "avx2")
 
 
 def cpu_threads_per_worker(workers: int) -> int:
@@ -171,8 +172,18 @@ class EngineConfig:
     # test_oracle's 1e-4); onednn is 2-3x faster for prefill and batched decode on x86 CPUs but sums in
     # another order (logits within 5e-3 of transformers', greedy tokens equal in the tests).
     linear_kernel: str = "matmul"
+    # Decode attention (pdserve/engine/model.py): sdpa is torch's, over each sequence's blocks gathered
+    # into a dense copy; avx2 is pdserve's own kernel (decode_attention.cpp), reading the rows in the
+    # pool, float32 caches only. Prefill chunks run torch's SDPA under both.
+    attention_kernel: str = "sdpa"
 
     def __post_init__(self) -> None:
         if self.linear_kernel not in LINEAR_KERNELS:
             raise FieldError("linear_kernel", f"must be one of {', '.join(LINEAR_KERNELS)}",
                              self.linear_kernel)
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise FieldError("attention_kernel", f"must be one of {', '.join(ATTENTION_KERNELS)}",
+                             self.attention_kernel)
+        if self.attention_kernel == "avx2" and self.cache.kv_dtype != "float32":
+            raise FieldError("attention_kernel", f"must be sdpa with kv_dtype {self.cache.kv_dtype} (avx2 "
+                             "reads float32 K/V rows only: use kv_dtype float32 for it)", self.attention_kernel)

@@ -3,7 +3,7 @@
     select_linear(device, kernel) -> Linear       (EngineConfig.linear_kernel)
         matmul  MatmulLinear: torch.matmul over W.T kept contiguous; any device. The default.
         onednn  OneDNNLinear: torch.ops.mkldnn._linear_pointwise; x86 CPU builds of torch only
-        avx2    Avx2Linear: pdserve's GEMV (pdserve/engine/gemv.py) for up to 32 rows, oneDNN above;
+        avx2    Avx2Linear: pdserve's GEMV (pdserve/engine/gemv.cpp) for up to 32 rows, oneDNN above;
                 an x86 CPU with AVX2, oneDNN, and a C++ compiler and ninja to build the GEMV
     linear.prepare(W) once when the weights load; linear(x, prepared) every step
 
@@ -17,7 +17,7 @@ while oneDNN sums in another order and its logits differed by up to 5e-3 in the 
 that test does not allow. So oneDNN is opt-in, and tests/engine/test_linear_kernels.py runs the
 exactness suite on it (its own no-cache reference at 1e-4; transformers on greedy tokens). avx2 adds
 a GEMV of our own for decode-sized products, which both libraries run well below the memory
-bandwidth that bounds them (gemv.py); it sums in its own order too, so it is opt-in as well and
+bandwidth that bounds them (pdserve/engine/cpu_kernels.py); it sums in its own order too, so it is opt-in as well and
 under the same tests.
 """
 
@@ -27,10 +27,13 @@ from typing import Protocol
 
 import torch
 
-from pdserve.engine.gemv import MAX_ROWS as MAX_GEMV_ROWS
-from pdserve.engine.gemv import Gemv
-from pdserve.engine.gemv import kernel as gemv_kernel
-from pdserve.engine.gemv import unavailable as gemv_unavailable
+from pdserve.engine import cpu_kernels
+from pdserve.engine.cpu_kernels import Gemv
+
+# Rows of x up to which the GEMV beat oneDNN on every SmolLM2 layer product (qkv, gate_up, down)
+# on 2 threads in two runs of python -m bench.matmul_kernels: 1.1-2.2x from 2 to 32 rows, still
+# ahead at 64, and the two cross at 128 (docs/benchmarks.md, 2026-12-03).
+MAX_GEMV_ROWS = 32
 
 
 class Linear(Protocol):
@@ -118,7 +121,7 @@ def select_linear(device: torch.device, kernel: str = "matmul") -> Linear:
                          "use matmul")
     if kernel == "onednn":
         return OneDNNLinear()
-    gemv = gemv_kernel()
+    gemv = cpu_kernels.gemv()
     if gemv is None:
-        raise ValueError(f"linear_kernel 'avx2' is not available: {gemv_unavailable()}")
+        raise ValueError(f"linear_kernel 'avx2' is not available: {cpu_kernels.unavailable()}")
     return Avx2Linear(gemv)

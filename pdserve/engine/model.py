@@ -5,7 +5,9 @@ untied embeddings. One forward runs a flat batch of T tokens that mixes
 decode tokens and prefill chunks of several sequences:
 
     hidden [T, d] --(per layer)--> q,k,v --RoPE--> write k,v at slot_mapping
-        attention: decode tokens  -> one batched SDPA over their block tables
+        attention: decode tokens  -> pdserve's paged kernel over their block tables
+                                     (attention_kernel avx2), or SDPA over gathered
+                                     groups of similar length (sdpa)
                    prefill chunks -> one causal SDPA per chunk (fresh K/V when
                                      the chunk starts at 0, else gathered)
     --> norm --> lm_head on the sampled rows only
@@ -29,7 +31,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine import cpu_kernels
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.cpu_kernels import PagedDecodeAttention
 from pdserve.engine.kv_format import KV_FORMATS, KVFormat, format_of
 from pdserve.engine.linear import Linear, MatmulLinear
 from pdserve.units import ceil_div
@@ -114,6 +118,20 @@ def _context_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
     return (torch.arange(width, device=lens.device)[None, :] < lens[:, None])[:, None, None, :]
 
 
+def select_decode_attention(device: torch.device, kernel: str = "sdpa") -> PagedDecodeAttention | None:
+    """The decode attention named by EngineConfig.attention_kernel: None for sdpa (the model's own)."""
+    if kernel == "sdpa":
+        return None
+    if kernel != "avx2":
+        raise ValueError(f"attention kernel {kernel!r}: use sdpa or avx2")
+    if device.type != "cpu":
+        raise ValueError(f"attention_kernel 'avx2' runs on the CPU only, not on {device}; use sdpa")
+    attend = cpu_kernels.paged_decode_attention()
+    if attend is None:
+        raise ValueError(f"attention_kernel 'avx2' is not available: {cpu_kernels.unavailable()}")
+    return attend
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     variance = x.pow(2).mean(-1, keepdim=True)
     return weight * (x * torch.rsqrt(variance + eps))
@@ -123,10 +141,12 @@ class LlamaModel:
     """Weights plus the forward pass. Stateless apart from the weights."""
 
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor],
-                 device: torch.device, linear: Linear | None = None) -> None:
+                 device: torch.device, linear: Linear | None = None,
+                 paged_decode_attention: PagedDecodeAttention | None = None) -> None:
         self.config = config
         self.device = device
         self.linear = linear or MatmulLinear()
+        self.paged_decode_attention = paged_decode_attention  # None: SDPA over gathered groups
         c = config
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
@@ -164,7 +184,8 @@ class LlamaModel:
         # at batch 1 a decode step is dominated by the count of small ops, not by FLOPs.
         rot = self.rope.at(positions)
         fmt = format_of(kv_cache.dtype)
-        decode_groups = self._decode_groups(meta, kv_cache.shape[3]) if meta.num_decode else []
+        decode_groups = (self._decode_groups(meta, kv_cache.shape[3])
+                         if meta.num_decode and self.paged_decode_attention is None else [])
         for i, w in enumerate(self.layers):
             h = h + self._attention(rms_norm(h, w["ln1"], self.config.rms_norm_eps), rot,
                                     w, kv_cache[i], fmt, meta, decode_groups)
@@ -200,7 +221,10 @@ class LlamaModel:
         q, k, v = fmt.rotate(q), fmt.load_rotated(k_rows), fmt.load_rotated(v_rows)
         out = torch.empty_like(q)
         nd = meta.num_decode
-        if nd:
+        if nd and self.paged_decode_attention is not None:
+            out[:nd] = self.paged_decode_attention(q[:nd].contiguous(), layer_cache, meta.decode_block_tables,
+                                                   meta.decode_context_lens, self.scale)
+        elif nd:
             out[:nd] = self._decode_attention(q[:nd], layer_cache, fmt, decode_groups)
         for seg in meta.prefills:
             rows = slice(seg.q_start, seg.q_start + seg.q_len)

@@ -15,10 +15,11 @@ import random
 import pytest
 import torch
 
-from pdserve.engine import gemv
+from pdserve.engine import cpu_kernels
 from pdserve.engine.audit import TOLERANCE, KVAuditor
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.linear import Avx2Linear, MatmulLinear, OneDNNLinear, onednn_available, select_linear
+from pdserve.engine.linear import (MAX_GEMV_ROWS, Avx2Linear, MatmulLinear, OneDNNLinear, onednn_available,
+                                   select_linear)
 from pdserve.engine.sequence import SamplingParams
 from pdserve.field_error import FieldError
 from tests.conftest import assert_no_leaks, make_engine
@@ -35,7 +36,7 @@ needs_onednn = pytest.mark.skipif(not onednn_available(torch.device("cpu")),
 def _avx2_unavailable() -> str | None:
     if not onednn_available(torch.device("cpu")):
         return "this torch build has no oneDNN linear on this CPU"
-    return gemv.unavailable()
+    return cpu_kernels.unavailable()
 
 
 needs_avx2 = pytest.mark.skipif(_avx2_unavailable() is not None, reason=f"avx2 kernel: {_avx2_unavailable()}")
@@ -72,7 +73,7 @@ def test_gemv_computes_the_same_products_as_matmul(rows, n_in, n_out):
     vectors of input)."""
     g = torch.Generator().manual_seed(rows * 1000 + n_in)
     x, w = torch.randn(rows, n_in, generator=g), torch.randn(n_out, n_in, generator=g)
-    ours = gemv.kernel()(x, w)
+    ours = cpu_kernels.gemv()(x, w)
     assert ours.shape == (rows, n_out)
     assert torch.allclose(ours, x.double().mm(w.double().t()).float(), atol=1e-4, rtol=1e-5)
 
@@ -84,11 +85,11 @@ def test_avx2_sends_few_rows_to_the_gemv_and_more_to_onednn(monkeypatch):
     g = torch.Generator().manual_seed(9)
     w = linear.prepare(torch.randn(64, 48, generator=g))
     calls = []
-    monkeypatch.setattr(linear, "_gemv", lambda x, w: calls.append(x.shape[0]) or gemv.kernel()(x, w))
-    for rows in (1, gemv.MAX_ROWS, gemv.MAX_ROWS + 1, 300):
+    monkeypatch.setattr(linear, "_gemv", lambda x, w: calls.append(x.shape[0]) or cpu_kernels.gemv()(x, w))
+    for rows in (1, MAX_GEMV_ROWS, MAX_GEMV_ROWS + 1, 300):
         x = torch.randn(rows, 48, generator=g)
         assert torch.allclose(linear(x, w), x @ w.t(), atol=1e-4, rtol=1e-5)
-    assert calls == [1, gemv.MAX_ROWS]
+    assert calls == [1, MAX_GEMV_ROWS]
 
 
 @needs_avx2
@@ -96,9 +97,9 @@ def test_a_gemv_row_does_not_depend_on_the_rows_beside_it():
     """Each output is its own 8-lane sum in a fixed order, whatever blocking its row count takes."""
     g = torch.Generator().manual_seed(4)
     x, w = torch.randn(7, 576, generator=g), torch.randn(960, 576, generator=g)
-    together = gemv.kernel()(x, w)
+    together = cpu_kernels.gemv()(x, w)
     for i in range(7):
-        assert torch.equal(gemv.kernel()(x[i:i + 1].contiguous(), w)[0], together[i])
+        assert torch.equal(cpu_kernels.gemv()(x[i:i + 1].contiguous(), w)[0], together[i])
 
 
 @needs_avx2

@@ -1,0 +1,115 @@
+"""pdserve's own AVX2 CPU kernels, built from C++ into one torch extension on first use.
+
+    gemv.cpp              torch.ops.pdserve.gemv: y = x @ W.T for a few rows of x, W [out, in]
+                          float32 (the `avx2` linear kernel, pdserve/engine/linear.py)
+    decode_attention.cpp  torch.ops.pdserve.paged_decode_attention: one query per sequence over its
+                          K/V rows in the paged pool, read through its block table (the `avx2`
+                          attention kernel, pdserve/engine/model.py)
+
+    gemv(), paged_decode_attention()   the operators, or None where they cannot be built or run here
+    unavailable()                      why not, in words (None when they work)
+    python -m pdserve.engine.cpu_kernels   builds them now (`make setup` does), and says where or why not
+
+NOTE: why a GEMV of our own. A decode step at batch 1 is a stream of the model's weights through
+matrix-vector products, and it is bound by memory bandwidth. On the 2-core AMD EPYC machines this
+project runs on, torch's MKL GEMV and oneDNN's read SmolLM2's weights at 9-19 GB/s where a plain
+read of the same bytes (`w.sum()`) runs at 17-24 GB/s; the GEMV reads them at 12-21 GB/s, and
+from 2 to 32 rows it led oneDNN 1.1-2.2x (python -m bench.matmul_kernels). bench.engine's batch-1
+decode step took 47-56 ms with it against oneDNN's 59 ms (docs/benchmarks.md, 2026-12-03).
+
+NOTE: why a decode attention of our own. torch's SDPA wants K/V as dense tensors, so every decode
+step gathered each sequence's blocks into a padded copy, layer by layer: at 32 concurrent requests
+that gather was 21% of a step and SDPA over the copy 26% (python -m bench.profile_engine,
+docs/benchmarks.md). The kernel reads the rows where they lie, once, as vLLM's CPU backend's paged
+attention does.
+
+Both sum in their own order, in 8 lanes, so neither is bit-equal to torch's kernels: they serve
+opt-in settings only, run under the exactness suite (tests/engine/test_linear_kernels.py,
+tests/engine/test_attention_kernels.py).
+
+Built with torch's C++ extension tooling (g++ and ninja) into torch's extension cache, under a name
+that carries a digest of the sources, the flags and torch's version: an edit or another torch
+rebuilds it, and a build for other flags is never loaded. Flags are -mavx2 -mfma, not
+-march=native, because the machine's CPU model changes between sessions while the cache stays.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemv.cpp", "decode_attention.cpp"))
+# NOTE: -fopenmp is what makes at::parallel_for parallel: without it the header's OpenMP pragma is
+# ignored and the kernels run on one thread at about half their bandwidth.
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
+
+Gemv = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+PagedDecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def extension_name() -> str:
+    key = b"".join(source.read_bytes() for source in SOURCES) + " ".join((*FLAGS, torch.__version__)).encode()
+    digest = hashlib.sha256(key).hexdigest()[:12]
+    return f"pdserve_cpu_kernels_{digest}"
+
+
+def _cpu_has_avx2() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def _missing_tool() -> str | None:
+    for tool in ("c++", "ninja"):
+        if shutil.which(tool) is None:
+            return tool
+    return None
+
+
+@cache
+def _build() -> str | None:
+    """None once the operators are registered; else why they cannot be."""
+    if not _cpu_has_avx2():
+        return f"this CPU has no AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    tool = _missing_tool()
+    if tool:
+        return f"building pdserve's CPU kernels needs {tool} on PATH; install it, or use the onednn/sdpa kernels"
+    from torch.utils.cpp_extension import load
+
+    try:
+        load(extension_name(), [str(source) for source in SOURCES], extra_cflags=list(FLAGS),
+             extra_ldflags=["-fopenmp"], verbose=False)
+    except (RuntimeError, OSError, ImportError) as e:  # a compiler error, or a broken cache entry
+        log.warning("building pdserve's CPU kernels failed: %s", e)
+        return f"building pdserve's CPU kernels failed ({e}); use the onednn/sdpa kernels"
+    return None
+
+
+def gemv() -> Gemv | None:
+    return None if _build() else torch.ops.pdserve.gemv  # registered by loading the library
+
+
+def paged_decode_attention() -> PagedDecodeAttention | None:
+    return None if _build() else torch.ops.pdserve.paged_decode_attention
+
+
+def unavailable() -> str | None:
+    return _build()
+
+
+def main() -> None:
+    reason = unavailable()
+    if reason:
+        print(f"pdserve CPU kernels: not built: {reason}")
+        return
+    print(f"pdserve CPU kernels: built ({extension_name()})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""The opt-in decode attention kernel (EngineConfig.attention_kernel "avx2") under the exactness suite.
+
+The kernel against float64 attention over the same rows, for shapes that leave every tail; then the
+engine on it against the no-cache reference (tests/engine/test_exactness.py's assertions and 1e-4),
+every cache path, with torch's matmul and with the avx2 linear kernel; then against transformers on
+greedy tokens. The reference attends with SDPA, so every decode step compares the two attentions.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pdserve.engine import cpu_kernels
+from pdserve.engine.audit import TOLERANCE, KVAuditor
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.model import select_decode_attention
+from pdserve.engine.sequence import SamplingParams
+from pdserve.field_error import FieldError
+from tests.conftest import assert_no_leaks, make_engine
+from tests.engine.test_exactness import check_against_reference, varied_prompts
+from tests.engine.test_linear_kernels import ONEDNN_VS_TRANSFORMERS, needs_avx2
+from tests.engine.test_oracle import hf_greedy, hf_logits
+
+needs_kernel = pytest.mark.skipif(cpu_kernels.unavailable() is not None,
+                                  reason=f"pdserve's CPU kernels: {cpu_kernels.unavailable()}")
+CPU = torch.device("cpu")
+
+
+def paged_case(seed: int, lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int):
+    """A pool layer of random rows and, per sequence, a table of shuffled blocks padded with block 0."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-n // block_size) for n in lens)
+    blocks = len(lens) * width + 3
+    cache = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=g)
+    order = torch.randperm(blocks, generator=g)
+    tables = torch.zeros(len(lens), width, dtype=torch.long)
+    for b, n in enumerate(lens):
+        used = -(-n // block_size)
+        tables[b, :used] = order[b * width:b * width + used]
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
+    return q, cache, tables, torch.tensor(lens)
+
+
+def float64_attention(q, cache, tables, lens, scale):
+    """Each sequence's rows read in order through its table; softmax(q k / sqrt d) v in float64."""
+    heads, kv_heads, block_size = q.shape[1], cache.shape[3], cache.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b, n in enumerate(lens.tolist()):
+        slots = [(int(tables[b, t // block_size]), t % block_size) for t in range(n)]
+        k = torch.stack([cache[0, blk, off] for blk, off in slots]).double()  # [n, kvh, d]
+        v = torch.stack([cache[1, blk, off] for blk, off in slots]).double()
+        for h in range(heads):
+            g = h // (heads // kv_heads)
+            p = torch.softmax(k[:, g] @ q[b, h].double() * scale, dim=0)
+            out[b, h] = p @ v[:, g]
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 2, 16), (3, 3, 12), (2, 1, 5)],
+                         ids=["smollm2", "tiny", "no-gqa-tail", "under-one-vector"])
+def test_paged_attention_matches_float64_over_the_same_rows(heads, kv_heads, head_dim):
+    """Lengths of one token, a whole block, a block and one, and several blocks; head_dims that
+    leave tails of the 8-lane vectors."""
+    lens = [1, 16, 17, 5, 70, 33]
+    q, cache, tables, ctx = paged_case(heads * head_dim, lens, heads, kv_heads, head_dim, block_size=16)
+    scale = head_dim ** -0.5
+    ours = cpu_kernels.paged_decode_attention()(q, cache, tables, ctx, scale)
+    assert ours.shape == q.shape
+    assert torch.allclose(ours.double(), float64_attention(q, cache, tables, ctx, scale), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_a_sequence_attends_alike_alone_and_in_a_batch():
+    """Bit for bit: a row's result depends on its own rows only, not on its neighbours' lengths."""
+    q, cache, tables, lens = paged_case(7, [3, 90, 41, 16, 1], 9, 3, 64, block_size=16)
+    attend = cpu_kernels.paged_decode_attention()
+    together = attend(q, cache, tables, lens, 0.125)
+    for b in range(len(lens)):
+        n_blocks = -(-int(lens[b]) // 16)
+        alone = attend(q[b:b + 1].contiguous(), cache, tables[b:b + 1, :n_blocks].contiguous(), lens[b:b + 1], 0.125)
+        assert torch.equal(alone[0], together[b])
+
+
+@needs_kernel
+def test_paged_attention_refuses_a_length_past_its_table_or_a_block_past_the_pool():
+    q, cache, tables, lens = paged_case(3, [20, 8], 4, 2, 16, block_size=16)
+    attend = cpu_kernels.paged_decode_attention()
+    with pytest.raises(RuntimeError, match="context length 33 of row 0 is outside 1..32"):
+        attend(q, cache, tables, torch.tensor([33, 8]), 0.25)
+    bad = tables.clone()
+    bad[1, 0] = cache.shape[1]
+    with pytest.raises(RuntimeError, match=f"block {cache.shape[1]} of row 1 is outside"):
+        attend(q, cache, bad, lens, 0.25)
+
+
+def test_attention_kernel_names_and_dtypes_are_checked():
+    assert select_decode_attention(CPU, "sdpa") is None
+    with pytest.raises(ValueError, match="use sdpa or avx2"):
+        select_decode_attention(CPU, "flash")
+    with pytest.raises(FieldError, match="attention_kernel must be one of sdpa, avx2"):
+        EngineConfig(attention_kernel="paged")
+    with pytest.raises(FieldError, match="attention_kernel must be sdpa with kv_dtype int8"):
+        EngineConfig(attention_kernel="avx2", cache=CacheConfig(kv_dtype="int8"))
+
+
+KERNEL_PAIRS = [pytest.param("matmul", marks=needs_kernel, id="matmul"),
+                pytest.param("avx2", marks=needs_avx2, id="avx2-linear")]
+
+
+@pytest.mark.parametrize("linear_kernel", KERNEL_PAIRS)
+@pytest.mark.parametrize("engine_kwargs",
+                         [{}, {"budget": 7}, {"block_size": 8, "num_blocks": 10, "budget": 32}],
+                         ids=["batched", "chunked", "preempted"])
+def test_avx2_attention_cache_paths_match_the_reference(tiny_loaded, linear_kernel, engine_kwargs):
+    prompts = varied_prompts(tiny_loaded.config.vocab_size)
+    engine = make_engine(tiny_loaded, linear_kernel=linear_kernel, attention_kernel="avx2", **engine_kwargs)
+    check_against_reference(engine, prompts)
+    results = check_against_reference(engine, prompts)  # again: prefix hits
+    assert sum(r.usage.cached_tokens for r in results) > 0
+
+
+@needs_kernel
+def test_avx2_attention_over_many_rows_of_mixed_lengths_matches_the_reference(tiny_loaded):
+    """20 sequences decoding together, lengths spread over several blocks: one kernel call per layer,
+    each row reading its own blocks, against the reference's SDPA."""
+    g = torch.Generator().manual_seed(99)
+    lengths = [1, 70, 5, 33, 17, 64, 2, 48, 9, 81, 16, 40, 3, 57, 25, 12, 90, 7, 31, 44]
+    prompts = [torch.randint(0, tiny_loaded.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    engine = make_engine(tiny_loaded, attention_kernel="avx2")
+    calls = []
+    attend = engine.model.paged_decode_attention
+    engine.model.paged_decode_attention = lambda q, *rest: calls.append(q.shape[0]) or attend(q, *rest)
+    check_against_reference(engine, prompts)
+    assert max(calls) == len(lengths)
+
+
+@needs_kernel
+def test_avx2_attention_blocks_filled_by_decode_steps_audit_clean(tiny_loaded):
+    engine = make_engine(tiny_loaded, attention_kernel="avx2", budget=40)
+    rng = random.Random(11)
+    for _ in range(4):
+        prompt = [rng.randrange(tiny_loaded.config.vocab_size) for _ in range(rng.randint(20, 60))]
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                           detokenize=False)
+        for _ in range(3):
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    report = KVAuditor(engine).audit()
+    assert report.mismatched == 0 and report.checked > 0, report
+    assert report.max_rel_diff <= TOLERANCE["float32"] / 4, report
+    assert_no_leaks(engine)
+
+
+@needs_kernel
+def test_avx2_attention_greedy_continuation_matches_transformers(tiny_loaded, hf_tiny):
+    engine = make_engine(tiny_loaded, attention_kernel="avx2", block_size=4, budget=16)
+    ids = [5, 17, 300, 4000, 12, 7, 99, 1024, 33]
+    [ours] = engine.generate([ids], SamplingParams(temperature=0, max_tokens=32), detokenize=False)
+    assert ours.token_ids == hf_greedy(hf_tiny, ids, 32)
+    assert_no_leaks(engine)
+
+
+@needs_avx2
+@pytest.mark.slow  # transformers' GGUF load
+def test_avx2_kernels_on_smollm2_match_transformers_within_the_linear_bound(smollm_loaded, hf_smollm):
+    """Both opt-in kernels together, as the benches run them: the linear kernels' bound on the
+    logits (the attention kernel adds sums in its own order, not another bound), greedy tokens equal."""
+    messages = [{"role": "user", "content": "Write one sentence about the sea."}]
+    chat_ids = smollm_loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    engine = make_engine(smollm_loaded, linear_kernel="avx2", attention_kernel="avx2", block_size=16,
+                         num_blocks=64, budget=40)
+    with torch.inference_mode():
+        diff = (engine.model.reference_logits(chat_ids) - hf_logits(hf_smollm, chat_ids)).abs().max().item()
+    assert diff <= ONEDNN_VS_TRANSFORMERS
+    [ours] = engine.generate([chat_ids], SamplingParams(temperature=0, max_tokens=24), detokenize=False)
+    assert ours.token_ids == hf_greedy(hf_smollm, chat_ids, 24)
+    check_against_reference(engine, varied_prompts(smollm_loaded.config.vocab_size)[:6])
