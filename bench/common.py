@@ -190,8 +190,9 @@ LINEAR_KERNEL_HELP = ("pdserve's matmul kernel (EngineConfig.linear_kernel, pdse
                       "matmul is torch's own, as transformers runs it; onednn is oneDNN, as vLLM's CPU build "
                       "calls it, faster on x86 CPUs; avx2 is oneDNN plus pdserve's own GEMV for products of "
                       "up to 32 rows (pdserve/engine/gemv.cpp) (default: %(default)s)")
-ATTENTION_KERNEL_HELP = ("pdserve's decode attention (EngineConfig.attention_kernel, pdserve/engine/model.py): "
-                         "sdpa is torch's, over each sequence's blocks gathered into a dense copy; avx2 is "
+ATTENTION_KERNEL_HELP = ("pdserve's decode attention (EngineConfig.attention_kernel, "
+                         "pdserve/engine/model.py): sdpa is torch's, over each sequence's blocks gathered "
+                         "into a dense copy; avx2 is "
                          "pdserve's own paged kernel, reading the rows where they lie in the pool "
                          "(pdserve/engine/decode_attention.cpp) (default: %(default)s)")
 
@@ -201,7 +202,8 @@ def add_kernel_flags(p: argparse.ArgumentParser) -> None:
     from pdserve.engine.config import ATTENTION_KERNELS, LINEAR_KERNELS
 
     p.add_argument("--linear-kernel", choices=LINEAR_KERNELS, default="matmul", help=LINEAR_KERNEL_HELP)
-    p.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default="sdpa", help=ATTENTION_KERNEL_HELP)
+    p.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default="sdpa",
+                   help=ATTENTION_KERNEL_HELP)
 
 
 # --- a peer's own virtualenv -------------------------------------------------------------------

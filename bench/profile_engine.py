@@ -8,8 +8,8 @@ Steps SmolLM2's LLMEngine (bench.engine's Ours) through three workloads and prof
   decode32  10 decode steps of 32 sequences of 32-512 context tokens
   suffix    one prefill of 14 new tokens after 544 cached ones
 Each op's self CPU time is put in one group: matmuls (aten::mm, oneDNN's linear, pdserve::gemv),
-KV gather (index_select), attention (scaled_dot_product*, pdserve::paged_decode_attention), KV write (index_put*), everything
-else. Reported: each group's share of the profiled op time.
+KV gather (index_select), attention (scaled_dot_product*, pdserve::paged_decode_attention), KV write
+(index_put*), everything else. Reported: each group's share of the profiled op time.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from bench.common import add_kernel_flags, bench_parser, format_table, publish, 
 from bench.engine import Ours, random_prompt
 
 GROUPS = {"matmuls": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "pdserve::gemv"),
-          "kv_gather": ("aten::index_select",), "attention": ("aten::_scaled_dot_product", "pdserve::paged_decode_attention"),
+          "kv_gather": ("aten::index_select",),
+          "attention": ("aten::_scaled_dot_product", "pdserve::paged_decode_attention"),
           "kv_write": ("aten::index_put", "aten::_index_put")}
 
 
@@ -76,7 +77,8 @@ def run(args: Any) -> dict[str, Any]:
     from pdserve.engine.weights import load_model
 
     threads = set_threads(args.threads)
-    ours = Ours(load_model(None, progress=False), 2048, 16, threads, args.linear_kernel, args.attention_kernel)
+    ours = Ours(load_model(None, progress=False), 2048, 16, threads, args.linear_kernel,
+                args.attention_kernel)
     rng = random.Random(0)
     ours.generate([random_prompt(rng, 64)], [4])  # warm-up
     result: dict[str, Any] = {"threads": threads, "linear_kernel": args.linear_kernel,

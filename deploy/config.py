@@ -80,7 +80,7 @@ class ClusterSpec:
     kv_frames: KVFrames = field(default_factory=KVFrames)  # how prefill workers cut KV transfers
     actor_placement: str = "pack"  # how Ray places the worker actors: ACTOR_PLACEMENTS
     linear_kernel: str = "matmul"  # every worker's matmul kernel: LINEAR_KERNELS (pdserve/engine/linear.py)
-    attention_kernel: str = "sdpa"  # every worker's decode attention: ATTENTION_KERNELS (pdserve/engine/model.py)
+    attention_kernel: str = "sdpa"  # every worker's decode attention: ATTENTION_KERNELS (engine/model.py)
     # NOTE: None decides at start: 1 when the cluster has a GPU for every worker, else 0 (CPU). An
     # autoscaling cluster has no GPU node yet at start, so its config says 1 explicitly.
     gpus_per_worker: float | None = None
@@ -124,7 +124,8 @@ class ClusterSpec:
         _check_choice("attention_kernel (--attention-kernel)", self.attention_kernel, ATTENTION_KERNELS)
         if self.attention_kernel == "avx2" and self.cache.kv_dtype != "float32":
             raise ValueError("attention_kernel (--attention-kernel) avx2 reads float32 K/V rows only, but "
-                             f"cache.kv_dtype (--kv-dtype) is {self.cache.kv_dtype}: use sdpa, or kv_dtype float32")
+                             f"cache.kv_dtype (--kv-dtype) is {self.cache.kv_dtype}: "
+                             "use sdpa, or kv_dtype float32")
         _check_choice("router.cache_isolation (--cache-isolation)", self.cache_isolation, CACHE_ISOLATION)
         if self.cache_isolation == "token" and self.api_token_file is None:
             raise ValueError("router.cache_isolation (--cache-isolation) token keeps each API token's cache "

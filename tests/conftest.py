@@ -137,7 +137,8 @@ def hf_tiny(tiny_model_dir):
 def make_engine(loaded: LoadedModel, *, block_size: int = 16, num_blocks: int | None = 256,
                 budget: int = 2048, max_seqs: int = 64, kv_dtype: str = "float32",
                 prefix_caching: bool = True, linear_kernel: str = "matmul", attention_kernel: str = "sdpa",
-                host_blocks: int | None = None, disk_dir: str | None = None, disk_gib: float = 4.0) -> LLMEngine:
+                host_blocks: int | None = None, disk_dir: str | None = None,
+                disk_gib: float = 4.0) -> LLMEngine:
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_dtype=kv_dtype,
                         enable_prefix_caching=prefix_caching, host_num_blocks=host_blocks,
                         disk_cache_dir=disk_dir, disk_cache_gib=disk_gib)

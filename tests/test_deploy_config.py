@@ -127,8 +127,8 @@ def test_an_unknown_key_is_named_with_the_file_and_a_suggestion(tmp_path, text, 
                       "max_concurrent_streams, cache_isolation, prefill_deadline_fraction, "
                       "prefill_timeout_s, migration_limit, got 50051"),
     ("- model: x", "expected a mapping of keys (model, host, prefill, decode, actor_placement, "
-                   "linear_kernel, attention_kernel, gpus_per_worker, torch_threads, cache, scheduler, router, "
-                   "redis_url, "
+                   "linear_kernel, attention_kernel, gpus_per_worker, torch_threads, cache, scheduler, "
+                   "router, redis_url, "
                    "ray_address, namespace, max_restarts, worker_env, tls, auth, audit, default_temperature, "
                    "default_top_p, default_top_k), got list"),
     ("tls: {require_client_cert: 1}", "'tls.require_client_cert' must be true or false, got 1 (int)"),
@@ -159,10 +159,11 @@ def test_a_wrong_type_is_named_with_the_file(tmp_path, text, message):
     ("gpus_per_worker: -1", "gpus_per_worker (--gpus-per-worker) must be >= 0, got -1"),
     ("torch_threads: 0", "torch_threads (--torch-threads) must be >= 1, got 0"),
     ("linear_kernel: mkl", "linear_kernel (--linear-kernel) must be one of matmul, onednn, avx2, got 'mkl'"),
-    ("attention_kernel: flash", "attention_kernel (--attention-kernel) must be one of sdpa, avx2, got 'flash'"),
+    ("attention_kernel: flash",
+     "attention_kernel (--attention-kernel) must be one of sdpa, avx2, got 'flash'"),
     ("{attention_kernel: avx2, cache: {kv_dtype: int8}}",
-     "attention_kernel (--attention-kernel) avx2 reads float32 K/V rows only, but cache.kv_dtype (--kv-dtype) "
-     "is int8: use sdpa, or kv_dtype float32"),
+     "attention_kernel (--attention-kernel) avx2 reads float32 K/V rows only, but cache.kv_dtype "
+     "(--kv-dtype) is int8: use sdpa, or kv_dtype float32"),
     ("router: {max_concurrent_streams: 0}",
      "router.max_concurrent_streams (--max-concurrent-streams) must be > 0, got 0"),
     ("router: {max_prompt_tokens: -5}",

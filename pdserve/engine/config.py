@@ -186,4 +186,5 @@ class EngineConfig:
                              self.attention_kernel)
         if self.attention_kernel == "avx2" and self.cache.kv_dtype != "float32":
             raise FieldError("attention_kernel", f"must be sdpa with kv_dtype {self.cache.kv_dtype} (avx2 "
-                             "reads float32 K/V rows only: use kv_dtype float32 for it)", self.attention_kernel)
+                             "reads float32 K/V rows only: use kv_dtype float32 for it)",
+                             self.attention_kernel)

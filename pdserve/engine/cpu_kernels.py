@@ -79,7 +79,8 @@ def _build() -> str | None:
         return f"this CPU has no AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
     tool = _missing_tool()
     if tool:
-        return f"building pdserve's CPU kernels needs {tool} on PATH; install it, or use the onednn/sdpa kernels"
+        return (f"building pdserve's CPU kernels needs {tool} on PATH; install it, "
+                "or use the onednn/sdpa kernels")
     from torch.utils.cpp_extension import load
 
     try:

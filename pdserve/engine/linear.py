@@ -17,8 +17,8 @@ while oneDNN sums in another order and its logits differed by up to 5e-3 in the 
 that test does not allow. So oneDNN is opt-in, and tests/engine/test_linear_kernels.py runs the
 exactness suite on it (its own no-cache reference at 1e-4; transformers on greedy tokens). avx2 adds
 a GEMV of our own for decode-sized products, which both libraries run well below the memory
-bandwidth that bounds them (pdserve/engine/cpu_kernels.py); it sums in its own order too, so it is opt-in as well and
-under the same tests.
+bandwidth that bounds them (pdserve/engine/cpu_kernels.py); it sums in its own order too, so it is
+opt-in as well and under the same tests.
 """
 
 from __future__ import annotations

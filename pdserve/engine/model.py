@@ -219,13 +219,13 @@ class LlamaModel:
         # NOTE: attention runs in the rows' basis (int8: Hadamard-rotated; kv_format.py), so the
         # queries rotate once and the output rotates back once, never every cached row.
         q, k, v = fmt.rotate(q), fmt.load_rotated(k_rows), fmt.load_rotated(v_rows)
-        out = torch.empty_like(q)
         nd = meta.num_decode
-        if nd and self.paged_decode_attention is not None:
-            out[:nd] = self.paged_decode_attention(q[:nd].contiguous(), layer_cache, meta.decode_block_tables,
-                                                   meta.decode_context_lens, self.scale)
-        elif nd:
-            out[:nd] = self._decode_attention(q[:nd], layer_cache, fmt, decode_groups)
+        if not meta.prefills:  # a decode-only step: no output to assemble
+            return self.linear(fmt.unrotate(self._decode_attention(q, layer_cache, fmt, meta, decode_groups))
+                               .reshape(-1, self.q_size), w["o"])
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = self._decode_attention(q[:nd], layer_cache, fmt, meta, decode_groups)
         for seg in meta.prefills:
             rows = slice(seg.q_start, seg.q_start + seg.q_len)
             out[rows] = self._prefill_attention(q[rows], k[rows], v[rows], seg, layer_cache, fmt)
@@ -251,8 +251,12 @@ class LlamaModel:
         return groups
 
     def _decode_attention(self, q: torch.Tensor, layer_cache: torch.Tensor, fmt: KVFormat,
-                          groups: list[DecodeGroup]) -> torch.Tensor:
-        """q: [B, H, D], one query per sequence, keys gathered group by group."""
+                          meta: AttentionMetadata, groups: list[DecodeGroup]) -> torch.Tensor:
+        """q: [B, H, D], one query per sequence: pdserve's paged kernel over the block tables, or
+        SDPA with the keys gathered group by group."""
+        if self.paged_decode_attention is not None:
+            return self.paged_decode_attention(q.contiguous(), layer_cache, meta.decode_block_tables,
+                                               meta.decode_context_lens, self.scale)
         if groups[0].rows is None:
             return self._group_attention(q, layer_cache, fmt, groups[0])
         out = torch.empty_like(q)

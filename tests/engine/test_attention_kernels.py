@@ -70,7 +70,8 @@ def test_paged_attention_matches_float64_over_the_same_rows(heads, kv_heads, hea
     scale = head_dim ** -0.5
     ours = cpu_kernels.paged_decode_attention()(q, cache, tables, ctx, scale)
     assert ours.shape == q.shape
-    assert torch.allclose(ours.double(), float64_attention(q, cache, tables, ctx, scale), atol=1e-5, rtol=1e-5)
+    expected = float64_attention(q, cache, tables, ctx, scale)
+    assert torch.allclose(ours.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 @needs_kernel
@@ -81,7 +82,8 @@ def test_a_sequence_attends_alike_alone_and_in_a_batch():
     together = attend(q, cache, tables, lens, 0.125)
     for b in range(len(lens)):
         n_blocks = -(-int(lens[b]) // 16)
-        alone = attend(q[b:b + 1].contiguous(), cache, tables[b:b + 1, :n_blocks].contiguous(), lens[b:b + 1], 0.125)
+        table = tables[b:b + 1, :n_blocks].contiguous()
+        alone = attend(q[b:b + 1].contiguous(), cache, table, lens[b:b + 1], 0.125)
         assert torch.equal(alone[0], together[b])
 
 

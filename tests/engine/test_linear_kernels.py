@@ -18,8 +18,14 @@ import torch
 from pdserve.engine import cpu_kernels
 from pdserve.engine.audit import TOLERANCE, KVAuditor
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.linear import (MAX_GEMV_ROWS, Avx2Linear, MatmulLinear, OneDNNLinear, onednn_available,
-                                   select_linear)
+from pdserve.engine.linear import (
+    MAX_GEMV_ROWS,
+    Avx2Linear,
+    MatmulLinear,
+    OneDNNLinear,
+    onednn_available,
+    select_linear,
+)
 from pdserve.engine.sequence import SamplingParams
 from pdserve.field_error import FieldError
 from tests.conftest import assert_no_leaks, make_engine

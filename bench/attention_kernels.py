@@ -1,0 +1,129 @@
+"""The engine's decode attention kernels on SmolLM2's shapes: torch's SDPA over gathered blocks, and
+pdserve's paged kernel.
+
+    python -m bench.attention_kernels [--json] [--threads N] [--reps N]
+
+For B decode rows (1, 8, 32) with context lengths drawn as bench.engine's concurrent mix draws
+prompts (32-512 tokens), and one row of 2,048, a pool of 16-token blocks holds every row's K/V,
+the blocks shuffled over the pool as a long-running engine leaves them. Each kernel attends the
+same queries over 30 distinct pool layers in turn, so that each call reads its rows from memory as
+a model's layers do:
+  sdpa  LlamaModel's own path (attention_kernel sdpa): rows grouped by length, each group's blocks
+        gathered into a dense copy, torch's SDPA with a mask (pdserve/engine/model.py)
+  avx2  pdserve::paged_decode_attention over the block tables (pdserve/engine/decode_attention.cpp)
+The two alternate rep by rep. Reported: medians of --reps passes, per layer; ratio = sdpa ÷ avx2
+(how many times faster the paged kernel is); the K/V bytes the rows hold ÷ avx2's time; and the
+largest difference between the two outputs.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from bench.common import bench_parser, environment, format_table, publish, set_threads, warn_if_busy
+from pdserve.engine import cpu_kernels
+from pdserve.engine.kv_format import KV_FORMATS
+from pdserve.engine.model import AttentionMetadata, LlamaModel
+from pdserve.units import ceil_div
+
+LAYERS = 30
+BLOCK_SIZE = 16
+CASES = {"1 x 32-512": (1, None), "8 x 32-512": (8, None), "32 x 32-512": (32, None), "1 x 2,048": (1, 2048)}
+
+
+class Case:
+    """Queries, 30 pool layers and block tables for B rows; the engine's metadata for them."""
+
+    def __init__(self, model: LlamaModel, rows: int, length: int | None, rng: random.Random) -> None:
+        c = model.config
+        self.lens = torch.tensor([length or rng.randint(32, 512) for _ in range(rows)])
+        widths = [ceil_div(int(n), BLOCK_SIZE) for n in self.lens]
+        blocks = sum(widths) + 1
+        order = torch.randperm(blocks - 1, generator=torch.Generator().manual_seed(rows)) + 1
+        self.tables = torch.zeros(rows, max(widths), dtype=torch.long)  # padding: block 0
+        taken = 0
+        for b, w in enumerate(widths):
+            self.tables[b, :w] = order[taken:taken + w]
+            taken += w
+        self.layers = [torch.randn(2, blocks, BLOCK_SIZE, c.num_kv_heads, c.head_dim) for _ in range(LAYERS)]
+        self.q = torch.randn(rows, c.num_heads, c.head_dim)
+        zeros = torch.zeros(rows, dtype=torch.long)
+        self.meta = AttentionMetadata(zeros, zeros, rows, self.tables, self.lens, ())
+        self.kv_bytes = int(self.lens.sum()) * c.num_kv_heads * c.head_dim * 4 * 2
+
+
+def sdpa_attention(model: LlamaModel, case: Case):
+    fmt = KV_FORMATS["float32"]
+    groups = LlamaModel._decode_groups(case.meta, BLOCK_SIZE)  # once per step in the engine too
+    return lambda layer: model._decode_attention(case.q, case.layers[layer], fmt, case.meta, groups)
+
+
+def paged_attention(model: LlamaModel, case: Case):
+    attend = cpu_kernels.paged_decode_attention()
+    return lambda layer: attend(case.q, case.layers[layer], case.tables, case.lens, model.scale)
+
+
+def seconds_per_layer(fn: Any) -> float:
+    start = time.perf_counter()
+    for layer in range(LAYERS):
+        fn(layer)
+    return (time.perf_counter() - start) / LAYERS
+
+
+def measure(model: LlamaModel, name: str, case: Case, reps: int) -> dict[str, Any]:
+    sides = {"sdpa": sdpa_attention(model, case), "avx2": paged_attention(model, case)}
+    with torch.inference_mode():
+        diff = (sides["sdpa"](0) - sides["avx2"](0)).abs().max().item()  # also the warm-up
+        times: dict[str, list[float]] = {k: [] for k in sides}
+        for _ in range(reps):
+            for side, fn in sides.items():
+                times[side].append(seconds_per_layer(fn))
+    sdpa, avx2 = (statistics.median(times[k]) for k in ("sdpa", "avx2"))
+    return {"case": name, "rows": len(case.lens), "context_tokens": int(case.lens.sum()),
+            "sdpa_ms_per_layer": sdpa * 1e3, "avx2_ms_per_layer": avx2 * 1e3, "ratio": sdpa / avx2,
+            "avx2_kv_gb_per_s": case.kv_bytes / avx2 / 1e9, "max_abs_diff": diff}
+
+
+def run(args: Any) -> dict[str, Any]:
+    reason = cpu_kernels.unavailable()
+    if reason:
+        raise SystemExit(f"pdserve's paged attention kernel is not available here: {reason}")
+    threads = set_threads(args.threads)
+    load = warn_if_busy(threads)
+    from pdserve.engine.weights import load_model
+    loaded = load_model(None, progress=False)
+    model = LlamaModel(loaded.config, loaded.state_dict, torch.device("cpu"))
+    rng = random.Random(0)
+    results = [measure(model, name, Case(model, rows, length, rng), args.reps)
+               for name, (rows, length) in CASES.items()]
+    return {"cases": results, "threads": threads, "reps": args.reps, "loadavg_at_start": load,
+            "environment": environment(threads)}
+
+
+def report(r: dict[str, Any]) -> str:
+    rows = [[c["case"], c["context_tokens"], c["sdpa_ms_per_layer"], c["avx2_ms_per_layer"], c["ratio"],
+             c["avx2_kv_gb_per_s"], f"{c['max_abs_diff']:.1e}"] for c in r["cases"]]
+    return format_table(["rows x context", "tokens", "sdpa ms/layer", "avx2 ms/layer", "sdpa ÷ avx2",
+                         "avx2 K/V GB/s", "max |diff|"], rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = bench_parser("python -m bench.attention_kernels", __doc__)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: one per usable CPU core)")
+    p.add_argument("--reps", type=int, default=5,
+                   help="passes over the 30 layers per kernel, alternating; medians (default: %(default)s)")
+    args = p.parse_args(argv)
+    if args.reps < 1:
+        p.error(f"--reps must be >= 1, got {args.reps}")
+    result = run(args)
+    publish(report(result), result, args.json)
+
+
+if __name__ == "__main__":
+    main()

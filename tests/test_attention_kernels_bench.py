@@ -1,0 +1,25 @@
+"""bench.attention_kernels compares the two kernels on the same rows: its cases and its measure()."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from bench.attention_kernels import LAYERS, Case, measure
+from pdserve.engine import cpu_kernels
+from pdserve.engine.model import LlamaModel
+
+
+@pytest.mark.skipif(cpu_kernels.unavailable() is not None, reason=f"{cpu_kernels.unavailable()}")
+def test_both_kernels_attend_the_same_rows_and_agree(tiny_loaded):
+    model = LlamaModel(tiny_loaded.config, tiny_loaded.state_dict, torch.device("cpu"))
+    case = Case(model, 5, None, random.Random(3))
+    assert len(case.layers) == LAYERS
+    used = case.tables[case.tables > 0]
+    assert len(used) == len(set(used.tolist())), "a block belongs to one row"
+    result = measure(model, "5 rows", case, reps=1)
+    assert result["rows"] == 5 and result["context_tokens"] == int(case.lens.sum())
+    assert result["max_abs_diff"] < 1e-5
+    assert result["sdpa_ms_per_layer"] > 0 and result["avx2_ms_per_layer"] > 0
