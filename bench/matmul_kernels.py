@@ -11,8 +11,8 @@ decode batches; 14: a short suffix; 64, 128; 256; 2,048: a prefill chunk), each 
 distinct weights in turn (lm_head: 3), so that each call reads its weight from memory as a model's
 layers do: MatmulLinear and OneDNNLinear of pdserve/engine/linear.py, and pdserve::gemv
 (pdserve/engine/gemv.cpp) at every row count where it builds. avx2 runs the GEMV up to
-MAX_GEMV_ROWS rows and oneDNN above: where the gemv and onednn columns cross is what sets
-MAX_GEMV_ROWS (pdserve/engine/linear.py).
+max_gemv_rows() rows and oneDNN above: where the gemv and onednn columns cross is what sets it,
+per CPU capability (pdserve/engine/linear.py).
 Reported: the best of --reps passes (the least disturbed by other processes) as GFLOP/s and the
 weight bytes streamed per second; ratio = oneDNN / matmul; and, for reference, the bytes per second
 of a plain read of the same weights (w.sum()), the bandwidth a GEMV can approach.
@@ -48,7 +48,7 @@ def best_seconds(fn: Any, reps: int, copies: int) -> float:
 
 
 class GemvAtAnyRows:
-    """pdserve::gemv as a Linear, at every row count (the engine's avx2 kernel stops at MAX_GEMV_ROWS)."""
+    """pdserve::gemv as a Linear, at every row count (the engine's avx2 kernel stops at max_gemv_rows())."""
 
     name = "gemv"
 

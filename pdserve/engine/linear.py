@@ -3,8 +3,9 @@
     select_linear(device, kernel) -> Linear       (EngineConfig.linear_kernel)
         matmul  MatmulLinear: torch.matmul over W.T kept contiguous; any device. The default.
         onednn  OneDNNLinear: torch.ops.mkldnn._linear_pointwise; x86 CPU builds of torch only
-        avx2    Avx2Linear: pdserve's GEMV (pdserve/engine/gemv.cpp) for up to 32 rows, oneDNN above;
-                an x86 CPU with AVX2, oneDNN, and a C++ compiler and ninja to build the GEMV
+        avx2    Avx2Linear: pdserve's GEMV (pdserve/engine/gemv.cpp) for up to max_gemv_rows() rows
+                (32, or 4 where the CPU has AVX-512), oneDNN above; an x86 CPU with AVX2, oneDNN,
+                and a C++ compiler and ninja to build the GEMV
     linear.prepare(W) once when the weights load; linear(x, prepared) every step
 
 NOTE: why two. torch's fp32 matmul on an x86 CPU goes to MKL's sgemm, which on the AMD EPYC
@@ -30,10 +31,20 @@ import torch
 from pdserve.engine import cpu_kernels
 from pdserve.engine.cpu_kernels import Gemv
 
-# Rows of x up to which the GEMV beat oneDNN on every SmolLM2 layer product (qkv, gate_up, down)
-# on 2 threads in two runs of python -m bench.matmul_kernels: 1.1-2.2x from 2 to 32 rows, still
-# ahead at 64, and the two cross at 128 (docs/benchmarks.md, 2026-12-03).
+# Rows of x up to which the GEMV runs, by torch's CPU capability (the widest vector ISA, which
+# oneDNN runs too; the GEMV is AVX2 on every CPU). Where it is AVX2, the GEMV beat oneDNN on every
+# SmolLM2 layer product (qkv, gate_up, down) on 2 threads in two runs of python -m
+# bench.matmul_kernels: 1.1-2.2x from 2 to 32 rows, still ahead at 64, crossing at 128 (2026-12-03).
+# Where it is AVX-512, oneDNN's 16-lane kernels led the GEMV on every product from 8 rows up in
+# both runs and it led oneDNN up to 4 (2026-12-04's Zen 5; docs/benchmarks.md).
 MAX_GEMV_ROWS = 32
+MAX_GEMV_ROWS_BY_CAPABILITY = {"AVX512": 4}
+
+
+def max_gemv_rows(capability: str | None = None) -> int:
+    """The avx2 kernel's GEMV/oneDNN crossover on a CPU of `capability` (default: this one's)."""
+    capability = capability or torch.backends.cpu.get_cpu_capability()
+    return MAX_GEMV_ROWS_BY_CAPABILITY.get(capability, MAX_GEMV_ROWS)
 
 
 class Linear(Protocol):
@@ -86,15 +97,16 @@ class Avx2Linear:
 
     name = "avx2"
 
-    def __init__(self, gemv: Gemv) -> None:
+    def __init__(self, gemv: Gemv, max_rows: int | None = None) -> None:
         self._gemv = gemv
         self._onednn = OneDNNLinear()
+        self.max_rows = max_rows or max_gemv_rows()
 
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
         return weight.contiguous()
 
     def __call__(self, x: torch.Tensor, prepared: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= MAX_GEMV_ROWS:
+        if x.shape[0] <= self.max_rows:
             return self._gemv(x.contiguous(), prepared)
         return self._onednn(x, prepared)
 

@@ -19,10 +19,10 @@ from pdserve.engine import cpu_kernels
 from pdserve.engine.audit import TOLERANCE, KVAuditor
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.linear import (
-    MAX_GEMV_ROWS,
     Avx2Linear,
     MatmulLinear,
     OneDNNLinear,
+    max_gemv_rows,
     onednn_available,
     select_linear,
 )
@@ -92,10 +92,17 @@ def test_avx2_sends_few_rows_to_the_gemv_and_more_to_onednn(monkeypatch):
     w = linear.prepare(torch.randn(64, 48, generator=g))
     calls = []
     monkeypatch.setattr(linear, "_gemv", lambda x, w: calls.append(x.shape[0]) or cpu_kernels.gemv()(x, w))
-    for rows in (1, MAX_GEMV_ROWS, MAX_GEMV_ROWS + 1, 300):
+    for rows in (1, linear.max_rows, linear.max_rows + 1, 300):
         x = torch.randn(rows, 48, generator=g)
         assert torch.allclose(linear(x, w), x @ w.t(), atol=1e-4, rtol=1e-5)
-    assert calls == [1, MAX_GEMV_ROWS]
+    assert calls == [1, linear.max_rows]
+
+
+def test_the_gemv_stops_sooner_where_onednn_runs_avx512():
+    """oneDNN's 16-lane kernels overtake the AVX2 GEMV from 8 rows (docs/benchmarks.md, 2026-12-04)."""
+    assert max_gemv_rows("AVX512") == 4
+    assert max_gemv_rows("AVX2") == 32
+    assert max_gemv_rows() == max_gemv_rows(torch.backends.cpu.get_cpu_capability())
 
 
 @needs_avx2
