@@ -3,13 +3,16 @@
     python -m bench.profile_engine [--json] [--threads N] [--linear-kernel K] [--attention-kernel K]
                                    [--only NAME]
 
-Steps SmolLM2's LLMEngine (bench.engine's Ours) through three workloads and profiles them:
+Steps SmolLM2's LLMEngine (bench.engine's Ours) through five workloads and profiles them:
   decode1   16 batch-1 decode steps after a 40-token prompt
   decode32  10 decode steps of 32 sequences of 32-512 context tokens
   suffix    one prefill of 14 new tokens after 544 cached ones
+  warm128   one prefill of 128 new tokens after 1,920 cached ones (bench.engine's warm TTFT)
+  cold2048  one prefill of a 2,048-token prompt on an empty cache (bench.engine's cold TTFT)
 Each op's self CPU time is put in one group: matmuls (aten::mm, oneDNN's linear, pdserve::gemv),
 KV gather (index_select), attention (scaled_dot_product*, pdserve::paged_decode_attention), KV write
-(index_put*), everything else. Reported: each group's share of the profiled op time.
+(index_put*), everything else. Reported: each group's share of the profiled op time, and its
+milliseconds per profiled step (op time only: Python between ops is in neither).
 """
 
 from __future__ import annotations
@@ -26,22 +29,28 @@ GROUPS = {"matmuls": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "p
           "kv_write": ("aten::index_put", "aten::_index_put")}
 
 
-WORKLOADS = ("decode1", "decode32", "suffix")
+WORKLOADS = ("decode1", "decode32", "suffix", "warm128", "cold2048")
+ALL_GROUPS = (*GROUPS, "everything_else")
 
 
 def group_of(op: str) -> str:
     return next((g for g, prefixes in GROUPS.items() if op.startswith(prefixes)), "everything_else")
 
 
-def shares(profile: Any) -> dict[str, float]:
-    totals: dict[str, float] = {}
+def group_ms(profile: Any, steps: int) -> dict[str, float]:
+    """Each group's self CPU milliseconds per profiled step."""
+    totals = dict.fromkeys(ALL_GROUPS, 0.0)
     for event in profile.key_averages():
-        totals[group_of(event.key)] = totals.get(group_of(event.key), 0.0) + event.self_cpu_time_total
-    whole = sum(totals.values()) or 1.0
-    return {g: totals.get(g, 0.0) / whole for g in (*GROUPS, "everything_else")}
+        totals[group_of(event.key)] += event.self_cpu_time_total / 1e3 / steps  # profiler: microseconds
+    return totals
 
 
-def profiled(ours: Ours, steps: int) -> dict[str, float]:
+def shares(ms: dict[str, float]) -> dict[str, float]:
+    whole = sum(ms.values()) or 1.0
+    return {g: ms[g] / whole for g in ALL_GROUPS}
+
+
+def profiled(ours: Ours, steps: int) -> dict[str, Any]:
     """The next `steps` engine steps, profiled; then the engine is run dry."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -50,7 +59,8 @@ def profiled(ours: Ours, steps: int) -> dict[str, float]:
             ours.engine.step()
     while ours.engine.has_unfinished():
         ours.engine.step()
-    return shares(p)
+    ms = group_ms(p, steps)
+    return {**shares(ms), "ms_per_step": ms}
 
 
 def prepare(ours: Ours, name: str, rng: random.Random) -> int:
@@ -67,9 +77,13 @@ def prepare(ours: Ours, name: str, rng: random.Random) -> int:
         for _ in range(8):  # past the prefills
             ours.engine.step()
         return 10
-    cached = random_prompt(rng, 544)
-    ours.ttft(cached + random_prompt(rng, 32))  # 544 tokens cached (34 blocks)
-    add(cached + random_prompt(rng, 14), 1)
+    if name == "cold2048":
+        add(random_prompt(rng, 2048), 1)
+        return 1
+    cached, new = {"suffix": (544, 14), "warm128": (1920, 128)}[name]
+    prompt = random_prompt(rng, cached + new)
+    ours.ttft(prompt[:cached] + random_prompt(rng, 32))  # `cached` tokens cached, whole blocks
+    add(prompt, 1)
     return 1
 
 
@@ -90,8 +104,9 @@ def run(args: Any) -> dict[str, Any]:
 
 def report(r: dict[str, Any]) -> str:
     names = [k for k in WORKLOADS if k in r]
-    rows = [[name, *(f"{100 * r[name][g]:.1f}%" for g in (*GROUPS, "everything_else"))] for name in names]
-    return format_table(["workload", *GROUPS, "everything_else"], rows)
+    rows = [[name, *(f"{100 * r[name][g]:.1f}% ({r[name]['ms_per_step'][g]:.1f} ms)" for g in ALL_GROUPS),
+             f"{sum(r[name]['ms_per_step'].values()):.1f} ms"] for name in names]
+    return format_table(["workload", *ALL_GROUPS, "op time a step"], rows)
 
 
 def main(argv: list[str] | None = None) -> None:
