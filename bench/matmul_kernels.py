@@ -95,7 +95,8 @@ def report(result: dict[str, Any]) -> str:
     rows = [[r["product"], r["rows"], *(r[f"{k}_gflops"] for k in names), r["ratio"],
              *(r[f"{k}_weight_gb_per_s"] for k in names), r["read_weight_gb_per_s"]]
             for r in result["products"]]
-    head = f"threads={result['threads']} best of {result['reps']} passes over {LAYERS} weights (lm_head: 3)"
+    head = (f"threads={result['threads']} best of {result['reps']} passes over {LAYERS} weights "
+            f"(lm_head: 3); gemv on {result['gemv_isa'] or 'nothing'}")
     headers = ["product", "M", *(f"{k} GFLOP/s" for k in names), "oneDNN/matmul",
                *(f"{k} GB/s" for k in names), "read GB/s"]
     return "\n".join([head, format_table(headers, rows)])
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     products = [measure(name, shape, rows, args.reps, linears) for name, shape in SHAPES.items()
                 for rows in (LM_HEAD_ROWS if name == "lm_head" else ROWS)]
     result = {"products": products, "kernels": [k.name for k in linears], "threads": threads,
+              "gemv_isa": cpu_kernels.gemv_isa(),
               "reps": args.reps,
               "environment": {**environment(threads), "loadavg_at_start": load}}
     publish(report(result), result, args.json)

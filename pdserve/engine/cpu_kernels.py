@@ -7,6 +7,7 @@
                           attention kernel, pdserve/engine/model.py)
 
     gemv(), paged_decode_attention()   the operators, or None where they cannot be built or run here
+    gemv_isa()                         avx512 or avx2: which of its paths gemv runs on this CPU
     unavailable()                      why not, in words (None when they work)
     python -m pdserve.engine.cpu_kernels   builds them now (`make setup` does), and says where or why not
 
@@ -95,6 +96,11 @@ def _build() -> str | None:
 
 def gemv() -> Gemv | None:
     return None if _build() else torch.ops.pdserve.gemv  # registered by loading the library
+
+
+def gemv_isa() -> str | None:
+    """The instruction set pdserve::gemv runs here, avx512 or avx2 (PDSERVE_CPU_ISA=avx2 caps it)."""
+    return None if _build() else torch.ops.pdserve.gemv_isa()
 
 
 def paged_decode_attention() -> PagedDecodeAttention | None:

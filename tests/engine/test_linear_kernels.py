@@ -10,7 +10,11 @@ crosses the two kernels.
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,19 +73,63 @@ def test_onednn_computes_the_same_products_as_matmul():
     assert torch.allclose(ours, MatmulLinear()(x, MatmulLinear().prepare(w)), atol=1e-4, rtol=1e-5)
 
 
-@needs_avx2
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 32])
-@pytest.mark.parametrize("n_in, n_out", [(576, 960), (1536, 576), (37, 10), (8, 3)],
-                         ids=["qkv", "down", "tails", "under-one-group"])
-def test_gemv_computes_the_same_products_as_matmul(rows, n_in, n_out):
-    """Row counts that leave each remainder of its blocks of 3 rows of x, the most it serves, and
-    shapes whose rows and columns leave tails (not whole groups of 4 output rows, nor whole 8-lane
-    vectors of input)."""
+GEMV_ROWS = [1, 2, 3, 4, 5, 6, 7, 14, 32]
+GEMV_SHAPES = {"qkv": (576, 960), "down": (1536, 576), "tails": (37, 10), "under-one-group": (8, 3)}
+
+
+def check_gemv_products(gemv, rows: int, n_in: int, n_out: int) -> None:
     g = torch.Generator().manual_seed(rows * 1000 + n_in)
     x, w = torch.randn(rows, n_in, generator=g), torch.randn(n_out, n_in, generator=g)
-    ours = cpu_kernels.gemv()(x, w)
+    ours = gemv(x, w)
     assert ours.shape == (rows, n_out)
     assert torch.allclose(ours, x.double().mm(w.double().t()).float(), atol=1e-4, rtol=1e-5)
+
+
+@needs_avx2
+@pytest.mark.parametrize("rows", GEMV_ROWS)
+@pytest.mark.parametrize("n_in, n_out", GEMV_SHAPES.values(), ids=GEMV_SHAPES.keys())
+def test_gemv_computes_the_same_products_as_matmul(rows, n_in, n_out):
+    """Row counts that leave each remainder of its blocks of rows of x (3 with AVX2, 6 with
+    AVX-512), the most it serves, and shapes whose rows and columns leave tails (not whole groups of
+    4 output rows, nor whole vectors of input)."""
+    check_gemv_products(cpu_kernels.gemv(), rows, n_in, n_out)
+
+
+@needs_avx2
+def test_gemv_runs_avx512_where_the_cpu_has_it():
+    expected = "avx512" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "avx2"
+    assert cpu_kernels.gemv_isa() == expected
+
+
+CAPPED_TO_AVX2 = """
+import torch
+from pdserve.engine import cpu_kernels
+from tests.engine.test_linear_kernels import GEMV_ROWS, GEMV_SHAPES, check_gemv_products
+assert cpu_kernels.gemv_isa() == "avx2", cpu_kernels.gemv_isa()
+for rows in GEMV_ROWS:
+    for n_in, n_out in GEMV_SHAPES.values():
+        check_gemv_products(cpu_kernels.gemv(), rows, n_in, n_out)
+print("checked")
+"""
+
+
+@needs_avx2
+def test_gemv_capped_to_avx2_computes_the_same_products():
+    """PDSERVE_CPU_ISA=avx2 runs the AVX2 path on an AVX-512 CPU too (read once per process, so in a
+    process of its own): where this machine has AVX-512, the other path is checked here."""
+    env = {**os.environ, "PDSERVE_CPU_ISA": "avx2"}
+    done = subprocess.run([sys.executable, "-c", CAPPED_TO_AVX2], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-2000:]
+
+
+@needs_avx2
+def test_an_unknown_cpu_isa_cap_is_refused_by_name():
+    env = {**os.environ, "PDSERVE_CPU_ISA": "sse4"}
+    code = "from pdserve.engine import cpu_kernels; cpu_kernels.gemv_isa()"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "PDSERVE_CPU_ISA is 'sse4': set it to avx2 or avx512, or leave it unset" in done.stderr
 
 
 @needs_avx2
@@ -107,11 +155,11 @@ def test_the_gemv_stops_sooner_where_onednn_runs_avx512():
 
 @needs_avx2
 def test_a_gemv_row_does_not_depend_on_the_rows_beside_it():
-    """Each output is its own 8-lane sum in a fixed order, whatever blocking its row count takes."""
+    """Each output is its own register's sum in a fixed order, whatever blocking its row count takes."""
     g = torch.Generator().manual_seed(4)
-    x, w = torch.randn(7, 576, generator=g), torch.randn(960, 576, generator=g)
+    x, w = torch.randn(14, 576, generator=g), torch.randn(960, 576, generator=g)
     together = cpu_kernels.gemv()(x, w)
-    for i in range(7):
+    for i in range(14):
         assert torch.equal(cpu_kernels.gemv()(x[i:i + 1].contiguous(), w)[0], together[i])
 
 
