@@ -15,9 +15,9 @@ NOTE: why a GEMV of our own. A decode step at batch 1 is a stream of the model's
 matrix-vector products, and it is bound by memory bandwidth. On the 2-core AMD EPYC machines this
 project runs on, torch's MKL GEMV and oneDNN's read SmolLM2's weights at 9-19 GB/s where a plain
 read of the same bytes (`w.sum()`) runs at 17-24 GB/s; the GEMV reads them at 12-21 GB/s, and
-from 2 to 32 rows it led oneDNN 1.1-2.2x on AVX2-only CPUs (python -m bench.matmul_kernels), up to 4
-rows where oneDNN runs AVX-512 (linear.max_gemv_rows). bench.engine's batch-1 decode step took
-47-56 ms with it against oneDNN's 59 ms (docs/benchmarks.md, 2026-12-03).
+from 2 to 32 rows it led oneDNN 1.1-2.2x on AVX2-only CPUs (python -m bench.matmul_kernels), up to
+8 rows in 16 lanes where the CPU has AVX-512 (linear.max_gemv_rows). bench.engine's batch-1 decode
+step took 47-56 ms with it against oneDNN's 59 ms (docs/benchmarks.md, 2026-12-03).
 
 NOTE: why a decode attention of our own. torch's SDPA wants K/V as dense tensors, so every decode
 step gathered each sequence's blocks into a padded copy, layer by layer: at 32 concurrent requests

@@ -4,8 +4,8 @@
         matmul  MatmulLinear: torch.matmul over W.T kept contiguous; any device. The default.
         onednn  OneDNNLinear: torch.ops.mkldnn._linear_pointwise; x86 CPU builds of torch only
         avx2    Avx2Linear: pdserve's GEMV (pdserve/engine/gemv.cpp) for up to max_gemv_rows() rows
-                (32, or 4 where the CPU has AVX-512), oneDNN above; an x86 CPU with AVX2, oneDNN,
-                and a C++ compiler and ninja to build the GEMV
+                (32; 8 where the CPU has AVX-512, which the GEMV then runs), oneDNN above; an
+                x86 CPU with AVX2, oneDNN, and a C++ compiler and ninja to build the GEMV
     linear.prepare(W) once when the weights load; linear(x, prepared) every step
 
 NOTE: why two. torch's fp32 matmul on an x86 CPU goes to MKL's sgemm, which on the AMD EPYC
@@ -32,19 +32,22 @@ from pdserve.engine import cpu_kernels
 from pdserve.engine.cpu_kernels import Gemv
 
 # Rows of x up to which the GEMV runs, by torch's CPU capability (the widest vector ISA, which
-# oneDNN runs too; the GEMV is AVX2 on every CPU). Where it is AVX2, the GEMV beat oneDNN on every
-# SmolLM2 layer product (qkv, gate_up, down) on 2 threads in two runs of python -m
-# bench.matmul_kernels: 1.1-2.2x from 2 to 32 rows, still ahead at 64, crossing at 128 (2026-12-03).
-# Where it is AVX-512, oneDNN's 16-lane kernels led the GEMV on every product from 8 rows up in
-# both runs and it led oneDNN up to 4 (2026-12-04's Zen 5; docs/benchmarks.md).
+# oneDNN runs too) and the GEMV's own instruction set (cpu_kernels.gemv_isa). On an AVX2-only CPU
+# the GEMV beat oneDNN on every SmolLM2 layer product (qkv, gate_up, down) on 2 threads in two runs
+# of python -m bench.matmul_kernels: 1.1-2.2x from 2 to 32 rows, still ahead at 64, crossing at 128
+# (2026-12-03). Where the CPU has AVX-512, oneDNN's 16-lane kernels led the AVX2 GEMV on every
+# product from 8 rows up, and the AVX-512 GEMV led or tied oneDNN up to 8 rows, mixed at 14
+# (2026-12-04's Zen 5, both runs of each; docs/benchmarks.md).
 MAX_GEMV_ROWS = 32
-MAX_GEMV_ROWS_BY_CAPABILITY = {"AVX512": 4}
+GEMV_CROSSOVER = {("AVX512", "avx512"): 8, ("AVX512", "avx2"): 4}
 
 
-def max_gemv_rows(capability: str | None = None) -> int:
-    """The avx2 kernel's GEMV/oneDNN crossover on a CPU of `capability` (default: this one's)."""
+def max_gemv_rows(capability: str | None = None, gemv_isa: str | None = None) -> int:
+    """The avx2 kernel's GEMV/oneDNN crossover on a CPU of `capability` with the GEMV running
+    `gemv_isa` (default: this CPU's, and the path the GEMV runs here)."""
     capability = capability or torch.backends.cpu.get_cpu_capability()
-    return MAX_GEMV_ROWS_BY_CAPABILITY.get(capability, MAX_GEMV_ROWS)
+    gemv_isa = gemv_isa or cpu_kernels.gemv_isa() or "avx2"
+    return GEMV_CROSSOVER.get((capability, gemv_isa), MAX_GEMV_ROWS)
 
 
 class Linear(Protocol):
