@@ -102,6 +102,9 @@ class ClusterSpec:
     # api_token_file.
     cache_isolation: str = "none"
     audit: AuditSchedule = field(default_factory=AuditSchedule)  # the background KV audit on every worker
+    # Debug only, no flag sets it: every decode worker holds each stream once it has sent this many
+    # tokens, until its actor's release_hold() (decode_worker/faults.py; the fault suite uses it).
+    decode_hold_after_tokens: int | None = None
     # Over the model's sampling defaults (its generation_config.json, or SmolLM2's model card): what
     # the router gives a request that leaves temperature, top_p or top_k unset. None keeps the model's.
     sampling_overrides: SamplingOverrides = field(default_factory=SamplingOverrides)

@@ -102,7 +102,7 @@ class LocalCluster:
         del loaded
         address = self.router.start()
         self._start_replicas(config)
-        self._wait_until_live()
+        self.wait_until_live()
         self.say(f"router   {address} (gRPC pdserve.v1.Generation, health, reflection)")
         for name, info in self.replica_info.items():
             http = f" · http {info['http_url']}" if info["http_url"] else ""
@@ -249,9 +249,11 @@ class LocalCluster:
         return WorkerSpec(role=role, worker_id=worker_id, redis_url=self.redis_url, engine=engine,
                           host=s.host, namespace=s.namespace,
                           tls=s.tls, cluster_secret=self.security.cluster_secret, audit=s.audit,
-                          kv_frames=s.kv_frames)
+                          kv_frames=s.kv_frames, decode_hold_after_tokens=s.decode_hold_after_tokens)
 
-    def _wait_until_live(self, timeout_s: float = 60.0) -> None:
+    def wait_until_live(self, timeout_s: float = 60.0) -> None:
+        """Every worker actor registered in Redis (a restarted one under its new epoch), and the
+        router's directory read again."""
         deadline = time.monotonic() + timeout_s
         want = set(self.actors)
         while True:

@@ -69,6 +69,9 @@ class WorkerSpec:
     cluster_secret: str | None = field(default=None, repr=False)  # None: no check
     audit: AuditSchedule = field(default_factory=AuditSchedule)  # the background KV audit; off by default
     kv_frames: KVFrames = field(default_factory=KVFrames)  # a prefill worker's LAYER frame size
+    # Debug only (decode_worker/faults.py): a decode worker holds each stream once it has sent this
+    # many tokens, until its actor's release_hold(). None, always, in production.
+    decode_hold_after_tokens: int | None = None
 
     def security_config(self) -> SecurityConfig:
         """What the worker serves with (TLS, the cluster secret) and dials decode workers with."""

@@ -5,6 +5,12 @@ the other decode worker (exact output), and streams under way on it move to the 
 go on token for token (router/service.py); Ray restarts it under a new epoch, and its old index
 entries are never counted. SIGTERM drains: the worker leaves the registry at once, takes no
 new requests, and lets its in-flight streams finish there, with no migration.
+
+Every decode worker of the cluster holds each stream once it has sent HOLD_AT tokens (the debug hold,
+decode_worker/faults.py, through ClusterSpec.decode_hold_after_tokens), until the test releases it:
+the worker is killed or drained with each of its streams at exactly that token, whatever the speed
+of the engine or the order the streams started in. A released hold stays released; a restarted
+worker comes back holding again.
 """
 
 from __future__ import annotations
@@ -37,14 +43,24 @@ from tests.helpers.ray_cluster import (
 TOPICS = ["rivers", "owls", "bread", "trains", "glaciers", "violins"]
 MORE_TOPICS = ["lighthouses", "bees", "volcanoes", "chess", "tides", "maps"]
 STREAM_TOKENS = 64
-BREAK_AFTER = (10, 30)  # every stream has this many tokens (inclusive) when the worker is killed
+HOLD_AT = 44  # the streams of `mixed` are held here; the 40 tokens of `expected` never reach it
+DECODE_WORKERS = ("decode-0", "decode-1")
 
 
 @pytest.fixture(scope="module")
 def cluster_1p2d(ray_session):
-    cluster = start_cluster(1, 2, routing="least_load")
+    cluster = start_cluster(1, 2, routing="least_load", decode_hold_after_tokens=HOLD_AT)
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture
+def whole(cluster_1p2d):
+    """The cluster with every decode worker up in its current process and registered under that
+    process's epoch: a test that failed before may have left one restarting."""
+    for worker_id in DECODE_WORKERS:
+        wait_for_epoch(cluster_1p2d, worker_id, above=describe(cluster_1p2d, worker_id)["epoch"] - 1)
+    return cluster_1p2d
 
 
 @pytest.fixture(scope="module")
@@ -110,12 +126,24 @@ def open_streams(client, prompts, params, pool) -> tuple[list[Reader], list[cf.F
     return readers, [pool.submit(r.read) for r in readers]
 
 
-def wait_until_every_stream_has(readers: list[Reader], tokens: int, timeout_s: float = 120.0) -> list[int]:
+def wait_held(cluster, worker_id: str, count: int, timeout_s: float = 120.0) -> list[str]:
+    """The request ids the worker holds at HOLD_AT tokens, once `count` streams are held there."""
+    return ray.get(cluster.actors[worker_id].wait_held.remote(count, timeout_s), timeout=timeout_s + 30)
+
+
+def release_hold(cluster, worker_id: str) -> None:
+    ray.get(cluster.actors[worker_id].release_hold.remote(), timeout=60)
+
+
+def wait_until_routed_away(cluster, worker_id: str, timeout_s: float = 30.0) -> None:
+    """The router's directory, read again, no longer lists the worker."""
     deadline = time.monotonic() + timeout_s
-    while min(r.count() for r in readers) < tokens:
-        assert time.monotonic() < deadline, f"streams at {[r.count() for r in readers]} tokens, {timeout_s} s"
-        time.sleep(0.005)
-    return [r.count() for r in readers]
+    while True:
+        cluster.router.directory.refresh()
+        if worker_id not in {w.worker_id for w in cluster.router.directory.workers()}:
+            return
+        assert time.monotonic() < deadline, f"the router still lists {worker_id} after {timeout_s} s"
+        time.sleep(0.05)
 
 
 def describe(cluster, worker_id: str) -> dict:
@@ -144,8 +172,8 @@ def held_by(cluster, prompt: list[int]) -> dict[str, int]:
     return dict(index.match(hash_blocks(prompt, info.block_size, salt)))
 
 
-def test_killed_decode_worker_requests_retry_elsewhere_and_it_restarts_under_a_new_epoch(
-        cluster_1p2d, expected):
+def test_killed_decode_worker_requests_retry_elsewhere_and_it_restarts_under_a_new_epoch(whole, expected):
+    cluster_1p2d = whole
     prompts, tokens = expected
     with client_of(cluster_1p2d) as client:
         warm = client.generate(token_ids=prompts[0], temperature=0, max_tokens=40, routing="least_load")
@@ -173,19 +201,21 @@ def migrations_counted(cluster) -> float:
 
 
 def test_streams_under_way_on_a_killed_decode_worker_move_to_the_other_and_go_on_token_for_token(
-        cluster_1p2d, mixed):
+        whole, mixed):
+    cluster_1p2d = whole
     prompts, params, tokens = mixed
     counted_before = migrations_counted(cluster_1p2d)
+    victim = "decode-0"
     with client_of(cluster_1p2d) as client, cf.ThreadPoolExecutor(len(prompts)) as pool:
         readers, ends = open_streams(client, prompts, params, pool)
-        counts = wait_until_every_stream_has(readers, BREAK_AFTER[0])
-        victim = "decode-0"
+        for worker_id in DECODE_WORKERS:  # least_load puts half of them on each
+            assert len(wait_held(cluster_1p2d, worker_id, len(prompts) // 2)) == len(prompts) // 2
         held = cluster_1p2d.router.directory.in_flight(victim)
         before = describe(cluster_1p2d, victim)
         os.kill(before["pid"], signal.SIGKILL)
         killed_at = time.monotonic()
-        assert max(counts) <= BREAK_AFTER[1], counts
-        assert held == len(prompts) // 2  # least_load put half of them there
+        release_hold(cluster_1p2d, "decode-1")
+        assert held == len(prompts) // 2
         done = [end.result() for end in ends]
     assert [code for code, _ in done] == ["ok"] * len(prompts), done
     assert [d.token_ids for _, d in done] == tokens  # greedy and seeded alike: one unbroken stream
@@ -195,7 +225,7 @@ def test_streams_under_way_on_a_killed_decode_worker_move_to_the_other_and_go_on
         [m] = d.migrations
         assert (m["cause"], m["from_decode_worker"], m["to_decode_worker"]) == ("UNAVAILABLE", victim,
                                                                                 "decode-1")
-        assert BREAK_AFTER[0] <= m["after_tokens"] < STREAM_TOKENS
+        assert m["after_tokens"] == HOLD_AT
         assert d.usage["completion_tokens"] == STREAM_TOKENS
     assert migrations_counted(cluster_1p2d) - counted_before == held
     gaps = [next(t for t in r.arrivals if t > killed_at) - killed_at for r, (_, d) in zip(readers, done)
@@ -210,25 +240,25 @@ def test_streams_under_way_on_a_killed_decode_worker_move_to_the_other_and_go_on
     assert not audit_failures(worker_addresses(cluster_1p2d))
 
 
-def test_sigterm_drains_in_flight_streams_in_place_and_routes_new_work_elsewhere(cluster_1p2d, expected,
-                                                                                 mixed):
+def test_sigterm_drains_in_flight_streams_in_place_and_routes_new_work_elsewhere(whole, expected, mixed):
+    cluster_1p2d = whole
     prompts, params, tokens = mixed
     late_prompts, late_tokens = expected
     counted_before = migrations_counted(cluster_1p2d)
+    victim = "decode-0"  # restarted by the test before: it holds again (decode-1 was released there)
     with client_of(cluster_1p2d) as client, cf.ThreadPoolExecutor(len(prompts) + 2) as pool:
         readers, ends = open_streams(client, prompts, params, pool)
-        wait_until_every_stream_has(readers, BREAK_AFTER[0])
-        victim = "decode-0"
+        assert len(wait_held(cluster_1p2d, victim, len(prompts) // 2)) == len(prompts) // 2
         held = cluster_1p2d.router.directory.in_flight(victim)
         before = describe(cluster_1p2d, victim)
         os.kill(before["pid"], signal.SIGTERM)
-        time.sleep(1.0)  # one registry refresh
-        assert victim not in {w.worker_id for w in cluster_1p2d.router.directory.workers()}
+        wait_until_routed_away(cluster_1p2d, victim)
         late = [pool.submit(client.generate, token_ids=p, temperature=0, max_tokens=8)
                 for p in late_prompts[:2]]
-        done = [end.result() for end in ends]
-        assert [f.result().decode_worker for f in late] == ["decode-1"] * 2
+        assert [f.result().decode_worker for f in late] == ["decode-1"] * 2  # while the victim drains
         assert [f.result().token_ids for f in late] == [t[:8] for t in late_tokens[:2]]
+        release_hold(cluster_1p2d, victim)
+        done = [end.result() for end in ends]
     assert [code for code, _ in done] == ["ok"] * len(prompts), done
     assert [d.token_ids for _, d in done] == tokens
     assert held == len(prompts) // 2
