@@ -197,11 +197,19 @@ def test_a_row_of_zeros_stays_zero_and_reads_back_finite(kv_dtype):
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_load_reads_strided_views_as_the_model_gathers_them(kv_dtype):
-    """The decode path reads a transposed view of the gathered rows, with head_dims not a multiple of 4."""
+    """The decode path reads a transposed view of the gathered rows, with head_dims not a multiple of 4.
+
+    Reading the stored bytes (load_rotated: codes, scale and offset out of a strided row) is elementwise
+    and must give the same bits. int8's load then rotates back with a float32 product, whose sums torch
+    may order by the operand's layout (a transposed [3, 5, 6] operand gave other last bits than the
+    contiguous one on 2026-12-05's AVX-512 Xeon, not on an AVX2 CPU): that step gets float32 rounding."""
     fmt = KV_FORMATS[kv_dtype]
     for head_dim in (64, 6):
         stored = fmt.store(rows(4, (5, 3, head_dim)))
-        assert torch.equal(fmt.load(stored.transpose(0, 1)), fmt.load(stored).transpose(0, 1))
+        strided, contiguous = stored.transpose(0, 1), stored.transpose(0, 1).contiguous()
+        assert not strided.is_contiguous()
+        assert torch.equal(fmt.load_rotated(strided), fmt.load_rotated(contiguous))
+        torch.testing.assert_close(fmt.load(strided), fmt.load(contiguous), rtol=1e-6, atol=1e-6)
 
 
 # --- the pool -----------------------------------------------------------------------------------------
