@@ -1,19 +1,24 @@
-"""The engine's decode attention kernels on SmolLM2's shapes: torch's SDPA over gathered blocks, and
-pdserve's paged kernel.
+"""The engine's attention kernels on SmolLM2's shapes: torch's SDPA over gathered blocks, and
+pdserve's paged kernels, for decode rows and for prefill chunks.
 
-    python -m bench.attention_kernels [--json] [--threads N] [--reps N]
+    python -m bench.attention_kernels [--json] [--threads N] [--reps N] [--only decode|prefill]
 
-For B decode rows (1, 8, 32) with context lengths drawn as bench.engine's concurrent mix draws
-prompts (32-512 tokens), and one row of 2,048, a pool of 16-token blocks holds every row's K/V,
+Decode: for B decode rows (1, 8, 32) with context lengths drawn as bench.engine's concurrent mix
+draws prompts (32-512 tokens), and one row of 2,048. Prefill: one chunk of N new tokens after C
+cached ones, bench.engine's and bench.profile_engine's cases (14 after 544 and after 1,920, 128
+after 1,920, and fresh prompts of 512 and 2,048). A pool of 16-token blocks holds every row's K/V,
 the blocks shuffled over the pool as a long-running engine leaves them. Each kernel attends the
 same queries over 30 distinct pool layers in turn, so that each call reads its rows from memory as
 a model's layers do:
-  sdpa  LlamaModel's own path (attention_kernel sdpa): rows grouped by length, each group's blocks
-        gathered into a dense copy, torch's SDPA with a mask (pdserve/engine/model.py)
-  avx2  pdserve::paged_decode_attention over the block tables (pdserve/engine/decode_attention.cpp)
+  sdpa  LlamaModel's own path (attention_kernel sdpa). Decode: rows grouped by length, each group's
+        blocks gathered into a dense copy, torch's SDPA with a mask. Prefill: the context's blocks
+        gathered and a masked SDPA, or a causal SDPA over the chunk's own K/V when nothing is cached
+        (pdserve/engine/model.py)
+  avx2  pdserve::paged_decode_attention over the block tables (pdserve/engine/decode_attention.cpp),
+        pdserve::paged_prefill_attention over the chunk's (pdserve/engine/prefill_attention.cpp)
 The two alternate rep by rep. Reported: medians of --reps passes, per layer; ratio = sdpa ÷ avx2
-(how many times faster the paged kernel is); the K/V bytes the rows hold ÷ avx2's time; and the
-largest difference between the two outputs.
+(how many times faster the paged kernel is); the K/V bytes the rows hold ÷ avx2's time (decode) or
+the attention's FLOPs ÷ avx2's time (prefill); and the largest difference between the two outputs.
 """
 
 from __future__ import annotations
@@ -28,12 +33,14 @@ import torch
 from bench.common import bench_parser, environment, format_table, publish, set_threads, warn_if_busy
 from pdserve.engine import cpu_kernels
 from pdserve.engine.kv_format import KV_FORMATS
-from pdserve.engine.model import AttentionMetadata, LlamaModel
+from pdserve.engine.model import AttentionMetadata, LlamaModel, PrefillSegment
 from pdserve.units import ceil_div
 
 LAYERS = 30
 BLOCK_SIZE = 16
 CASES = {"1 x 32-512": (1, None), "8 x 32-512": (8, None), "32 x 32-512": (32, None), "1 x 2,048": (1, 2048)}
+PREFILL_CASES = {"14 after 544": (544, 14), "14 after 1,920": (1920, 14), "128 after 1,920": (1920, 128),
+                 "512 fresh": (0, 512), "2,048 fresh": (0, 2048)}  # (cached, new) tokens
 
 
 class Case:
@@ -57,6 +64,27 @@ class Case:
         self.kv_bytes = int(self.lens.sum()) * c.num_kv_heads * c.head_dim * 4 * 2
 
 
+class PrefillCase:
+    """A chunk of `new` queries after `cached` rows of one sequence: 30 pool layers holding all its
+    rows (the chunk's own written, as the engine writes them before attending), its block table, and
+    the chunk's own K/V for SDPA's fresh path."""
+
+    def __init__(self, model: LlamaModel, cached: int, new: int) -> None:
+        c = model.config
+        width = ceil_div(cached + new, BLOCK_SIZE)
+        self.table = torch.randperm(width + 8, generator=torch.Generator().manual_seed(cached + new))[:width]
+        shape = (2, width + 8, BLOCK_SIZE, c.num_kv_heads, c.head_dim)
+        self.layers = [torch.randn(shape) for _ in range(LAYERS)]
+        self.q = torch.randn(new, c.num_heads, c.head_dim)
+        self.segment = PrefillSegment(0, new, cached, self.table)
+        slots = torch.arange(cached, cached + new)
+        self.own = [layer[:, self.table[slots // BLOCK_SIZE], slots % BLOCK_SIZE] for layer in self.layers]
+        self.lens = [cached + new]
+        # QK and PV: 2 x 2 x head_dim FLOPs per (query head, visible key)
+        visible = new * cached + new * (new + 1) // 2
+        self.flops = 4 * c.head_dim * c.num_heads * visible
+
+
 def sdpa_attention(model: LlamaModel, case: Case):
     fmt = KV_FORMATS["float32"]
     groups = LlamaModel._decode_groups(case.meta, BLOCK_SIZE)  # once per step in the engine too
@@ -68,6 +96,20 @@ def paged_attention(model: LlamaModel, case: Case):
     return lambda layer: attend(case.q, case.layers[layer], case.tables, case.lens, model.scale)
 
 
+def sdpa_prefill(model: LlamaModel, case: PrefillCase):
+    fmt = KV_FORMATS["float32"]
+    return lambda layer: model._prefill_attention(case.q, case.own[layer][0], case.own[layer][1],
+                                                  case.segment, case.layers[layer], fmt)
+
+
+def paged_prefill(model: LlamaModel, case: PrefillCase):
+    attend = cpu_kernels.paged_prefill_attention()
+    return lambda layer: attend(case.q, case.layers[layer], case.table, case.segment.start, model.scale)
+
+
+SIDES = {"decode": (sdpa_attention, paged_attention), "prefill": (sdpa_prefill, paged_prefill)}
+
+
 def seconds_per_layer(fn: Any) -> float:
     start = time.perf_counter()
     for layer in range(LAYERS):
@@ -75,8 +117,9 @@ def seconds_per_layer(fn: Any) -> float:
     return (time.perf_counter() - start) / LAYERS
 
 
-def measure(model: LlamaModel, name: str, case: Case, reps: int) -> dict[str, Any]:
-    sides = {"sdpa": sdpa_attention(model, case), "avx2": paged_attention(model, case)}
+def measure(model: LlamaModel, kind: str, name: str, case: Case | PrefillCase, reps: int) -> dict[str, Any]:
+    sdpa_side, avx2_side = SIDES[kind]
+    sides = {"sdpa": sdpa_side(model, case), "avx2": avx2_side(model, case)}
     with torch.inference_mode():
         diff = (sides["sdpa"](0) - sides["avx2"](0)).abs().max().item()  # also the warm-up
         times: dict[str, list[float]] = {k: [] for k in sides}
@@ -84,9 +127,11 @@ def measure(model: LlamaModel, name: str, case: Case, reps: int) -> dict[str, An
             for side, fn in sides.items():
                 times[side].append(seconds_per_layer(fn))
     sdpa, avx2 = (statistics.median(times[k]) for k in ("sdpa", "avx2"))
-    return {"case": name, "rows": len(case.lens), "context_tokens": int(case.lens.sum()),
+    rate = ({"avx2_kv_gb_per_s": case.kv_bytes / avx2 / 1e9} if kind == "decode"
+            else {"avx2_gflop_per_s": case.flops / avx2 / 1e9, "sdpa_gflop_per_s": case.flops / sdpa / 1e9})
+    return {"kind": kind, "case": name, "rows": len(case.q), "context_tokens": int(sum(case.lens)),
             "sdpa_ms_per_layer": sdpa * 1e3, "avx2_ms_per_layer": avx2 * 1e3, "ratio": sdpa / avx2,
-            "avx2_kv_gb_per_s": case.kv_bytes / avx2 / 1e9, "max_abs_diff": diff}
+            **rate, "max_abs_diff": diff}
 
 
 def run(args: Any) -> dict[str, Any]:
@@ -99,17 +144,28 @@ def run(args: Any) -> dict[str, Any]:
     loaded = load_model(None, progress=False)
     model = LlamaModel(loaded.config, loaded.state_dict, torch.device("cpu"))
     rng = random.Random(0)
-    results = [measure(model, name, Case(model, rows, length, rng), args.reps)
-               for name, (rows, length) in CASES.items()]
+    results = []
+    if args.only in (None, "decode"):
+        results += [measure(model, "decode", name, Case(model, rows, length, rng), args.reps)
+                    for name, (rows, length) in CASES.items()]
+    if args.only in (None, "prefill"):
+        results += [measure(model, "prefill", name, PrefillCase(model, cached, new), args.reps)
+                    for name, (cached, new) in PREFILL_CASES.items()]
     return {"cases": results, "threads": threads, "reps": args.reps, "loadavg_at_start": load,
             "environment": environment(threads)}
 
 
 def report(r: dict[str, Any]) -> str:
-    rows = [[c["case"], c["context_tokens"], c["sdpa_ms_per_layer"], c["avx2_ms_per_layer"], c["ratio"],
-             c["avx2_kv_gb_per_s"], f"{c['max_abs_diff']:.1e}"] for c in r["cases"]]
-    return format_table(["rows x context", "tokens", "sdpa ms/layer", "avx2 ms/layer", "sdpa ÷ avx2",
-                         "avx2 K/V GB/s", "max |diff|"], rows)
+    tables = []
+    for kind, head, rate in (("decode", "rows x context", "avx2 K/V GB/s"),
+                             ("prefill", "new after cached", "avx2 GFLOP/s")):
+        rows = [[c["case"], c["context_tokens"], c["sdpa_ms_per_layer"], c["avx2_ms_per_layer"], c["ratio"],
+                 c.get("avx2_kv_gb_per_s", c.get("avx2_gflop_per_s")), f"{c['max_abs_diff']:.1e}"]
+                for c in r["cases"] if c["kind"] == kind]
+        if rows:
+            tables.append(format_table([head, "tokens", "sdpa ms/layer", "avx2 ms/layer", "sdpa ÷ avx2",
+                                        rate, "max |diff|"], rows))
+    return "\n\n".join(tables)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -118,6 +174,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="torch intra-op threads (default: one per usable CPU core)")
     p.add_argument("--reps", type=int, default=5,
                    help="passes over the 30 layers per kernel, alternating; medians (default: %(default)s)")
+    p.add_argument("--only", choices=("decode", "prefill"), default=None,
+                   help="run only the decode cases or only the prefill cases (default: both)")
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error(f"--reps must be >= 1, got {args.reps}")

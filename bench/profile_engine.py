@@ -10,7 +10,7 @@ Steps SmolLM2's LLMEngine (bench.engine's Ours) through five workloads and profi
   warm128   one prefill of 128 new tokens after 1,920 cached ones (bench.engine's warm TTFT)
   cold2048  one prefill of a 2,048-token prompt on an empty cache (bench.engine's cold TTFT)
 Each op's self CPU time is put in one group: matmuls (aten::mm, oneDNN's linear, pdserve::gemv),
-KV gather (index_select), attention (scaled_dot_product*, pdserve::paged_decode_attention), KV write
+KV gather (index_select), attention (scaled_dot_product*, pdserve::paged_*_attention), KV write
 (index_put*), everything else. Reported: each group's share of the profiled op time, and its
 milliseconds per profiled step (op time only: Python between ops is in neither).
 """
@@ -25,7 +25,8 @@ from bench.engine import Ours, random_prompt
 
 GROUPS = {"matmuls": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "pdserve::gemv"),
           "kv_gather": ("aten::index_select",),
-          "attention": ("aten::_scaled_dot_product", "pdserve::paged_decode_attention"),
+          "attention": ("aten::_scaled_dot_product", "pdserve::paged_decode_attention",
+                        "pdserve::paged_prefill_attention"),
           "kv_write": ("aten::index_put", "aten::_index_put")}
 
 

@@ -371,10 +371,11 @@ def _add_up_cache(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
                             "with g++ and ninja on first use "
                             f"(default: {d.linear_kernel}; docs/benchmarks.md)")
     cache.add_argument("--attention-kernel", choices=ATTENTION_KERNELS,
-                       help="every worker's decode attention: sdpa = torch's, over each sequence's blocks "
-                            "gathered into a dense copy; avx2 = pdserve's own paged kernel, reading the "
-                            "rows where they lie in the pool (float32 KV cache only), built with g++ and "
-                            f"ninja on first use (default: {d.attention_kernel}; docs/benchmarks.md)")
+                       help="every worker's attention: sdpa = torch's, over each sequence's blocks "
+                            "gathered into a dense copy; avx2 = pdserve's own paged kernels for decode rows "
+                            "and prefill chunks, reading the rows where they lie in the pool (float32 KV "
+                            "cache only), built with g++ and ninja on first use "
+                            f"(default: {d.attention_kernel}; docs/benchmarks.md)")
     cache.add_argument("--max-chunk-bytes", type=int, metavar="BYTES",
                        help="KV payload per frame a prefill worker sends a decode worker, whole blocks, at "
                             f"least one (default: {d.kv_frames.max_chunk_bytes:,}; docs/benchmarks.md has "

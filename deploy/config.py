@@ -80,7 +80,7 @@ class ClusterSpec:
     kv_frames: KVFrames = field(default_factory=KVFrames)  # how prefill workers cut KV transfers
     actor_placement: str = "pack"  # how Ray places the worker actors: ACTOR_PLACEMENTS
     linear_kernel: str = "matmul"  # every worker's matmul kernel: LINEAR_KERNELS (pdserve/engine/linear.py)
-    attention_kernel: str = "sdpa"  # every worker's decode attention: ATTENTION_KERNELS (engine/model.py)
+    attention_kernel: str = "sdpa"  # every worker's attention: ATTENTION_KERNELS (engine/model.py)
     # NOTE: None decides at start: 1 when the cluster has a GPU for every worker, else 0 (CPU). An
     # autoscaling cluster has no GPU node yet at start, so its config says 1 explicitly.
     gpus_per_worker: float | None = None

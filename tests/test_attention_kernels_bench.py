@@ -1,4 +1,5 @@
-"""bench.attention_kernels compares the two kernels on the same rows: its cases and its measure()."""
+"""bench.attention_kernels compares the two attentions on the same rows: its cases and its measure(),
+for decode rows and for a prefill chunk after cached rows."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import random
 import pytest
 import torch
 
-from bench.attention_kernels import LAYERS, Case, measure
+from bench.attention_kernels import LAYERS, Case, PrefillCase, measure
 from pdserve.engine import cpu_kernels
 from pdserve.engine.model import LlamaModel
 
@@ -19,7 +20,19 @@ def test_both_kernels_attend_the_same_rows_and_agree(tiny_loaded):
     assert len(case.layers) == LAYERS
     used = case.tables[case.tables > 0]
     assert len(used) == len(set(used.tolist())), "a block belongs to one row"
-    result = measure(model, "5 rows", case, reps=1)
+    result = measure(model, "decode", "5 rows", case, reps=1)
     assert result["rows"] == 5 and result["context_tokens"] == int(case.lens.sum())
     assert result["max_abs_diff"] < 1e-5
     assert result["sdpa_ms_per_layer"] > 0 and result["avx2_ms_per_layer"] > 0
+
+
+@pytest.mark.skipif(cpu_kernels.unavailable() is not None, reason=f"{cpu_kernels.unavailable()}")
+@pytest.mark.parametrize("cached, new", [(37, 9), (0, 20)])
+def test_both_prefill_attentions_attend_the_same_chunk_and_agree(tiny_loaded, cached, new):
+    model = LlamaModel(tiny_loaded.config, tiny_loaded.state_dict, torch.device("cpu"))
+    case = PrefillCase(model, cached, new)
+    assert len(case.table) == -(-(cached + new) // 16) == len(set(case.table.tolist()))
+    result = measure(model, "prefill", f"{new} after {cached}", case, reps=1)
+    assert result["rows"] == new and result["context_tokens"] == cached + new
+    assert result["max_abs_diff"] < 1e-5
+    assert result["avx2_gflop_per_s"] > 0 and result["sdpa_gflop_per_s"] > 0

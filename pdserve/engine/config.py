@@ -172,9 +172,9 @@ class EngineConfig:
     # test_oracle's 1e-4); onednn is 2-3x faster for prefill and batched decode on x86 CPUs but sums in
     # another order (logits within 5e-3 of transformers', greedy tokens equal in the tests).
     linear_kernel: str = "matmul"
-    # Decode attention (pdserve/engine/model.py): sdpa is torch's, over each sequence's blocks gathered
-    # into a dense copy; avx2 is pdserve's own kernel (decode_attention.cpp), reading the rows in the
-    # pool, float32 caches only. Prefill chunks run torch's SDPA under both.
+    # Attention (pdserve/engine/model.py): sdpa is torch's, over each sequence's blocks gathered into a
+    # dense copy; avx2 is pdserve's own paged kernels, for decode rows (decode_attention.cpp) and
+    # prefill chunks (prefill_attention.cpp), reading the rows in the pool, float32 caches only.
     attention_kernel: str = "sdpa"
 
     def __post_init__(self) -> None:

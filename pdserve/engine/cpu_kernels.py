@@ -1,12 +1,17 @@
-"""pdserve's own AVX2 CPU kernels, built from C++ into one torch extension on first use.
+"""pdserve's own AVX2 (and, where the CPU has it, AVX-512) CPU kernels, built from C++ into one torch
+extension on first use.
 
-    gemv.cpp              torch.ops.pdserve.gemv: y = x @ W.T for a few rows of x, W [out, in]
-                          float32 (the `avx2` linear kernel, pdserve/engine/linear.py)
-    decode_attention.cpp  torch.ops.pdserve.paged_decode_attention: one query per sequence over its
-                          K/V rows in the paged pool, read through its block table (the `avx2`
-                          attention kernel, pdserve/engine/model.py)
+    gemv.cpp               torch.ops.pdserve.gemv: y = x @ W.T for a few rows of x, W [out, in]
+                           float32 (the `avx2` linear kernel, pdserve/engine/linear.py)
+    decode_attention.cpp   torch.ops.pdserve.paged_decode_attention: one query per sequence over its
+                           K/V rows in the paged pool, read through its block table (the `avx2`
+                           attention kernel, pdserve/engine/model.py)
+    prefill_attention.cpp  torch.ops.pdserve.paged_prefill_attention: a prefill chunk's queries over
+    (+ _lanes.h)           its sequence's rows in the pool, causal, flash-style (the same `avx2`
+                           attention kernel, for prefill chunks)
 
-    gemv(), paged_decode_attention()   the operators, or None where they cannot be built or run here
+    gemv(), paged_decode_attention(), paged_prefill_attention()
+                                       the operators, or None where they cannot be built or run here
     gemv_isa()                         avx512 or avx2: which of its paths gemv runs on this CPU
     unavailable()                      why not, in words (None when they work)
     python -m pdserve.engine.cpu_kernels   builds them now (`make setup` does), and says where or why not
@@ -25,7 +30,15 @@ that gather was 21% of a step and SDPA over the copy 26% (python -m bench.profil
 docs/benchmarks.md). The kernel reads the rows where they lie, once, as vLLM's CPU backend's paged
 attention does.
 
-Both sum in their own order, in 8 lanes, so neither is bit-equal to torch's kernels: they serve
+NOTE: why a prefill attention of our own. A chunk after a cached prefix had its whole context
+gathered out of the pool every layer and attended with an explicit mask, and torch's flash SDPA ran
+at about a third of the products' FLOP rate here: attention was 55% of a 128-token prefill after
+1,920 cached tokens (bench.profile_engine). The kernel reads key tiles where they lie, shares each
+one among a KV head's query heads and 12 query rows, and keeps an online softmax (vLLM's CPU backend
+also runs its own prefill attention over the paged cache). python -m bench.attention_kernels
+--only prefill times it against the gather + SDPA path.
+
+They sum in their own order, in 8 or 16 lanes, so none is bit-equal to torch's kernels: they serve
 opt-in settings only, run under the exactness suite (tests/engine/test_linear_kernels.py,
 tests/engine/test_attention_kernels.py).
 
@@ -48,17 +61,21 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemv.cpp", "decode_attention.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemv.cpp", "decode_attention.cpp",
+                                                            "prefill_attention.cpp"))
+HEADERS = (Path(__file__).with_name("prefill_attention_lanes.h"),)  # included by a source: in the digest
 # NOTE: -fopenmp is what makes at::parallel_for parallel: without it the header's OpenMP pragma is
 # ignored and the kernels run on one thread at about half their bandwidth.
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
 
 Gemv = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 PagedDecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+PagedPrefillAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 
 
 def extension_name() -> str:
-    key = b"".join(source.read_bytes() for source in SOURCES) + " ".join((*FLAGS, torch.__version__)).encode()
+    sources = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
+    key = sources + " ".join((*FLAGS, torch.__version__)).encode()
     digest = hashlib.sha256(key).hexdigest()[:12]
     return f"pdserve_cpu_kernels_{digest}"
 
@@ -105,6 +122,10 @@ def gemv_isa() -> str | None:
 
 def paged_decode_attention() -> PagedDecodeAttention | None:
     return None if _build() else torch.ops.pdserve.paged_decode_attention
+
+
+def paged_prefill_attention() -> PagedPrefillAttention | None:
+    return None if _build() else torch.ops.pdserve.paged_prefill_attention
 
 
 def unavailable() -> str | None:

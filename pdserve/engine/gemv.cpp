@@ -138,8 +138,13 @@ void single_row256(const float* w, const float* x, int64_t m, int64_t k, float* 
 
 using RowsKernel = void (*)(const float*, const float*, int64_t, int64_t, float*, int64_t);
 
+}  // namespace
+
+namespace pdserve {
+
 // AVX-512F where the CPU and the OS have it (GCC's check reads CPUID and the enabled XSAVE state),
 // unless PDSERVE_CPU_ISA=avx2 caps it (as ONEDNN_MAX_CPU_ISA caps oneDNN): read once per process.
+// The GEMV and the prefill attention (prefill_attention.cpp) both ask it.
 bool use_avx512() {
   static const bool use = [] {
     const char* cap = std::getenv("PDSERVE_CPU_ISA");
@@ -151,9 +156,9 @@ bool use_avx512() {
   return use;
 }
 
-}  // namespace
+}  // namespace pdserve
 
-std::string gemv_isa() { return use_avx512() ? "avx512" : "avx2"; }
+std::string gemv_isa() { return pdserve::use_avx512() ? "avx512" : "avx2"; }
 
 torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: x [m, in] and w [out, in]");
@@ -165,8 +170,8 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w) {
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const RowsKernel group_rows = use_avx512() ? group_rows512 : group_rows256;
-  const RowsKernel single_row = use_avx512() ? single_row512 : single_row256;
+  const RowsKernel group_rows = pdserve::use_avx512() ? group_rows512 : group_rows256;
+  const RowsKernel single_row = pdserve::use_avx512() ? single_row512 : single_row256;
   const int64_t full_groups = out / kGroupRows;
   at::parallel_for(0, full_groups, kGrainGroups, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {

@@ -58,7 +58,7 @@ from pdserve.engine.handoff import KVHandoff, Reservation
 from pdserve.engine.hashing import BlockHash, engine_salt
 from pdserve.engine.host_tier import build_lower_tier
 from pdserve.engine.linear import select_linear
-from pdserve.engine.model import LlamaModel, select_decode_attention
+from pdserve.engine.model import LlamaModel, select_attention
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
 from pdserve.engine.sampler import sample, token_logprobs, uniform
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler
@@ -135,7 +135,7 @@ class LLMEngine:
         self.device = select_device(config.device)
         self.model = LlamaModel(loaded.config, loaded.state_dict, self.device,
                                 select_linear(self.device, config.linear_kernel),
-                                select_decode_attention(self.device, config.attention_kernel))
+                                select_attention(self.device, config.attention_kernel))
         cache = config.cache
         self.block_size = cache.block_size
         num_blocks = cache.resolve_num_blocks(loaded.config)

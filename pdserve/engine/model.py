@@ -8,8 +8,10 @@ decode tokens and prefill chunks of several sequences:
         attention: decode tokens  -> pdserve's paged kernel over their block tables
                                      (attention_kernel avx2), or SDPA over gathered
                                      groups of similar length (sdpa)
-                   prefill chunks -> one causal SDPA per chunk (fresh K/V when
-                                     the chunk starts at 0, else gathered)
+                   prefill chunks -> pdserve's paged flash kernel over the chunk's
+                                     block table (avx2), or one causal SDPA per
+                                     chunk (sdpa: fresh K/V when the chunk starts
+                                     at 0, else gathered and masked)
     --> norm --> lm_head on the sampled rows only
 
 KV cache layout: kv[layer, 0|1, block, offset, kv_head, row], so the K (or V)
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 
 from pdserve.engine import cpu_kernels
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.cpu_kernels import PagedDecodeAttention
+from pdserve.engine.cpu_kernels import PagedDecodeAttention, PagedPrefillAttention
 from pdserve.engine.kv_format import KV_FORMATS, KVFormat, format_of
 from pdserve.engine.linear import Linear, MatmulLinear
 from pdserve.units import ceil_div
@@ -118,18 +120,26 @@ def _context_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
     return (torch.arange(width, device=lens.device)[None, :] < lens[:, None])[:, None, None, :]
 
 
-def select_decode_attention(device: torch.device, kernel: str = "sdpa") -> PagedDecodeAttention | None:
-    """The decode attention named by EngineConfig.attention_kernel: None for sdpa (the model's own)."""
+@dataclass(frozen=True)
+class PagedAttention:
+    """pdserve's own attention over the paged pool (attention_kernel avx2): it reads each K/V row
+    where it lies, through the block tables, for decode rows and prefill chunks alike."""
+
+    decode: PagedDecodeAttention  # one query per sequence
+    prefill: PagedPrefillAttention  # one chunk of one sequence, causal
+
+
+def select_attention(device: torch.device, kernel: str = "sdpa") -> PagedAttention | None:
+    """The attention named by EngineConfig.attention_kernel: None for sdpa (the model's own)."""
     if kernel == "sdpa":
         return None
     if kernel != "avx2":
         raise ValueError(f"attention kernel {kernel!r}: use sdpa or avx2")
     if device.type != "cpu":
         raise ValueError(f"attention_kernel 'avx2' runs on the CPU only, not on {device}; use sdpa")
-    attend = cpu_kernels.paged_decode_attention()
-    if attend is None:
+    if cpu_kernels.unavailable():
         raise ValueError(f"attention_kernel 'avx2' is not available: {cpu_kernels.unavailable()}")
-    return attend
+    return PagedAttention(cpu_kernels.paged_decode_attention(), cpu_kernels.paged_prefill_attention())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -142,11 +152,11 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor],
                  device: torch.device, linear: Linear | None = None,
-                 paged_decode_attention: PagedDecodeAttention | None = None) -> None:
+                 paged_attention: PagedAttention | None = None) -> None:
         self.config = config
         self.device = device
         self.linear = linear or MatmulLinear()
-        self.paged_decode_attention = paged_decode_attention  # None: SDPA over gathered groups
+        self.paged_attention = paged_attention  # None: SDPA over gathered K/V
         c = config
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
@@ -185,7 +195,7 @@ class LlamaModel:
         rot = self.rope.at(positions)
         fmt = format_of(kv_cache.dtype)
         decode_groups = (self._decode_groups(meta, kv_cache.shape[3])
-                         if meta.num_decode and self.paged_decode_attention is None else [])
+                         if meta.num_decode and self.paged_attention is None else [])
         for i, w in enumerate(self.layers):
             h = h + self._attention(rms_norm(h, w["ln1"], self.config.rms_norm_eps), rot,
                                     w, kv_cache[i], fmt, meta, decode_groups)
@@ -254,8 +264,8 @@ class LlamaModel:
                           meta: AttentionMetadata, groups: list[DecodeGroup]) -> torch.Tensor:
         """q: [B, H, D], one query per sequence: pdserve's paged kernel over the block tables, or
         SDPA with the keys gathered group by group."""
-        if self.paged_decode_attention is not None:
-            return self.paged_decode_attention(q.contiguous(), layer_cache, meta.decode_block_tables,
+        if self.paged_attention is not None:
+            return self.paged_attention.decode(q.contiguous(), layer_cache, meta.decode_block_tables,
                                                meta.decode_context_lens, self.scale)
         if groups[0].rows is None:
             return self._group_attention(q, layer_cache, fmt, groups[0])
@@ -277,7 +287,11 @@ class LlamaModel:
         return out.squeeze(2)
 
     def _prefill_attention(self, q, k, v, seg: PrefillSegment, layer_cache: torch.Tensor, fmt: KVFormat):
-        """Causal attention of one chunk; earlier context comes from the cache."""
+        """Causal attention of one chunk; earlier context comes from the cache (the chunk's own rows
+        are in it already)."""
+        if self.paged_attention is not None:
+            return self.paged_attention.prefill(q.contiguous(), layer_cache, seg.block_table, seg.start,
+                                                self.scale)
         if seg.start == 0:
             keys, values, mask, causal = k, v, None, True
         else:

@@ -1,13 +1,15 @@
-"""The opt-in decode attention kernel (EngineConfig.attention_kernel "avx2") under the exactness suite.
+"""The opt-in paged attention kernels (EngineConfig.attention_kernel "avx2": decode rows and prefill
+chunks) under the exactness suite.
 
-The kernel against float64 attention over the same rows, for shapes that leave every tail; then the
-engine on it against the no-cache reference (tests/engine/test_exactness.py's assertions and 1e-4),
+Each kernel against float64 attention over the same rows, for shapes that leave every tail; then the
+engine on them against the no-cache reference (tests/engine/test_exactness.py's assertions and 1e-4),
 every cache path, with torch's matmul and with the avx2 linear kernel; then against transformers on
-greedy tokens. The reference attends with SDPA, so every decode step compares the two attentions.
+greedy tokens. The reference attends with SDPA, so every step compares the two attentions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -16,7 +18,7 @@ import torch
 from pdserve.engine import cpu_kernels
 from pdserve.engine.audit import TOLERANCE, KVAuditor
 from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.model import select_decode_attention
+from pdserve.engine.model import select_attention
 from pdserve.engine.sequence import SamplingParams
 from pdserve.field_error import FieldError
 from tests.conftest import assert_no_leaks, make_engine
@@ -99,10 +101,84 @@ def test_paged_attention_refuses_a_length_past_its_table_or_a_block_past_the_poo
         attend(q, cache, bad, lens, 0.25)
 
 
+def prefill_case(seed: int, start: int, tokens: int, heads: int, kv_heads: int, head_dim: int,
+                 block_size: int):
+    """A pool layer of random rows, a chunk's queries from position start, and the sequence's table of
+    shuffled blocks covering start + tokens rows."""
+    g = torch.Generator().manual_seed(seed)
+    used = -(-(start + tokens) // block_size)
+    cache = torch.randn(2, used + 3, block_size, kv_heads, head_dim, generator=g)
+    table = torch.randperm(used + 3, generator=g)[:used].contiguous()
+    return torch.randn(tokens, heads, head_dim, generator=g), cache, table
+
+
+def float64_chunk_attention(q, cache, table, start: int, scale: float) -> torch.Tensor:
+    """Query i (position start + i) over the sequence's rows 0..start+i read in order, in float64."""
+    tokens, heads = q.shape[:2]
+    kv_heads, block_size = cache.shape[3], cache.shape[2]
+    slots = [(int(table[t // block_size]), t % block_size) for t in range(start + tokens)]
+    k = torch.stack([cache[0, blk, off] for blk, off in slots]).double()  # [ctx, kvh, d]
+    v = torch.stack([cache[1, blk, off] for blk, off in slots]).double()
+    future = torch.arange(start + tokens)[None, :] > torch.arange(start, start + tokens)[:, None]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for h in range(heads):
+        g = h // (heads // kv_heads)
+        scores = (q[:, h].double() @ k[:, g].T * scale).masked_fill(future, -torch.inf)
+        out[:, h] = torch.softmax(scores, dim=-1) @ v[:, g]
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 2, 16), (3, 3, 12), (2, 1, 5)],
+                         ids=["smollm2", "tiny", "no-gqa-tail", "under-one-vector"])
+@pytest.mark.parametrize("start, tokens", [(0, 1), (0, 13), (0, 70), (5, 1), (16, 16), (17, 30), (90, 7)])
+def test_paged_prefill_attention_matches_float64_over_the_same_rows(heads, kv_heads, head_dim, start, tokens):
+    """Fresh chunks and chunks after cached rows; query rows that fill, or leave a tail of, the kernel's
+    12-row items; key tiles that end mid-block; head_dims that leave tails of the 8 and 16 lanes."""
+    q, cache, table = prefill_case(start * 100 + tokens, start, tokens, heads, kv_heads, head_dim, 16)
+    scale = head_dim ** -0.5
+    ours = cpu_kernels.paged_prefill_attention()(q, cache, table, start, scale)
+    assert ours.shape == q.shape
+    assert torch.allclose(ours.double(), float64_chunk_attention(q, cache, table, start, scale),
+                          atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_a_prefill_row_attends_alike_in_any_chunk_and_at_any_thread_count():
+    """Bit for bit: a row's sums run over key tiles fixed from key 0, so chunking a prompt (chunked
+    prefill, a prefix hit, the audit's recompute) or the thread count never changes its bits."""
+    q, cache, table = prefill_case(3, 0, 70, 9, 3, 64, 16)
+    attend = cpu_kernels.paged_prefill_attention()
+    whole = attend(q, cache, table, 0, 0.125)
+    for cuts in ([0, 13, 40, 70], [0, 1, 2, 69, 70], [0, 35, 70]):
+        chunks = [attend(q[a:b].contiguous(), cache, table, a, 0.125) for a, b in zip(cuts, cuts[1:])]
+        assert torch.equal(torch.cat(chunks), whole)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(attend(q, cache, table, 0, 0.125), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_paged_prefill_attention_refuses_a_table_too_short_or_a_block_past_the_pool():
+    q, cache, table = prefill_case(5, 20, 12, 4, 2, 16, 16)
+    attend = cpu_kernels.paged_prefill_attention()
+    too_short = "12 queries from position 21 need 33 rows; the block table holds 32"
+    with pytest.raises(RuntimeError, match=too_short):
+        attend(q, cache, table, 21, 0.25)
+    bad = table.clone()
+    bad[1] = cache.shape[1]
+    pool = cache.shape[1]
+    with pytest.raises(RuntimeError, match=f"block {pool} is outside the pool's {pool} blocks"):
+        attend(q, cache, bad, 20, 0.25)
+
+
 def test_attention_kernel_names_and_dtypes_are_checked():
-    assert select_decode_attention(CPU, "sdpa") is None
+    assert select_attention(CPU, "sdpa") is None
     with pytest.raises(ValueError, match="use sdpa or avx2"):
-        select_decode_attention(CPU, "flash")
+        select_attention(CPU, "flash")
     with pytest.raises(FieldError, match="attention_kernel must be one of sdpa, avx2"):
         EngineConfig(attention_kernel="paged")
     with pytest.raises(FieldError, match="attention_kernel must be sdpa with kv_dtype int8"):
@@ -128,16 +204,20 @@ def test_avx2_attention_cache_paths_match_the_reference(tiny_loaded, linear_kern
 @needs_kernel
 def test_avx2_attention_over_many_rows_of_mixed_lengths_matches_the_reference(tiny_loaded):
     """20 sequences decoding together, lengths spread over several blocks: one kernel call per layer,
-    each row reading its own blocks, against the reference's SDPA."""
+    each row reading its own blocks, against the reference's SDPA; every prompt's prefill on the
+    prefill kernel."""
     g = torch.Generator().manual_seed(99)
     lengths = [1, 70, 5, 33, 17, 64, 2, 48, 9, 81, 16, 40, 3, 57, 25, 12, 90, 7, 31, 44]
     prompts = [torch.randint(0, tiny_loaded.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
     engine = make_engine(tiny_loaded, attention_kernel="avx2")
-    calls = []
-    attend = engine.model.paged_decode_attention
-    engine.model.paged_decode_attention = lambda q, *rest: calls.append(q.shape[0]) or attend(q, *rest)
+    decode_rows, prefill_rows = [], []
+    kernels = engine.model.paged_attention
+    engine.model.paged_attention = dataclasses.replace(
+        kernels, decode=lambda q, *rest: decode_rows.append(q.shape[0]) or kernels.decode(q, *rest),
+        prefill=lambda q, *rest: prefill_rows.append(q.shape[0]) or kernels.prefill(q, *rest))
     check_against_reference(engine, prompts)
-    assert max(calls) == len(lengths)
+    assert max(decode_rows) == len(lengths)
+    assert sum(prefill_rows) == sum(lengths) * tiny_loaded.config.num_layers
 
 
 @needs_kernel

@@ -1,0 +1,127 @@
+// pdserve's paged prefill attention: the queries of one prefill chunk (positions start .. start+T-1 of
+// one sequence) over every K/V row of the sequence up to each query, causal, read where the rows lie
+// in the paged pool (pdserve/engine/cpu_kernels.py builds it; pdserve/engine/model.py calls it under
+// attention_kernel avx2).
+//
+// Why: torch's SDPA wants K/V as dense tensors, so a chunk after a cached prefix gathered the whole
+// context from the pool, layer by layer, and attended with a boolean mask; and on the CPUs here
+// torch's flash SDPA runs at a third of the products' rate. This kernel is a flash attention over
+// the pool: key tiles of one vector (16 keys on AVX-512, 8 on AVX2), transposed once per call and
+// shared by every query head of their KV head and by 12 query rows at a time, an online softmax,
+// and the values read from the pool. The body (prefill_attention_lanes.h) is compiled for both
+// widths; the AVX-512 one runs where the CPU has it, unless PDSERVE_CPU_ISA=avx2 (as the GEMV).
+//
+// A row's sums run over key tiles that start at multiples of the width from key 0, so a row gets
+// the same bits whichever chunk it is in, whatever the thread count.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace pdserve {
+bool use_avx512();  // gemv.cpp: AVX-512F here, and not capped by PDSERVE_CPU_ISA=avx2
+}
+
+namespace {
+
+// One call's shapes and where its rows are: the pool layer is cache[K|V, block, offset, kv_head, d].
+struct Problem {
+  const float* q;  // [tokens, heads, head_dim]
+  const float* cache;
+  const int64_t* table;
+  int64_t tokens, heads, kv_heads, head_dim, block_size, start, context, value_offset;
+  float scale;
+
+  const float* key(int64_t t, int64_t kv_head) const {
+    return cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kv_head) * head_dim;
+  }
+  const float* value(int64_t t, int64_t kv_head) const { return key(t, kv_head) + value_offset; }
+};
+
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+namespace lanes16 {
+constexpr int W = 16;
+constexpr int kRows = 12;  // 12 score registers and the key tile's: 13 of 32
+constexpr int RP = 6;      // 6 rows x 4 vectors of output + 4 of values: 28 of 32 registers
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+inline vf splat(float x) { return _mm512_set1_ps(x); }
+inline vi splat_int(int32_t x) { return (vi)_mm512_set1_epi32(x); }
+inline float max_of(vf v) { return _mm512_reduce_max_ps(v); }
+inline float sum_of(vf v) { return _mm512_reduce_add_ps(v); }
+#include "prefill_attention_lanes.h"
+}  // namespace lanes16
+#pragma GCC pop_options
+
+namespace lanes8 {
+constexpr int W = 8;
+constexpr int kRows = 12;  // 12 score registers and the key tile's: 13 of 16
+constexpr int RP = 2;      // 2 rows x 4 vectors of output + 4 of values: 12 of 16 registers
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+inline vf splat(float x) { return _mm256_set1_ps(x); }
+inline vi splat_int(int32_t x) { return (vi)_mm256_set1_epi32(x); }
+inline float max_of(vf v) {
+  const __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_max_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+}
+inline float sum_of(vf v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+}
+#include "prefill_attention_lanes.h"
+}  // namespace lanes8
+
+}  // namespace
+
+// q [T, heads, head_dim] (the chunk's queries, rotated); cache [2, blocks, block_size, kv_heads,
+// head_dim], the chunk's own rows written already; block_table [width] (the sequence's, covering
+// start + T rows); start: the chunk's first position.
+torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& cache,
+                                      const torch::Tensor& block_table, int64_t start, double scale) {
+  TORCH_CHECK(q.dim() == 3 && cache.dim() == 5 && block_table.dim() == 1,
+              "paged_prefill_attention: q [T, H, D], cache [2, blocks, block_size, KVH, D], block_table [width]");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && cache.scalar_type() == torch::kFloat &&
+              block_table.scalar_type() == torch::kLong,
+              "paged_prefill_attention: a float32 query and cache, an int64 block table");
+  TORCH_CHECK(q.is_contiguous() && cache.is_contiguous() && block_table.is_contiguous() && q.device().is_cpu() &&
+              cache.device().is_cpu(), "paged_prefill_attention: contiguous CPU tensors only");
+  const int64_t tokens = q.size(0), heads = q.size(1), head_dim = q.size(2), kv_heads = cache.size(3);
+  const int64_t block_size = cache.size(2), blocks = cache.size(1), context = start + tokens;
+  TORCH_CHECK(cache.size(0) == 2 && cache.size(4) == head_dim && kv_heads > 0 && heads % kv_heads == 0,
+              "paged_prefill_attention: shapes disagree");
+  TORCH_CHECK(tokens >= 1 && start >= 0 && context <= block_table.size(0) * block_size,
+              "paged_prefill_attention: ", tokens, " queries from position ", start, " need ", context,
+              " rows; the block table holds ", block_table.size(0) * block_size);
+  TORCH_CHECK(context < (int64_t{1} << 31), "paged_prefill_attention: positions must fit in 31 bits");
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  for (int64_t i = 0; i < (context + block_size - 1) / block_size; ++i)
+    TORCH_CHECK(table[i] >= 0 && table[i] < blocks, "paged_prefill_attention: block ", table[i],
+                " is outside the pool's ", blocks, " blocks");
+  auto out = torch::empty_like(q);
+  const Problem p{q.data_ptr<float>(), cache.data_ptr<float>(), table, tokens, heads, kv_heads, head_dim,
+                  block_size, start, context, blocks * block_size * kv_heads * head_dim,
+                  static_cast<float>(scale)};
+  if (pdserve::use_avx512())
+    lanes16::attend(p, out.data_ptr<float>());
+  else
+    lanes8::attend(p, out.data_ptr<float>());
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+  m.def("paged_prefill_attention(Tensor q, Tensor cache, Tensor block_table, int start, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
+}

@@ -1,0 +1,234 @@
+// The body of pdserve's paged prefill attention for one vector width: prefill_attention.cpp includes
+// it twice, in namespace lanes16 under `#pragma GCC target("avx512f")` and in namespace lanes8 under
+// the file's -mavx2 -mfma, each after defining
+//
+//     W            lanes of a vector: the keys of a key tile, scored in one register per row
+//     kRows        query rows of a work item, one score register each
+//     RP           rows whose output registers one pass over a tile's values keeps (PV below)
+//     vf, vi       GCC vectors of W floats and W int32s
+//     splat(float), splat_int(int32_t)   a value in every lane (an intrinsic: `vf{} + x` costs an add)
+//     max_of(vf), sum_of(vf)   the lanes' maximum and sum
+//
+// The rest is written in GCC's vector extensions, not intrinsics, so the one text compiles to either
+// width.
+//
+// One work item is a KV head and up to kRows query rows of it: (query i, head h) pairs of that KV
+// head's query heads, in order, so an item shares each key tile among every head of its group and
+// several queries. Per key tile of W keys (tiles start at multiples of W from key 0, whatever the
+// chunk, so a row's sums run in the same order on every path: a fresh prefill, a prefix hit, the
+// audit's recompute):
+//
+//     QK   s[r] = scale * sum_d q[r][d] * Kt[d]        Kt: the tile's keys transposed, one vector per d
+//     mask s[r][j] = -inf where key j comes after row r's position (causal)
+//     soft m' = max(m, max_j s), p = exp(s - m'), l = l * exp(m - m') + sum_j p     (online softmax)
+//     PV   o[r] = o[r] * exp(m - m') + sum_j p[r][j] * V[j]
+//
+// and at the end out[r] = o[r] / l[r].
+
+constexpr int kRowsPadded = (kRows + W - 1) / W * W;  // per-row scalars, as whole vectors
+constexpr int kChunk = 4;  // output registers a row keeps per pass over the values (64 floats at W=16)
+
+inline vf load(const float* p) {
+  vf v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+inline vf as_float(vi v) {
+  vf f;
+  __builtin_memcpy(&f, &v, sizeof f);
+  return f;
+}
+inline vi as_int(vf v) {
+  vi i;
+  __builtin_memcpy(&i, &v, sizeof i);
+  return i;
+}
+
+// exp(x) for x <= 0 or -inf: Cephes' expf, as the decode kernel's exp_ps (range reduction by ln 2,
+// rounded to nearest, a degree-5 polynomial); 0 below -87.
+inline vf exp_negative(vf x) {
+  const vi underflow = x < splat(-87.0f);
+  x = underflow ? splat(-87.0f) : x;
+  const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  x = x - n * 0.693359375f;
+  x = x - n * -2.12194440e-4f;
+  vf y = splat(1.9875691500e-4f);
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * (x * x) + (x + 1.0f);
+  const vi exponent = (__builtin_convertvector(n, vi) + 127) << 23;
+  return as_float(as_int(y * as_float(exponent)) & ~underflow);
+}
+
+// A key tile transposed: kt[d * W + j] = K[key0 + j][d]; zeros past the last key.
+inline void transpose_tile(const Problem& p, int64_t kv_head, int64_t key0, float* kt) {
+  const int64_t keys = std::min<int64_t>(W, p.context - key0);
+  for (int64_t j = 0; j < keys; ++j) {
+    const float* row = p.key(key0 + j, kv_head);
+    for (int64_t d = 0; d < p.head_dim; ++d) kt[d * W + j] = row[d];
+  }
+  for (int64_t j = keys; j < W; ++j)
+    for (int64_t d = 0; d < p.head_dim; ++d) kt[d * W + j] = 0.0f;
+}
+
+// Every KV head's key tiles, transposed once per call and shared by every item (kts: [KVH][tiles][D][W]).
+inline void transpose_keys(const Problem& p, float* kts) {
+  const int64_t tiles = (p.context + W - 1) / W, tile_floats = p.head_dim * W;
+  at::parallel_for(0, p.kv_heads * tiles, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item)
+      transpose_tile(p, item / tiles, (item % tiles) * W, kts + item * tile_floats);
+  });
+}
+
+struct Item {
+  const float* q[kRows];  // each row's query (a padding row repeats the last real one)
+  float* q_by_dim;        // the rows' queries transposed: [head_dim][kRows], one base for every broadcast
+  int32_t position[kRows];
+  int64_t real_rows;
+  int32_t last_position;
+};
+
+// s[r] = scale * q[r] . K[key0 + j], j < W, from the transposed tile.
+inline void score_tile(const Item& item, const float* kt, int64_t head_dim, float scale, vf (&s)[kRows]) {
+#pragma GCC unroll 12
+  for (int r = 0; r < kRows; ++r) s[r] = vf{};
+  const float* q = item.q_by_dim;
+  for (int64_t d = 0; d < head_dim; ++d, q += kRows) {
+    const vf k = load(kt + d * W);
+#pragma GCC unroll 12
+    for (int r = 0; r < kRows; ++r) s[r] += splat(q[r]) * k;
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < kRows; ++r) s[r] *= scale;
+}
+
+// -inf where a key comes after the row's position.
+inline void mask_tile(const Item& item, int64_t key0, vf (&s)[kRows]) {
+  vi keys;
+  for (int j = 0; j < W; ++j) keys[j] = static_cast<int32_t>(key0 + j);
+  const vf minus_infinity = splat(-__builtin_inff());
+#pragma GCC unroll 12
+  for (int r = 0; r < kRows; ++r) s[r] = keys > splat_int(item.position[r]) ? minus_infinity : s[r];
+}
+
+// o[r][c, c + CC*W) = o * rescale[r] + sum_j p[r][j] V[key0 + j][c, ...), RP rows at a time.
+template <int CC>
+inline void weigh_values(const Problem& p, const float* const* values, int64_t keys, const float* probs,
+                         const float* rescale, int64_t c, float* o) {
+  const int64_t d = p.head_dim;
+  for (int r0 = 0; r0 < kRows; r0 += RP) {
+    vf acc[RP][CC];
+#pragma GCC unroll 8
+    for (int r = 0; r < RP; ++r)
+#pragma GCC unroll 4
+      for (int k = 0; k < CC; ++k) acc[r][k] = load(o + (r0 + r) * d + c + k * W) * rescale[r0 + r];
+    for (int64_t j = 0; j < keys; ++j) {
+      // NOTE: one pointer each for the value row and the weights, constant offsets from them: with
+      // an address per row GCC ran out of registers and reloaded them from the stack every key.
+      const float* value = values[j] + c;
+      const float* weights = probs + r0 * W + j;
+      vf v[CC];
+#pragma GCC unroll 4
+      for (int k = 0; k < CC; ++k) v[k] = load(value + k * W);
+#pragma GCC unroll 8
+      for (int r = 0; r < RP; ++r) {
+        const vf weight = splat(weights[r * W]);
+#pragma GCC unroll 4
+        for (int k = 0; k < CC; ++k) acc[r][k] += weight * v[k];
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < RP; ++r)
+#pragma GCC unroll 4
+      for (int k = 0; k < CC; ++k) store(o + (r0 + r) * d + c + k * W, acc[r][k]);
+  }
+}
+
+// The values' part of a tile, over the head's columns: chunks of kChunk vectors, then single vectors,
+// then the scalar columns past the last whole vector.
+inline void weigh_tile(const Problem& p, const float* const* values, int64_t keys, const float* probs,
+                       const float* rescale, float* o) {
+  const int64_t d = p.head_dim;
+  int64_t c = 0;
+  for (; c + kChunk * W <= d; c += kChunk * W) weigh_values<kChunk>(p, values, keys, probs, rescale, c, o);
+  for (; c + W <= d; c += W) weigh_values<1>(p, values, keys, probs, rescale, c, o);
+  for (; c < d; ++c)
+    for (int r = 0; r < kRows; ++r) {
+      float sum = o[r * d + c] * rescale[r];
+      for (int64_t j = 0; j < keys; ++j) sum += probs[r * W + j] * values[j][c];
+      o[r * d + c] = sum;
+    }
+}
+
+// One item over every key tile its rows may see; o: kRows * head_dim floats of scratch.
+inline void attend_item(const Problem& p, const Item& item, int64_t kv_head, const float* kts, float* o,
+                        float* out) {
+  const int64_t d = p.head_dim, tiles = (p.context + W - 1) / W;
+  alignas(64) float top[kRowsPadded], total[kRowsPadded], rescale[kRowsPadded], next[kRowsPadded];
+  alignas(64) float sums[kRowsPadded];
+  alignas(64) float probs[kRows * W];
+  const float* values[W];
+  for (int r = 0; r < kRowsPadded; ++r) top[r] = r < kRows ? -__builtin_inff() : 0.0f, total[r] = sums[r] = next[r] = 0.0f;
+  std::fill(o, o + kRows * d, 0.0f);
+  const int32_t first_position = item.position[0];
+  for (int64_t key0 = 0; key0 <= item.last_position; key0 += W) {
+    vf s[kRows];
+    score_tile(item, kts + (kv_head * tiles + key0 / W) * d * W, d, p.scale, s);
+    if (key0 + W - 1 > first_position) mask_tile(item, key0, s);
+    for (int r = 0; r < kRows; ++r) next[r] = std::max(top[r], max_of(s[r]));
+    for (int r = 0; r < kRows; ++r) {
+      const vf probability = exp_negative(s[r] - next[r]);
+      sums[r] = sum_of(probability);
+      store(probs + r * W, probability);
+    }
+    for (int r = 0; r < kRowsPadded; r += W) {  // 0 on the first tile, where top is -inf
+      const vf rescaled = exp_negative(load(top + r) - load(next + r));
+      store(rescale + r, rescaled);
+      store(total + r, load(total + r) * rescaled + load(sums + r));
+      store(top + r, load(next + r));
+    }
+    const int64_t keys = std::min<int64_t>(W, item.last_position + 1 - key0);
+    for (int64_t j = 0; j < keys; ++j) values[j] = p.value(key0 + j, kv_head);
+    weigh_tile(p, values, keys, probs, rescale, o);
+  }
+  for (int64_t r = 0; r < item.real_rows; ++r) {
+    float* row = out + (item.q[r] - p.q);  // out has q's layout
+    const float inverse = 1.0f / total[r];
+    for (int64_t c = 0; c < d; ++c) row[c] = o[r * d + c] * inverse;
+  }
+}
+
+// The rows of item k: items run from the last rows (the most keys) to the first, KV heads inner.
+inline Item item_rows(const Problem& p, int64_t k, int64_t row_tiles, float* q_by_dim) {
+  const int64_t group = p.heads / p.kv_heads, kv_head = k % p.kv_heads;
+  const int64_t first = (row_tiles - 1 - k / p.kv_heads) * kRows, rows = p.tokens * group;
+  Item item{};
+  item.real_rows = std::min<int64_t>(kRows, rows - first);
+  item.q_by_dim = q_by_dim;
+  for (int64_t r = 0; r < kRows; ++r) {
+    const int64_t row = first + std::min(r, item.real_rows - 1), i = row / group, h = kv_head * group + row % group;
+    item.q[r] = p.q + (i * p.heads + h) * p.head_dim;
+    item.position[r] = static_cast<int32_t>(p.start + i);
+    for (int64_t d = 0; d < p.head_dim; ++d) q_by_dim[d * kRows + r] = item.q[r][d];
+  }
+  item.last_position = item.position[kRows - 1];
+  return item;
+}
+
+inline void attend(const Problem& p, float* out) {
+  const int64_t tiles = (p.context + W - 1) / W;
+  std::vector<float> kts(static_cast<size_t>(p.kv_heads * tiles * p.head_dim * W));
+  transpose_keys(p, kts.data());
+  const int64_t row_tiles = (p.tokens * (p.heads / p.kv_heads) + kRows - 1) / kRows;
+  const int64_t items = row_tiles * p.kv_heads;
+  std::atomic<int64_t> next{0};  // items are taken one at a time: the first ones are the longest
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> o(static_cast<size_t>(kRows * p.head_dim)), q_by_dim(o.size());
+    for (int64_t k = next++; k < items; k = next++)
+      attend_item(p, item_rows(p, k, row_tiles, q_by_dim.data()), k % p.kv_heads, kts.data(), o.data(), out);
+  });
+}
