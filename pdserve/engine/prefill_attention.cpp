@@ -34,12 +34,15 @@ namespace {
 struct Problem {
   const float* q;  // [tokens, heads, head_dim]
   const float* cache;
-  const int64_t* table;
-  int64_t tokens, heads, kv_heads, head_dim, block_size, start, context, value_offset;
+  // NOTE: each position's slot (block * block_size + offset), worked out once per call: the value
+  // rows of every key tile are looked up again by every item, and a division per key cost more there
+  // than the tile's arithmetic.
+  const int64_t* slots;  // [context]
+  int64_t tokens, heads, kv_heads, head_dim, start, context, value_offset;
   float scale;
 
   const float* key(int64_t t, int64_t kv_head) const {
-    return cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kv_head) * head_dim;
+    return cache + (slots[t] * kv_heads + kv_head) * head_dim;
   }
   const float* value(int64_t t, int64_t kv_head) const { return key(t, kv_head) + value_offset; }
 };
@@ -48,7 +51,8 @@ struct Problem {
 #pragma GCC target("avx512f")
 namespace lanes16 {
 constexpr int W = 16;
-constexpr int kRows = 12;  // 12 score registers and the key tile's: 13 of 32
+constexpr int TV = 2;      // 32 keys a tile
+constexpr int kRows = 12;  // 24 score registers and the key tile's 2: 26 of 32
 constexpr int RP = 6;      // 6 rows x 4 vectors of output + 4 of values: 28 of 32 registers
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
@@ -62,6 +66,7 @@ inline float sum_of(vf v) { return _mm512_reduce_add_ps(v); }
 
 namespace lanes8 {
 constexpr int W = 8;
+constexpr int TV = 1;      // 8 keys a tile
 constexpr int kRows = 12;  // 12 score registers and the key tile's: 13 of 16
 constexpr int RP = 2;      // 2 rows x 4 vectors of output + 4 of values: 12 of 16 registers
 typedef float vf __attribute__((vector_size(W * 4)));
@@ -107,10 +112,11 @@ torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tenso
   for (int64_t i = 0; i < (context + block_size - 1) / block_size; ++i)
     TORCH_CHECK(table[i] >= 0 && table[i] < blocks, "paged_prefill_attention: block ", table[i],
                 " is outside the pool's ", blocks, " blocks");
+  std::vector<int64_t> slots(static_cast<size_t>(context));
+  for (int64_t t = 0; t < context; ++t) slots[t] = table[t / block_size] * block_size + t % block_size;
   auto out = torch::empty_like(q);
-  const Problem p{q.data_ptr<float>(), cache.data_ptr<float>(), table, tokens, heads, kv_heads, head_dim,
-                  block_size, start, context, blocks * block_size * kv_heads * head_dim,
-                  static_cast<float>(scale)};
+  const Problem p{q.data_ptr<float>(), cache.data_ptr<float>(), slots.data(), tokens, heads, kv_heads, head_dim,
+                  start, context, blocks * block_size * kv_heads * head_dim, static_cast<float>(scale)};
   if (pdserve::use_avx512())
     lanes16::attend(p, out.data_ptr<float>());
   else

@@ -2,8 +2,9 @@
 // it twice, in namespace lanes16 under `#pragma GCC target("avx512f")` and in namespace lanes8 under
 // the file's -mavx2 -mfma, each after defining
 //
-//     W            lanes of a vector: the keys of a key tile, scored in one register per row
-//     kRows        query rows of a work item, one score register each
+//     W            lanes of a vector
+//     TV           vectors of keys in a key tile (TV * W keys), scored in TV registers per row
+//     kRows        query rows of a work item, TV score registers each
 //     RP           rows whose output registers one pass over a tile's values keeps (PV below)
 //     vf, vi       GCC vectors of W floats and W int32s
 //     splat(float), splat_int(int32_t)   a value in every lane (an intrinsic: `vf{} + x` costs an add)
@@ -14,17 +15,18 @@
 //
 // One work item is a KV head and up to kRows query rows of it: (query i, head h) pairs of that KV
 // head's query heads, in order, so an item shares each key tile among every head of its group and
-// several queries. Per key tile of W keys (tiles start at multiples of W from key 0, whatever the
-// chunk, so a row's sums run in the same order on every path: a fresh prefill, a prefix hit, the
-// audit's recompute):
+// several queries. Per key tile of T = TV * W keys (tiles start at multiples of T from key 0,
+// whatever the chunk, so a row's sums run in the same order on every path: a fresh prefill, a prefix
+// hit, the audit's recompute):
 //
-//     QK   s[r] = scale * sum_d q[r][d] * Kt[d]        Kt: the tile's keys transposed, one vector per d
+//     QK   s[r] = scale * sum_d q[r][d] * Kt[d]     Kt: the tile's keys transposed, TV vectors per d
 //     mask s[r][j] = -inf where key j comes after row r's position (causal)
 //     soft m' = max(m, max_j s), p = exp(s - m'), l = l * exp(m - m') + sum_j p     (online softmax)
 //     PV   o[r] = o[r] * exp(m - m') + sum_j p[r][j] * V[j]
 //
 // and at the end out[r] = o[r] / l[r].
 
+constexpr int T = TV * W;  // keys of a key tile
 constexpr int kRowsPadded = (kRows + W - 1) / W * W;  // per-row scalars, as whole vectors
 constexpr int kChunk = 4;  // output registers a row keeps per pass over the values (64 floats at W=16)
 
@@ -64,9 +66,9 @@ inline vf exp_negative(vf x) {
   return as_float(as_int(y * as_float(exponent)) & ~underflow);
 }
 
-// A key tile transposed: kt[d * W + j] = K[key0 + j][d]; zeros past the last key.
+// W keys transposed: kt[d * W + j] = K[key0 + j][d]; zeros past the last key.
 inline void transpose_tile(const Problem& p, int64_t kv_head, int64_t key0, float* kt) {
-  const int64_t keys = std::min<int64_t>(W, p.context - key0);
+  const int64_t keys = std::clamp<int64_t>(p.context - key0, 0, W);
   for (int64_t j = 0; j < keys; ++j) {
     const float* row = p.key(key0 + j, kv_head);
     for (int64_t d = 0; d < p.head_dim; ++d) kt[d * W + j] = row[d];
@@ -75,9 +77,12 @@ inline void transpose_tile(const Problem& p, int64_t kv_head, int64_t key0, floa
     for (int64_t d = 0; d < p.head_dim; ++d) kt[d * W + j] = 0.0f;
 }
 
-// Every KV head's key tiles, transposed once per call and shared by every item (kts: [KVH][tiles][D][W]).
+// Every KV head's keys, W at a time, transposed once per call and shared by every item
+// (kts: [KVH][tiles][D][W], tiles a whole number of key tiles: a key tile is TV of them in a row).
+inline int64_t transposed_tiles(const Problem& p) { return (p.context + T - 1) / T * TV; }
+
 inline void transpose_keys(const Problem& p, float* kts) {
-  const int64_t tiles = (p.context + W - 1) / W, tile_floats = p.head_dim * W;
+  const int64_t tiles = transposed_tiles(p), tile_floats = p.head_dim * W;
   at::parallel_for(0, p.kv_heads * tiles, 16, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item)
       transpose_tile(p, item / tiles, (item % tiles) * W, kts + item * tile_floats);
@@ -92,27 +97,41 @@ struct Item {
   int32_t last_position;
 };
 
-// s[r] = scale * q[r] . K[key0 + j], j < W, from the transposed tile.
-inline void score_tile(const Item& item, const float* kt, int64_t head_dim, float scale, vf (&s)[kRows]) {
+// s[r][t] = scale * q[r] . K[key0 + t * W + j], j < W, from the TV transposed W-key blocks at kt.
+inline void score_tile(const Item& item, const float* kt, int64_t head_dim, float scale, vf (&s)[kRows][TV]) {
 #pragma GCC unroll 12
-  for (int r = 0; r < kRows; ++r) s[r] = vf{};
+  for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 2
+    for (int t = 0; t < TV; ++t) s[r][t] = vf{};
   const float* q = item.q_by_dim;
+  const int64_t block = head_dim * W;
   for (int64_t d = 0; d < head_dim; ++d, q += kRows) {
-    const vf k = load(kt + d * W);
+    vf k[TV];
+#pragma GCC unroll 2
+    for (int t = 0; t < TV; ++t) k[t] = load(kt + t * block + d * W);
 #pragma GCC unroll 12
-    for (int r = 0; r < kRows; ++r) s[r] += splat(q[r]) * k;
+    for (int r = 0; r < kRows; ++r) {
+      const vf qr = splat(q[r]);
+#pragma GCC unroll 2
+      for (int t = 0; t < TV; ++t) s[r][t] += qr * k[t];
+    }
   }
 #pragma GCC unroll 12
-  for (int r = 0; r < kRows; ++r) s[r] *= scale;
+  for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 2
+    for (int t = 0; t < TV; ++t) s[r][t] *= scale;
 }
 
 // -inf where a key comes after the row's position.
-inline void mask_tile(const Item& item, int64_t key0, vf (&s)[kRows]) {
-  vi keys;
-  for (int j = 0; j < W; ++j) keys[j] = static_cast<int32_t>(key0 + j);
+inline void mask_tile(const Item& item, int64_t key0, vf (&s)[kRows][TV]) {
   const vf minus_infinity = splat(-__builtin_inff());
+#pragma GCC unroll 2
+  for (int t = 0; t < TV; ++t) {
+    vi keys;
+    for (int j = 0; j < W; ++j) keys[j] = static_cast<int32_t>(key0 + t * W + j);
 #pragma GCC unroll 12
-  for (int r = 0; r < kRows; ++r) s[r] = keys > splat_int(item.position[r]) ? minus_infinity : s[r];
+    for (int r = 0; r < kRows; ++r) s[r][t] = keys > splat_int(item.position[r]) ? minus_infinity : s[r][t];
+  }
 }
 
 // o[r][c, c + CC*W) = o * rescale[r] + sum_j p[r][j] V[key0 + j][c, ...), RP rows at a time.
@@ -130,13 +149,13 @@ inline void weigh_values(const Problem& p, const float* const* values, int64_t k
       // NOTE: one pointer each for the value row and the weights, constant offsets from them: with
       // an address per row GCC ran out of registers and reloaded them from the stack every key.
       const float* value = values[j] + c;
-      const float* weights = probs + r0 * W + j;
+      const float* weights = probs + r0 * T + j;
       vf v[CC];
 #pragma GCC unroll 4
       for (int k = 0; k < CC; ++k) v[k] = load(value + k * W);
 #pragma GCC unroll 8
       for (int r = 0; r < RP; ++r) {
-        const vf weight = splat(weights[r * W]);
+        const vf weight = splat(weights[r * T]);
 #pragma GCC unroll 4
         for (int k = 0; k < CC; ++k) acc[r][k] += weight * v[k];
       }
@@ -159,7 +178,7 @@ inline void weigh_tile(const Problem& p, const float* const* values, int64_t key
   for (; c < d; ++c)
     for (int r = 0; r < kRows; ++r) {
       float sum = o[r * d + c] * rescale[r];
-      for (int64_t j = 0; j < keys; ++j) sum += probs[r * W + j] * values[j][c];
+      for (int64_t j = 0; j < keys; ++j) sum += probs[r * T + j] * values[j][c];
       o[r * d + c] = sum;
     }
 }
@@ -167,23 +186,33 @@ inline void weigh_tile(const Problem& p, const float* const* values, int64_t key
 // One item over every key tile its rows may see; o: kRows * head_dim floats of scratch.
 inline void attend_item(const Problem& p, const Item& item, int64_t kv_head, const float* kts, float* o,
                         float* out) {
-  const int64_t d = p.head_dim, tiles = (p.context + W - 1) / W;
+  const int64_t d = p.head_dim, tiles = transposed_tiles(p);
   alignas(64) float top[kRowsPadded], total[kRowsPadded], rescale[kRowsPadded], next[kRowsPadded];
   alignas(64) float sums[kRowsPadded];
-  alignas(64) float probs[kRows * W];
-  const float* values[W];
+  alignas(64) float probs[kRows * T];
+  const float* values[T];
   for (int r = 0; r < kRowsPadded; ++r) top[r] = r < kRows ? -__builtin_inff() : 0.0f, total[r] = sums[r] = next[r] = 0.0f;
   std::fill(o, o + kRows * d, 0.0f);
   const int32_t first_position = item.position[0];
-  for (int64_t key0 = 0; key0 <= item.last_position; key0 += W) {
-    vf s[kRows];
+  for (int64_t key0 = 0; key0 <= item.last_position; key0 += T) {
+    vf s[kRows][TV];
     score_tile(item, kts + (kv_head * tiles + key0 / W) * d * W, d, p.scale, s);
-    if (key0 + W - 1 > first_position) mask_tile(item, key0, s);
-    for (int r = 0; r < kRows; ++r) next[r] = std::max(top[r], max_of(s[r]));
+    if (key0 + T - 1 > first_position) mask_tile(item, key0, s);
     for (int r = 0; r < kRows; ++r) {
-      const vf probability = exp_negative(s[r] - next[r]);
-      sums[r] = sum_of(probability);
-      store(probs + r * W, probability);
+      vf top_lanes = s[r][0];
+#pragma GCC unroll 2
+      for (int t = 1; t < TV; ++t) top_lanes = top_lanes > s[r][t] ? top_lanes : s[r][t];
+      next[r] = std::max(top[r], max_of(top_lanes));
+    }
+    for (int r = 0; r < kRows; ++r) {
+      vf lane_sums{};
+#pragma GCC unroll 2
+      for (int t = 0; t < TV; ++t) {
+        const vf probability = exp_negative(s[r][t] - next[r]);
+        lane_sums += probability;
+        store(probs + r * T + t * W, probability);
+      }
+      sums[r] = sum_of(lane_sums);
     }
     for (int r = 0; r < kRowsPadded; r += W) {  // 0 on the first tile, where top is -inf
       const vf rescaled = exp_negative(load(top + r) - load(next + r));
@@ -191,7 +220,7 @@ inline void attend_item(const Problem& p, const Item& item, int64_t kv_head, con
       store(total + r, load(total + r) * rescaled + load(sums + r));
       store(top + r, load(next + r));
     }
-    const int64_t keys = std::min<int64_t>(W, item.last_position + 1 - key0);
+    const int64_t keys = std::min<int64_t>(T, item.last_position + 1 - key0);
     for (int64_t j = 0; j < keys; ++j) values[j] = p.value(key0 + j, kv_head);
     weigh_tile(p, values, keys, probs, rescale, o);
   }
@@ -202,10 +231,14 @@ inline void attend_item(const Problem& p, const Item& item, int64_t kv_head, con
   }
 }
 
-// The rows of item k: items run from the last rows (the most keys) to the first, KV heads inner.
+// The rows of item k: KV heads outer, so that the items running together read one head's keys and
+// values (for 2,048 tokens, 0.5 + 0.5 MB of a head against 3 MB for all three of SmolLM2's, with
+// 2 MB of L2 a core); within a head, from the last rows (the most keys) to the first.
+inline int64_t item_kv_head(int64_t k, int64_t row_tiles) { return k / row_tiles; }
+
 inline Item item_rows(const Problem& p, int64_t k, int64_t row_tiles, float* q_by_dim) {
-  const int64_t group = p.heads / p.kv_heads, kv_head = k % p.kv_heads;
-  const int64_t first = (row_tiles - 1 - k / p.kv_heads) * kRows, rows = p.tokens * group;
+  const int64_t group = p.heads / p.kv_heads, kv_head = item_kv_head(k, row_tiles);
+  const int64_t first = (row_tiles - 1 - k % row_tiles) * kRows, rows = p.tokens * group;
   Item item{};
   item.real_rows = std::min<int64_t>(kRows, rows - first);
   item.q_by_dim = q_by_dim;
@@ -220,8 +253,7 @@ inline Item item_rows(const Problem& p, int64_t k, int64_t row_tiles, float* q_b
 }
 
 inline void attend(const Problem& p, float* out) {
-  const int64_t tiles = (p.context + W - 1) / W;
-  std::vector<float> kts(static_cast<size_t>(p.kv_heads * tiles * p.head_dim * W));
+  std::vector<float> kts(static_cast<size_t>(p.kv_heads * transposed_tiles(p) * p.head_dim * W));
   transpose_keys(p, kts.data());
   const int64_t row_tiles = (p.tokens * (p.heads / p.kv_heads) + kRows - 1) / kRows;
   const int64_t items = row_tiles * p.kv_heads;
@@ -229,6 +261,7 @@ inline void attend(const Problem& p, float* out) {
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> o(static_cast<size_t>(kRows * p.head_dim)), q_by_dim(o.size());
     for (int64_t k = next++; k < items; k = next++)
-      attend_item(p, item_rows(p, k, row_tiles, q_by_dim.data()), k % p.kv_heads, kts.data(), o.data(), out);
+      attend_item(p, item_rows(p, k, row_tiles, q_by_dim.data()), item_kv_head(k, row_tiles), kts.data(),
+                  o.data(), out);
   });
 }
