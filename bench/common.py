@@ -191,11 +191,12 @@ LINEAR_KERNEL_HELP = ("pdserve's matmul kernel (EngineConfig.linear_kernel, pdse
                       "calls it, faster on x86 CPUs; avx2 is oneDNN plus pdserve's own GEMV for products of "
                       "up to 32 rows, 8 on an AVX-512 CPU, where it runs 16 lanes "
                       "(pdserve/engine/gemv.cpp) (default: %(default)s)")
-ATTENTION_KERNEL_HELP = ("pdserve's decode attention (EngineConfig.attention_kernel, "
+ATTENTION_KERNEL_HELP = ("pdserve's attention (EngineConfig.attention_kernel, "
                          "pdserve/engine/model.py): sdpa is torch's, over each sequence's blocks gathered "
-                         "into a dense copy; avx2 is "
-                         "pdserve's own paged kernel, reading the rows where they lie in the pool "
-                         "(pdserve/engine/decode_attention.cpp) (default: %(default)s)")
+                         "into a dense copy; avx2 is pdserve's own paged kernels for decode rows and "
+                         "prefill chunks, reading the rows where they lie in the pool "
+                         "(pdserve/engine/decode_attention.cpp, prefill_attention.cpp) "
+                         "(default: %(default)s)")
 
 
 def add_kernel_flags(p: argparse.ArgumentParser) -> None:

@@ -6,13 +6,13 @@
 // Why: torch's SDPA wants K/V as dense tensors, so a chunk after a cached prefix gathered the whole
 // context from the pool, layer by layer, and attended with a boolean mask; and on the CPUs here
 // torch's flash SDPA runs at a third of the products' rate. This kernel is a flash attention over
-// the pool: key tiles of one vector (16 keys on AVX-512, 8 on AVX2), transposed once per call and
-// shared by every query head of their KV head and by 12 query rows at a time, an online softmax,
-// and the values read from the pool. The body (prefill_attention_lanes.h) is compiled for both
-// widths; the AVX-512 one runs where the CPU has it, unless PDSERVE_CPU_ISA=avx2 (as the GEMV).
+// the pool: key tiles (32 keys in two vectors on AVX-512, 8 keys in one on AVX2), transposed once per
+// call and shared by every query head of their KV head and by 12 query rows at a time, an online
+// softmax, and the values read from the pool. The body (prefill_attention_lanes.h) is compiled for
+// both widths; the AVX-512 one runs where the CPU has it, unless PDSERVE_CPU_ISA=avx2 (as the GEMV).
 //
-// A row's sums run over key tiles that start at multiples of the width from key 0, so a row gets
-// the same bits whichever chunk it is in, whatever the thread count.
+// A row's sums run over key tiles that start at multiples of the tile from key 0, so a row gets the
+// same bits whichever chunk it is in, whatever the thread count.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
