@@ -66,8 +66,8 @@ inline float sum_of(vf v) { return _mm512_reduce_add_ps(v); }
 
 namespace lanes8 {
 constexpr int W = 8;
-constexpr int TV = 1;      // 8 keys a tile
-constexpr int kRows = 12;  // 12 score registers and the key tile's: 13 of 16
+constexpr int TV = 2;      // 16 keys a tile
+constexpr int kRows = 6;   // 12 score registers and the key tile's 2: 14 of 16
 constexpr int RP = 2;      // 2 rows x 4 vectors of output + 4 of values: 12 of 16 registers
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
