@@ -32,11 +32,11 @@ attention does.
 
 NOTE: why a prefill attention of our own. A chunk after a cached prefix had its whole context
 gathered out of the pool every layer and attended with an explicit mask, and torch's flash SDPA ran
-at about a third of the products' FLOP rate here: attention was 55% of a 128-token prefill after
-1,920 cached tokens (bench.profile_engine). The kernel reads key tiles where they lie, shares each
-one among a KV head's query heads and 12 query rows, and keeps an online softmax (vLLM's CPU backend
-also runs its own prefill attention over the paged cache). python -m bench.attention_kernels
---only prefill times it against the gather + SDPA path.
+at about a third of the products' FLOP rate on 2026-12-04's CPU: attention was 55% of a 128-token
+prefill after 1,920 cached tokens (bench.profile_engine). The kernel reads key tiles where they
+lie, shares each one among a KV head's query heads and 12 query rows (6 in 8 lanes), and keeps an
+online softmax (vLLM's CPU backend also runs its own prefill attention over the paged cache).
+python -m bench.attention_kernels --only prefill times it against the gather + SDPA path.
 
 They sum in their own order, in 8 or 16 lanes, so none is bit-equal to torch's kernels: they serve
 opt-in settings only, run under the exactness suite (tests/engine/test_linear_kernels.py,
