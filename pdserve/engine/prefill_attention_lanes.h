@@ -257,7 +257,7 @@ inline void attend(const Problem& p, float* out) {
   transpose_keys(p, kts.data());
   const int64_t row_tiles = (p.tokens * (p.heads / p.kv_heads) + kRows - 1) / kRows;
   const int64_t items = row_tiles * p.kv_heads;
-  std::atomic<int64_t> next{0};  // items are taken one at a time: the first ones are the longest
+  std::atomic<int64_t> next{0};  // items are taken one at a time: within a head, longest first
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> o(static_cast<size_t>(kRows * p.head_dim)), q_by_dim(o.size());
     for (int64_t k = next++; k < items; k = next++)
