@@ -131,6 +131,21 @@ def wait_held(cluster, worker_id: str, count: int, timeout_s: float = 120.0) -> 
     return ray.get(cluster.actors[worker_id].wait_held.remote(count, timeout_s), timeout=timeout_s + 30)
 
 
+def placed(cluster, streams: int, timeout_s: float = 60.0) -> dict[str, int]:
+    """Decode worker id -> streams the router has placed on it, once all `streams` are placed.
+
+    NOTE: least_load does not split concurrent streams evenly for certain: placements that read
+    the loads at once can pick the same worker (seen: 7 and 5 of 12 on a slow run). So the tests
+    wait for each worker's own count, not for half."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counts = {w: cluster.router.directory.in_flight(w) for w in DECODE_WORKERS}
+        if sum(counts.values()) == streams:
+            return counts
+        assert time.monotonic() < deadline, f"the router placed {counts}, not {streams}, in {timeout_s} s"
+        time.sleep(0.05)
+
+
 def release_hold(cluster, worker_id: str) -> None:
     ray.get(cluster.actors[worker_id].release_hold.remote(), timeout=60)
 
@@ -208,14 +223,15 @@ def test_streams_under_way_on_a_killed_decode_worker_move_to_the_other_and_go_on
     victim = "decode-0"
     with client_of(cluster_1p2d) as client, cf.ThreadPoolExecutor(len(prompts)) as pool:
         readers, ends = open_streams(client, prompts, params, pool)
-        for worker_id in DECODE_WORKERS:  # least_load puts half of them on each
-            assert len(wait_held(cluster_1p2d, worker_id, len(prompts) // 2)) == len(prompts) // 2
+        on = placed(cluster_1p2d, len(prompts))  # least_load puts some on each
+        for worker_id, count in on.items():
+            assert len(wait_held(cluster_1p2d, worker_id, count)) == count
         held = cluster_1p2d.router.directory.in_flight(victim)
         before = describe(cluster_1p2d, victim)
         os.kill(before["pid"], signal.SIGKILL)
         killed_at = time.monotonic()
         release_hold(cluster_1p2d, "decode-1")
-        assert held == len(prompts) // 2
+        assert held == on[victim] >= 1
         done = [end.result() for end in ends]
     assert [code for code, _ in done] == ["ok"] * len(prompts), done
     assert [d.token_ids for _, d in done] == tokens  # greedy and seeded alike: one unbroken stream
@@ -248,7 +264,8 @@ def test_sigterm_drains_in_flight_streams_in_place_and_routes_new_work_elsewhere
     victim = "decode-0"  # restarted by the test before: it holds again (decode-1 was released there)
     with client_of(cluster_1p2d) as client, cf.ThreadPoolExecutor(len(prompts) + 2) as pool:
         readers, ends = open_streams(client, prompts, params, pool)
-        assert len(wait_held(cluster_1p2d, victim, len(prompts) // 2)) == len(prompts) // 2
+        on = placed(cluster_1p2d, len(prompts))
+        assert len(wait_held(cluster_1p2d, victim, on[victim])) == on[victim]
         held = cluster_1p2d.router.directory.in_flight(victim)
         before = describe(cluster_1p2d, victim)
         os.kill(before["pid"], signal.SIGTERM)
@@ -261,7 +278,7 @@ def test_sigterm_drains_in_flight_streams_in_place_and_routes_new_work_elsewhere
         done = [end.result() for end in ends]
     assert [code for code, _ in done] == ["ok"] * len(prompts), done
     assert [d.token_ids for _, d in done] == tokens
-    assert held == len(prompts) // 2
+    assert held == on[victim] >= 1
     assert sum(d.decode_worker == victim for _, d in done) == held  # they finished where they were
     assert not any(d.migrations for _, d in done) and migrations_counted(cluster_1p2d) == counted_before
     after = wait_for_epoch(cluster_1p2d, victim, above=before["epoch"])
