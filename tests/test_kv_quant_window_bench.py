@@ -1,5 +1,5 @@
 """bench.kv_quant_window's variants: the masks, and that its dense pass is the engine model's
-reference at both ends (every key in float: float32's logits; none: int8's)."""
+reference (every key in float: float32's logits; its own key in float: int8's)."""
 
 import torch
 
@@ -19,9 +19,14 @@ def test_a_window_over_everything_is_float32_and_int8_elsewhere_matches_the_int8
     ids = list(range(3, 43))
     all_fresh = window_logits(model, ids, str(len(ids)))
     torch.testing.assert_close(all_fresh, model.reference_logits(ids, "float32"), rtol=1e-4, atol=1e-4)
-    no_window = window_logits(model, ids, "0")  # no key in float: today's int8
-    # dense einsums against SDPA: the same sums in another order, so logits agree to 1e-3, not bit for bit
-    torch.testing.assert_close(no_window, model.reference_logits(ids, "int8"), rtol=1e-3, atol=1e-3)
+    reference = model.reference_logits(ids, "int8")
+    own_row = window_logits(model, ids, "1")  # its own key and value in float: today's int8
+    # NOTE: dense einsums against SDPA sum in another order, and where that crosses a rounding boundary
+    # an int8 code moves a whole step: 1e-2, the tiny model's int8 tolerance in test_exactness.py
+    # (measured here: 2.7e-3 with its own row in float, 1.9e-2 without).
+    assert (own_row - reference).abs().max() <= 1e-2
+    no_window = window_logits(model, ids, "0")  # no key in float: int8 before 2026-12-06
+    assert (no_window - reference).abs().max() > 1e-2
     block = window_logits(model, ids, "block")
     assert not torch.allclose(block, no_window, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(block, all_fresh, rtol=1e-4, atol=1e-4)

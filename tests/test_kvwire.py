@@ -310,7 +310,7 @@ def test_a_layout_names_its_row_format_and_a_peer_without_one_has_the_dtypes_fir
     naming row_format; a float16 one (the only encoding float16 has had) still matches."""
     assert LAYOUT.row_format == "float16"
     int8 = dataclasses.replace(LAYOUT, kv_dtype="int8", row_format=None)
-    assert int8.row_format == "int8-hadamard-affine"
+    assert int8.row_format == "int8-hadamard-affine-own-row"
     assert KVLayout.from_dict(int8.to_msgpack_dict()) == int8
     legacy = {k: v for k, v in int8.to_msgpack_dict().items() if k != "row_format"}
     mismatch = KVLayout.from_dict(legacy).first_mismatch(int8)

@@ -32,10 +32,10 @@ class KVDtype:
 
 # The KV cache's element types, the one dtype table: float32/float16/bfloat16 as torch names them;
 # fp8 (torch.float8_e4m3fn) is a symmetric per-token, per-KV-head quantization with a float32 scale
-# per row; int8 quantizes each row Hadamard-rotated, with a float16 scale and offset
-# (pdserve/engine/kv_format.py holds their torch side).
+# per row; int8 quantizes each row Hadamard-rotated, with a float16 scale and offset, and a query
+# attends its own row unquantized (pdserve/engine/kv_format.py holds their torch side).
 KV_DTYPE_TABLE = {"float32": KVDtype(4, "float32"), "float16": KVDtype(2, "float16"),
-                  "bfloat16": KVDtype(2, "bfloat16"), "int8": KVDtype(1, "int8-hadamard-affine", 4),
+                  "bfloat16": KVDtype(2, "bfloat16"), "int8": KVDtype(1, "int8-hadamard-affine-own-row", 4),
                   "fp8": KVDtype(1, "fp8", 4)}
 KV_DTYPES = tuple(KV_DTYPE_TABLE)
 

@@ -36,6 +36,15 @@ NOTE: the scale lives in its row, as GGML's Q8_0 keeps a block's scale beside it
 codec gathers, checksums and writes a quantized block exactly as it does a float16 one, and a
 block's scales can never arrive without it.
 
+NOTE: the query's own row. An int8 query attends its own token's K and V as the model computed
+them, in float32 (rotated), and every earlier token's as the pool stores them. It is what KIVI's
+full-precision window of recent tokens is at its smallest, and the only width that needs no state:
+a token's own K/V exist wherever its query does (a fresh prefill, a decode step, a recompute), and
+every row in the pool stays pure int8, so capacity, the wire, the prefix cache and the tiers do
+not change. It lifts greedy agreement with float32 from 0.86 to 0.90 in the experiment harness
+(docs/benchmarks.md, "KV cache dtypes"). A row's bytes then depend on this rule too (the rows above
+layer 0 come from hidden states it computed), so it is part of int8's row_format.
+
 Exactness within a dtype: store() is a function of the float32 row alone (no state, no other
 token), and every path reads rows back with load_rotated(). The model attends a fresh prefill over
 load_rotated(store(k)) as well, and LlamaModel.reference_logits does the same, so a cached,
@@ -65,6 +74,9 @@ class KVFormat:
     name: str
     storage_dtype: torch.dtype
     scale_elements: int  # elements of storage_dtype a row spends on its scale
+    # True: a query attends its own token's K/V row as the model computed it (float32), and every
+    # earlier token's as the pool stores it. See "the query's own row" in this module's docstring.
+    own_row_in_float32: bool = False
 
     def store(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -169,6 +181,7 @@ class RotatedAffineFormat(KVFormat):
     name: str
     storage_dtype: torch.dtype = torch.int8
     scale_elements: int = 2 * _AFFINE_DTYPE.itemsize
+    own_row_in_float32: bool = True
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         return x @ hadamard(x.shape[-1], x.device)

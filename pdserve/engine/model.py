@@ -19,7 +19,9 @@ rows of one block of one layer are contiguous bytes, which is what the KV wire
 codec sends. A row is head_dim values in float32/float16/bfloat16, or head_dim
 int8/fp8 codes and their scale (pdserve/engine/kv_format.py); compute is float32.
 Every path writes rows with the pool's format and attends over what it reads
-back, a fresh prefill included, so no path sees other K/V values than another.
+back, a fresh prefill included, so no path sees other K/V values than another;
+the one exception is the same on every path: an int8 query attends its own
+token's K/V as computed, in float32 (KVFormat.own_row_in_float32).
 An int8 row is stored Hadamard-rotated; attention then runs in that basis
 (queries rotated in, the output rotated back), which is the identity for the
 other formats.
@@ -38,6 +40,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.cpu_kernels import PagedDecodeAttention, PagedPrefillAttention
 from pdserve.engine.kv_format import KV_FORMATS, KVFormat, format_of
 from pdserve.engine.linear import Linear, MatmulLinear
+from pdserve.engine.own_rows import OwnRows, attend_with_own_rows, with_own_rows
 from pdserve.units import ceil_div
 
 
@@ -78,6 +81,7 @@ class DecodeGroup:
     rows: torch.Tensor | None  # [g] long, indices into the decode rows; None: all, in order
     block_tables: torch.Tensor  # [g, blocks] long, padded to the group's longest row
     mask: torch.Tensor  # [g, 1, 1, blocks * block_size] True where a row may attend
+    own_positions: torch.Tensor  # [g] long, each row's own token's position (context length - 1)
 
 
 class RotaryEmbedding:
@@ -228,17 +232,20 @@ class LlamaModel:
         layer_cache[1, meta.slot_blocks, meta.slot_offsets] = v_rows
         # NOTE: attention runs in the rows' basis (int8: Hadamard-rotated; kv_format.py), so the
         # queries rotate once and the output rotates back once, never every cached row.
+        own = (fmt.rotate(k), fmt.rotate(v)) if fmt.own_row_in_float32 else None
         q, k, v = fmt.rotate(q), fmt.load_rotated(k_rows), fmt.load_rotated(v_rows)
         nd = meta.num_decode
         if not meta.prefills:  # a decode-only step: no output to assemble
-            return self.linear(fmt.unrotate(self._decode_attention(q, layer_cache, fmt, meta, decode_groups))
-                               .reshape(-1, self.q_size), w["o"])
+            out = self._decode_attention(q, layer_cache, fmt, meta, decode_groups, own)
+            return self.linear(fmt.unrotate(out).reshape(-1, self.q_size), w["o"])
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode_attention(q[:nd], layer_cache, fmt, meta, decode_groups)
+            out[:nd] = self._decode_attention(q[:nd], layer_cache, fmt, meta, decode_groups,
+                                              own and (own[0][:nd], own[1][:nd]))
         for seg in meta.prefills:
             rows = slice(seg.q_start, seg.q_start + seg.q_len)
-            out[rows] = self._prefill_attention(q[rows], k[rows], v[rows], seg, layer_cache, fmt)
+            out[rows] = self._prefill_attention(q[rows], k[rows], v[rows], seg, layer_cache, fmt,
+                                                own and (own[0][rows], own[1][rows]))
         return self.linear(fmt.unrotate(out).reshape(-1, self.q_size), w["o"])
 
     @staticmethod
@@ -251,65 +258,78 @@ class LlamaModel:
         """
         lens, tables = meta.decode_context_lens, meta.decode_block_tables
         if len(lens) <= DECODE_GROUP_ROWS:
-            return [DecodeGroup(None, tables, _context_mask(lens, tables.shape[1] * block_size))]
+            return [DecodeGroup(None, tables, _context_mask(lens, tables.shape[1] * block_size), lens - 1)]
         groups = []
         for rows in torch.argsort(lens, stable=True).split(DECODE_GROUP_ROWS):
             group_lens = lens[rows]
             width = ceil_div(int(group_lens.max()), block_size)
             groups.append(DecodeGroup(rows, tables[rows, :width].contiguous(),
-                                      _context_mask(group_lens, width * block_size)))
+                                      _context_mask(group_lens, width * block_size), group_lens - 1))
         return groups
 
     def _decode_attention(self, q: torch.Tensor, layer_cache: torch.Tensor, fmt: KVFormat,
-                          meta: AttentionMetadata, groups: list[DecodeGroup]) -> torch.Tensor:
+                          meta: AttentionMetadata, groups: list[DecodeGroup],
+                          own: OwnRows | None) -> torch.Tensor:
         """q: [B, H, D], one query per sequence: pdserve's paged kernel over the block tables, or
-        SDPA with the keys gathered group by group."""
+        SDPA with the keys gathered group by group. own: the rows' own K/V in float32, where the
+        format attends them so (the paged kernel reads float32 pools only, which have no own rows)."""
         if self.paged_attention is not None:
             return self.paged_attention.decode(q.contiguous(), layer_cache, meta.decode_block_tables,
                                                meta.decode_context_lens, self.scale)
         if groups[0].rows is None:
-            return self._group_attention(q, layer_cache, fmt, groups[0])
+            return self._group_attention(q, layer_cache, fmt, groups[0], own)
         out = torch.empty_like(q)
         for group in groups:
-            out[group.rows] = self._group_attention(q[group.rows], layer_cache, fmt, group)
+            out[group.rows] = self._group_attention(q[group.rows], layer_cache, fmt, group,
+                                                    own and (own[0][group.rows], own[1][group.rows]))
         return out
 
     def _group_attention(self, q: torch.Tensor, layer_cache: torch.Tensor, fmt: KVFormat,
-                         group: DecodeGroup) -> torch.Tensor:
+                         group: DecodeGroup, own: OwnRows | None) -> torch.Tensor:
         b = q.shape[0]
         # NOTE: index_select, not layer_cache[:, tables]: the same gather, but advanced indexing
         # costs milliseconds per layer on 2 busy threads (docs/benchmarks.md, profile).
         kv = layer_cache.index_select(1, group.block_tables.view(-1))  # [2, b*blocks, bs, kvh, row]
         kv = kv.view(2, b, -1, self.config.num_kv_heads, layer_cache.shape[-1]).transpose(2, 3)
-        kv = fmt.load_rotated(kv)
+        kv = fmt.load_rotated(kv)  # [2, b, kvh, blocks * bs, D], a copy
+        if own is not None:  # each row's own K/V replace their stored copy, at its own position
+            rows = torch.arange(b, device=q.device)
+            kv[0][rows, :, group.own_positions] = own[0]
+            kv[1][rows, :, group.own_positions] = own[1]
         out = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], attn_mask=group.mask,
                                              scale=self.scale, enable_gqa=True)
         return out.squeeze(2)
 
-    def _prefill_attention(self, q, k, v, seg: PrefillSegment, layer_cache: torch.Tensor, fmt: KVFormat):
+    def _prefill_attention(self, q, k, v, seg: PrefillSegment, layer_cache: torch.Tensor, fmt: KVFormat,
+                           own: OwnRows | None):
         """Causal attention of one chunk; earlier context comes from the cache (the chunk's own rows
-        are in it already)."""
+        are in it already). own: the chunk's K/V in float32, where the format attends them so."""
         if self.paged_attention is not None:
             return self.paged_attention.prefill(q.contiguous(), layer_cache, seg.block_table, seg.start,
                                                 self.scale)
+        ctx = seg.start + seg.q_len
         if seg.start == 0:
-            keys, values, mask, causal = k, v, None, True
+            keys, values = k, v
         else:
-            ctx = seg.start + seg.q_len
             kv = fmt.load_rotated(layer_cache.index_select(1, seg.block_table).flatten(1, 2)[:, :ctx])
             keys, values = kv[0], kv[1]
-            q_pos = torch.arange(seg.start, ctx, device=q.device)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
-            causal = False
-        out = sdpa_4d(q, keys, values, mask, causal, self.scale)
-        return out
+        if own is not None and q.device.type == "cpu":
+            return attend_with_own_rows(q, keys, values, own, seg.start, self.scale)
+        if own is not None:
+            return sdpa_4d(q, *with_own_rows(keys, values, own, seg.start), False, self.scale)
+        if seg.start == 0:
+            return sdpa_4d(q, keys, values, None, True, self.scale)
+        q_pos = torch.arange(seg.start, ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+        return sdpa_4d(q, keys, values, mask, False, self.scale)
 
     # --- reference -----------------------------------------------------------------
     def reference_logits(self, token_ids: list[int], kv_dtype: str = "float32") -> torch.Tensor:
         """No-cache reference: the whole sequence recomputed densely; logits of every position.
         K/V go through kv_dtype's round trip as a cache of that dtype stores them (nothing for
-        float32), and attention runs in the rows' basis as the paged forward's does, so it is the
-        reference of an engine with that cache."""
+        float32), each query's own row stays float32 where the format says so, and attention runs in
+        the rows' basis as the paged forward's does, so it is the reference of an engine with that
+        cache."""
         fmt = KV_FORMATS[kv_dtype]
         ids = torch.tensor(token_ids, device=self.device)
         rot = self.rope.at(torch.arange(len(token_ids), device=self.device))
@@ -317,8 +337,12 @@ class LlamaModel:
         for w in self.layers:
             x = rms_norm(h, w["ln1"], self.config.rms_norm_eps)
             q, k, v = self._qkv(x, rot, w)
+            own = (fmt.rotate(k), fmt.rotate(v)) if fmt.own_row_in_float32 else None
             q, k, v = fmt.rotate(q), fmt.load_rotated(fmt.store(k)), fmt.load_rotated(fmt.store(v))
-            attn = fmt.unrotate(sdpa_4d(q, k, v, None, True, self.scale))
+            if own is not None:
+                attn = fmt.unrotate(sdpa_4d(q, *with_own_rows(k, v, own, 0), False, self.scale))
+            else:
+                attn = fmt.unrotate(sdpa_4d(q, k, v, None, True, self.scale))
             h = h + self.linear(attn.reshape(-1, self.q_size), w["o"])
             h = h + self._mlp(rms_norm(h, w["ln2"], self.config.rms_norm_eps), w)
         return self.linear(rms_norm(h, self.final_norm, self.config.rms_norm_eps), self.lm_head)
