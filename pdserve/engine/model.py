@@ -269,7 +269,7 @@ class LlamaModel:
 
     def _decode_attention(self, q: torch.Tensor, layer_cache: torch.Tensor, fmt: KVFormat,
                           meta: AttentionMetadata, groups: list[DecodeGroup],
-                          own: OwnRows | None) -> torch.Tensor:
+                          own: OwnRows | None = None) -> torch.Tensor:
         """q: [B, H, D], one query per sequence: pdserve's paged kernel over the block tables, or
         SDPA with the keys gathered group by group. own: the rows' own K/V in float32, where the
         format attends them so (the paged kernel reads float32 pools only, which have no own rows)."""
@@ -285,7 +285,7 @@ class LlamaModel:
         return out
 
     def _group_attention(self, q: torch.Tensor, layer_cache: torch.Tensor, fmt: KVFormat,
-                         group: DecodeGroup, own: OwnRows | None) -> torch.Tensor:
+                         group: DecodeGroup, own: OwnRows | None = None) -> torch.Tensor:
         b = q.shape[0]
         # NOTE: index_select, not layer_cache[:, tables]: the same gather, but advanced indexing
         # costs milliseconds per layer on 2 busy threads (docs/benchmarks.md, profile).
@@ -301,7 +301,7 @@ class LlamaModel:
         return out.squeeze(2)
 
     def _prefill_attention(self, q, k, v, seg: PrefillSegment, layer_cache: torch.Tensor, fmt: KVFormat,
-                           own: OwnRows | None):
+                           own: OwnRows | None = None):
         """Causal attention of one chunk; earlier context comes from the cache (the chunk's own rows
         are in it already). own: the chunk's K/V in float32, where the format attends them so."""
         if self.paged_attention is not None:
