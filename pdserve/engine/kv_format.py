@@ -42,8 +42,9 @@ full-precision window of recent tokens is at its smallest, and the only width th
 a token's own K/V exist wherever its query does (a fresh prefill, a decode step, a recompute), and
 every row in the pool stays pure int8, so capacity, the wire, the prefix cache and the tiers do
 not change. On one CPU it lifted bench.kv_quant's greedy agreement with float32 from 0.785-0.803
-to 0.893-0.914 (docs/benchmarks.md, "KV cache dtypes", 2026-12-06). A row's bytes then depend on this rule too (the rows above
-layer 0 come from hidden states it computed), so it is part of int8's row_format.
+to 0.893-0.914 (docs/benchmarks.md, "KV cache dtypes", 2026-12-06). A row's bytes then depend on
+this rule too (the rows above layer 0 come from hidden states it computed), so it is part of
+int8's row_format.
 
 Exactness within a dtype: store() is a function of the float32 row alone (no state, no other
 token), and every path reads rows back with load_rotated(). The model attends a fresh prefill over
