@@ -89,14 +89,16 @@ class Ours:
     """LLMEngine, driven one step at a time so that token timestamps are exact."""
 
     def __init__(self, loaded: Any, num_blocks: int, block_size: int, threads: int,
-                 linear_kernel: str = "matmul", attention_kernel: str = "sdpa") -> None:
+                 linear_kernel: str = "matmul", attention_kernel: str = "sdpa",
+                 retain_freed_memory: bool = True) -> None:
         from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
         from pdserve.engine.llm_engine import LLMEngine
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_dtype="float32",
                             enable_prefix_caching=True)
         scheduler = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64)
         config = EngineConfig(cache=cache, scheduler=scheduler, device="cpu", num_threads=threads,
-                              linear_kernel=linear_kernel, attention_kernel=attention_kernel)
+                              linear_kernel=linear_kernel, attention_kernel=attention_kernel,
+                              retain_freed_memory=retain_freed_memory)
         self.engine = LLMEngine(loaded, config)
 
     @staticmethod

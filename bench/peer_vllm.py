@@ -21,6 +21,10 @@ Threads: vLLM's CPU worker binds its OpenMP threads itself (VLLM_CPU_OMP_THREADS
 its default, auto) and keeps one core for its scheduler process, so on 2 cores it computes on one
 thread. The bench reads the worker's OMP_NUM_THREADS and runs ours at that torch thread count.
 
+Memory: pdserve's engine keeps freed memory in its process (pdserve/engine/cpu_allocator.py);
+vLLM's process gets the same glibc thresholds through MALLOC_MMAP_THRESHOLD_ and
+MALLOC_TRIM_THRESHOLD_ (since 2026-12-06; vLLM's own guide suggests preloading tcmalloc instead).
+
 Workloads, token-id prompts, greedy, ignore_eos, the two sides alternating rep by rep:
 
   decode      batch 1, bench.engine's chat prompt, 128 new tokens; tok/s after the first token
@@ -69,6 +73,7 @@ from bench.common import (
     venv_python,
 )
 from bench.engine import DECODE_MESSAGES, Ours, Sizes, concurrent_mix, decode_tokens_per_s, random_prompt
+from pdserve.engine.cpu_allocator import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES
 from pdserve.units import ceil_div
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -164,7 +169,11 @@ class VLLMPeer:
                if k not in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")}
         env |= {"VLLM_CACHE_ROOT": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
                 "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB), "VLLM_NO_USAGE_STATS": "1",
-                "VLLM_DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
+                "VLLM_DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false",
+                # NOTE: the malloc thresholds pdserve's engine sets in-process (cpu_allocator.py), as
+                # glibc's environment names them, so both engines run on the same allocator policy.
+                "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES),
+                "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD_BYTES)}
         self.compile_cache_existed = (cache / "torch_compile_cache").is_dir() and any(
             (cache / "torch_compile_cache").iterdir())
         config = {"model": str(model_dir), "max_model_len": MAX_MODEL_LEN,

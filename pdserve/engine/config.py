@@ -176,6 +176,9 @@ class EngineConfig:
     # dense copy; avx2 is pdserve's own paged kernels, for decode rows (decode_attention.cpp) and
     # prefill chunks (prefill_attention.cpp), reading the rows in the pool, float32 caches only.
     attention_kernel: str = "sdpa"
+    # On the CPU, keep freed memory in the process (pdserve/engine/cpu_allocator.py): a step's large
+    # temporaries reuse mapped pages instead of faulting fresh ones in. Process-wide once set.
+    retain_freed_memory: bool = True
 
     def __post_init__(self) -> None:
         if self.linear_kernel not in LINEAR_KERNELS:

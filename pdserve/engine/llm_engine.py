@@ -53,6 +53,7 @@ import torch
 
 from pdserve.engine.block_pool import BlockPool, Discarded, TierUsage
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cpu_allocator import retain_freed_memory
 from pdserve.engine.events import KVEventPublisher, NullPublisher
 from pdserve.engine.handoff import KVHandoff, Reservation
 from pdserve.engine.hashing import BlockHash, engine_salt
@@ -133,6 +134,8 @@ class LLMEngine:
         self.fingerprint = loaded.fingerprint
         self.sampling_defaults = loaded.sampling_defaults  # what `pdserve generate --local` leaves unset
         self.device = select_device(config.device)
+        if self.device.type == "cpu" and config.retain_freed_memory:
+            retain_freed_memory()  # NOTE: prefill's large temporaries stop faulting their pages in each step
         self.model = LlamaModel(loaded.config, loaded.state_dict, self.device,
                                 select_linear(self.device, config.linear_kernel),
                                 select_attention(self.device, config.attention_kernel))
