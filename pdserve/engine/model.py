@@ -40,7 +40,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.cpu_kernels import PagedDecodeAttention, PagedPrefillAttention
 from pdserve.engine.kv_format import KV_FORMATS, KVFormat, format_of
 from pdserve.engine.linear import Linear, MatmulLinear
-from pdserve.engine.own_rows import OwnRows, attend_with_own_rows, with_own_rows
+from pdserve.engine.own_rows import OwnRows, attend_with_own_rows, own_rows_at, with_own_rows
 from pdserve.units import ceil_div
 
 
@@ -241,11 +241,11 @@ class LlamaModel:
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode_attention(q[:nd], layer_cache, fmt, meta, decode_groups,
-                                              own and (own[0][:nd], own[1][:nd]))
+                                              own_rows_at(own, slice(0, nd)))
         for seg in meta.prefills:
             rows = slice(seg.q_start, seg.q_start + seg.q_len)
             out[rows] = self._prefill_attention(q[rows], k[rows], v[rows], seg, layer_cache, fmt,
-                                                own and (own[0][rows], own[1][rows]))
+                                                own_rows_at(own, rows))
         return self.linear(fmt.unrotate(out).reshape(-1, self.q_size), w["o"])
 
     @staticmethod
@@ -281,7 +281,7 @@ class LlamaModel:
         out = torch.empty_like(q)
         for group in groups:
             out[group.rows] = self._group_attention(q[group.rows], layer_cache, fmt, group,
-                                                    own and (own[0][group.rows], own[1][group.rows]))
+                                                    own_rows_at(own, group.rows))
         return out
 
     def _group_attention(self, q: torch.Tensor, layer_cache: torch.Tensor, fmt: KVFormat,

@@ -24,6 +24,11 @@ import torch
 OwnRows = tuple[torch.Tensor, torch.Tensor]  # a query's own K and V, [T, KVH, D], float32, rows' basis
 
 
+def own_rows_at(own: OwnRows | None, index: slice | torch.Tensor) -> OwnRows | None:
+    """The own rows of some queries (None stays None: a format without own rows)."""
+    return None if own is None else (own[0][index], own[1][index])
+
+
 def with_own_rows(keys: torch.Tensor, values: torch.Tensor, own: OwnRows,
                   start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Keys, values and mask of a chunk whose queries attend their own row as computed.
