@@ -89,6 +89,10 @@ class KVFormat:
         """x [..., head_dim] in the model's basis -> the basis rows are stored in (x itself here)."""
         return x
 
+    def store_rotated(self, y: torch.Tensor) -> torch.Tensor:
+        """store(x) given y = rotate(x), for a caller that holds y already (the same rows)."""
+        return self.store(y)  # NOTE: rotate() is the identity here
+
     def unrotate(self, y: torch.Tensor) -> torch.Tensor:
         """y [..., head_dim] in the rows' basis -> the model's basis (y itself here)."""
         return y
@@ -192,7 +196,10 @@ class RotatedAffineFormat(KVFormat):
 
     def store(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., head_dim] float32 -> rows [..., head_dim + 4] of codes, scale and offset."""
-        y = self.rotate(x)
+        return self.store_rotated(self.rotate(x))
+
+    def store_rotated(self, y: torch.Tensor) -> torch.Tensor:
+        """y = rotate(x) [..., head_dim] float32 -> the rows store(x) gives."""
         lo, hi = torch.aminmax(y, dim=-1, keepdim=True)
         exact = (hi - lo) / 255
         scale = exact.to(_AFFINE_DTYPE)

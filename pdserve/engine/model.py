@@ -225,15 +225,16 @@ class LlamaModel:
     def _attention(self, x, rot, w, layer_cache: torch.Tensor, fmt: KVFormat, meta: AttentionMetadata,
                    decode_groups: list[DecodeGroup]):
         q, k, v = self._qkv(x, rot, w)
+        # NOTE: attention runs in the rows' basis (int8: Hadamard-rotated; kv_format.py), so the
+        # queries and fresh K/V rotate once and the output rotates back once, never a cached row.
+        q, k, v = fmt.rotate(q), fmt.rotate(k), fmt.rotate(v)
         # NOTE: fresh K/V attend as the pool gives them back (rounded, or quantized and scaled),
         # so every path (fresh prefill, prefix hit, transferred, decode) sees the very same values.
-        k_rows, v_rows = fmt.store(k), fmt.store(v)  # k itself for float32: no copy
+        k_rows, v_rows = fmt.store_rotated(k), fmt.store_rotated(v)  # k itself for float32: no copy
         layer_cache[0, meta.slot_blocks, meta.slot_offsets] = k_rows
         layer_cache[1, meta.slot_blocks, meta.slot_offsets] = v_rows
-        # NOTE: attention runs in the rows' basis (int8: Hadamard-rotated; kv_format.py), so the
-        # queries rotate once and the output rotates back once, never every cached row.
-        own = (fmt.rotate(k), fmt.rotate(v)) if fmt.own_row_in_float32 else None
-        q, k, v = fmt.rotate(q), fmt.load_rotated(k_rows), fmt.load_rotated(v_rows)
+        own = (k, v) if fmt.own_row_in_float32 else None
+        k, v = fmt.load_rotated(k_rows), fmt.load_rotated(v_rows)
         nd = meta.num_decode
         if not meta.prefills:  # a decode-only step: no output to assemble
             out = self._decode_attention(q, layer_cache, fmt, meta, decode_groups, own)
@@ -337,8 +338,9 @@ class LlamaModel:
         for w in self.layers:
             x = rms_norm(h, w["ln1"], self.config.rms_norm_eps)
             q, k, v = self._qkv(x, rot, w)
-            own = (fmt.rotate(k), fmt.rotate(v)) if fmt.own_row_in_float32 else None
-            q, k, v = fmt.rotate(q), fmt.load_rotated(fmt.store(k)), fmt.load_rotated(fmt.store(v))
+            q, k, v = fmt.rotate(q), fmt.rotate(k), fmt.rotate(v)
+            own = (k, v) if fmt.own_row_in_float32 else None
+            k, v = fmt.load_rotated(fmt.store_rotated(k)), fmt.load_rotated(fmt.store_rotated(v))
             if own is not None:
                 attn = fmt.unrotate(sdpa_4d(q, *with_own_rows(k, v, own, 0), False, self.scale))
             else:
