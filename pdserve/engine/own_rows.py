@@ -84,8 +84,9 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """CPU flash attention of one sequence ([T, heads, D] in and out, grouped KV heads allowed) and its
     log-sum-exp [Tq, H]: the op F.scaled_dot_product_attention runs on the CPU, which also returns it.
 
-    NOTE: a private aten op (torch keeps no promise for it; pyproject bounds torch to 2.13-2.14), chosen as the
-    public SDPA gives no log-sum-exp; tests/engine/test_own_rows.py fails first if it changes."""
+    NOTE: a private aten op (torch keeps no promise for it; pyproject bounds torch to 2.13-2.14),
+    chosen as the public SDPA gives no log-sum-exp; tests/engine/test_own_rows.py fails first if it
+    changes."""
     if q.shape[0] == 0:
         return q.new_zeros(q.shape), q.new_zeros(q.shape[:2])
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
