@@ -4,9 +4,8 @@
         matmul  MatmulLinear: torch.matmul over W.T kept contiguous; any device. The default.
         onednn  OneDNNLinear: torch.ops.mkldnn._linear_pointwise; x86 CPU builds of torch only
         avx2    Avx2Linear: pdserve's GEMV (pdserve/engine/gemv.cpp) for up to max_gemv_rows() rows
-                (32; 8 where the CPU has AVX-512, which the GEMV then runs), oneDNN above (on an
-                Intel CPU, MKL from 512 rows); an x86 CPU with AVX2, oneDNN, and a C++ compiler
-                and ninja to build the GEMV
+                (32; 8 where the CPU has AVX-512, which the GEMV then runs), oneDNN above; an
+                x86 CPU with AVX2, oneDNN, and a C++ compiler and ninja to build the GEMV
     linear.prepare(W) once when the weights load; linear(x, prepared) every step
 
 NOTE: why two. torch's fp32 matmul on an x86 CPU goes to MKL's sgemm, which on the AMD EPYC
@@ -41,22 +40,6 @@ from pdserve.engine.cpu_kernels import Gemv
 # (2026-12-04's Zen 5, both runs of each; docs/benchmarks.md).
 MAX_GEMV_ROWS = 32
 GEMV_CROSSOVER = {("AVX512", "avx512"): 8, ("AVX512", "avx2"): 4}
-
-# Rows from which the avx2 kernel runs torch's matmul (MKL's sgemm) instead of oneDNN, by CPU vendor.
-# On the Intel Xeon of 2026-12-05 and 2026-12-06, MKL led oneDNN on every SmolLM2 layer product from
-# 512 rows (1.01-1.16x, 1 and 2 threads), was mixed at 256 and behind at 14 (0.60-0.71 on gate_up and
-# down); on 2026-12-04's AMD Zen 5 oneDNN led MKL 2-3x, so elsewhere oneDNN keeps every size
-# (docs/benchmarks.md, 2026-12-06).
-MKL_FROM_ROWS = {"GenuineIntel": 512}
-
-
-def cpu_vendor() -> str | None:
-    """The CPU's vendor id as Linux reports it (GenuineIntel, AuthenticAMD), or None."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), None)
-    except OSError:
-        return None
 
 
 def max_gemv_rows(capability: str | None = None, gemv_isa: str | None = None) -> int:
@@ -108,8 +91,7 @@ class OneDNNLinear:
 
 
 class Avx2Linear:
-    """pdserve's GEMV for a few rows of x (a decode step's products), oneDNN for more, and on an Intel
-    CPU torch's matmul (MKL) for prefill-sized products (MKL_FROM_ROWS); W [out, in].
+    """pdserve's GEMV for a few rows of x (a decode step's products), oneDNN for more; W [out, in].
 
     NOTE: a product's kernel depends on its row count only, never on the values, so a step's
     result is a function of its inputs; which rows share a step can change which kernel runs,
@@ -118,22 +100,17 @@ class Avx2Linear:
 
     name = "avx2"
 
-    def __init__(self, gemv: Gemv, max_rows: int | None = None, mkl_from_rows: int | None = None) -> None:
-        """mkl_from_rows: None for this CPU's (MKL_FROM_ROWS), 0 for oneDNN at every size."""
+    def __init__(self, gemv: Gemv, max_rows: int | None = None) -> None:
         self._gemv = gemv
         self._onednn = OneDNNLinear()
         self.max_rows = max_rows or max_gemv_rows()
-        self.mkl_from_rows = MKL_FROM_ROWS.get(cpu_vendor(), 0) if mkl_from_rows is None else mkl_from_rows
 
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
         return weight.contiguous()
 
     def __call__(self, x: torch.Tensor, prepared: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if rows <= self.max_rows:
+        if x.shape[0] <= self.max_rows:
             return self._gemv(x.contiguous(), prepared)
-        if self.mkl_from_rows and rows >= self.mkl_from_rows:
-            return x @ prepared.t()  # NOTE: MKL reads W [out, in] as transposed; no copy
         return self._onednn(x, prepared)
 
 

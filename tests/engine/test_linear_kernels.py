@@ -23,11 +23,9 @@ from pdserve.engine import cpu_kernels
 from pdserve.engine.audit import TOLERANCE, KVAuditor
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.linear import (
-    MKL_FROM_ROWS,
     Avx2Linear,
     MatmulLinear,
     OneDNNLinear,
-    cpu_vendor,
     max_gemv_rows,
     onednn_available,
     select_linear,
@@ -146,29 +144,6 @@ def test_avx2_sends_few_rows_to_the_gemv_and_more_to_onednn(monkeypatch):
         x = torch.randn(rows, 48, generator=g)
         assert torch.allclose(linear(x, w), x @ w.t(), atol=1e-4, rtol=1e-5)
     assert calls == [1, linear.max_rows]
-
-
-@needs_avx2
-@pytest.mark.parametrize(("mkl_from_rows", "to_mkl"), [(0, []), (512, [512, 700])])
-def test_avx2_sends_prefill_sized_products_to_mkl_from_the_cpus_row_count(monkeypatch, mkl_from_rows, to_mkl):
-    """From mkl_from_rows rows (an Intel CPU's 512; 0: never) the product is torch's matmul, else oneDNN."""
-    linear = Avx2Linear(cpu_kernels.gemv(), mkl_from_rows=mkl_from_rows)
-    g = torch.Generator().manual_seed(9)
-    w = linear.prepare(torch.randn(64, 48, generator=g))
-    onednn = []
-    run_onednn = linear._onednn
-    monkeypatch.setattr(linear, "_onednn", lambda x, w: onednn.append(x.shape[0]) or run_onednn(x, w))
-    sizes = (linear.max_rows + 1, 511, 512, 700)
-    for rows in sizes:
-        x = torch.randn(rows, 48, generator=g)
-        assert torch.allclose(linear(x, w), x @ w.t(), atol=1e-4, rtol=1e-5)
-    assert onednn == [rows for rows in sizes if rows not in to_mkl]
-
-
-def test_mkl_takes_prefill_products_on_intel_cpus_only():
-    assert MKL_FROM_ROWS == {"GenuineIntel": 512}  # measured: docs/benchmarks.md, 2026-12-06
-    assert Avx2Linear(lambda x, w: x, max_rows=8, mkl_from_rows=None).mkl_from_rows == MKL_FROM_ROWS.get(
-        cpu_vendor(), 0)
 
 
 def test_the_gemv_stops_sooner_where_onednn_runs_avx512():
