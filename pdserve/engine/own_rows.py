@@ -6,12 +6,14 @@ stored row is not attended. Two forms of it:
 
     with_own_rows          the rule itself, densely: the stored rows, then the chunk's own rows, and a
                            mask (earlier stored rows | the query's own row). LlamaModel's reference
-                           and its decode groups use it.
+                           uses it, and its prefill chunks off the CPU (a decode row instead writes
+                           its own K/V over its stored copy in the gathered keys).
     attend_with_own_rows   a prefill chunk, fast: flash attention over the stored rows of s < p, which
                            gives each query's log-sum-exp, then the own row merged in by the softmax
                            sums. The dense form's mask doubles the keys and leaves SDPA's causal flash
-                           path: a 2,048-token int8 prefill took 1.9x as long with it (5.2 s against
-                           2.8 s, 2 threads, 2026-12-06).
+                           path: in the change's first version, which attended prefill chunks through it,
+                           a 2,048-token int8 prefill took 1.9x as long (5.2 s against 2.8 s, 2 threads,
+                           a one-off timing: docs/benchmarks.md, 2026-12-06).
 
 NOTE: merging by the softmax sums is exact arithmetic, so the two forms differ by float32 rounding
 only (tests/engine/test_own_rows.py compares them).
