@@ -197,15 +197,32 @@ ATTENTION_KERNEL_HELP = ("pdserve's attention (EngineConfig.attention_kernel, "
                          "prefill chunks, reading the rows where they lie in the pool "
                          "(pdserve/engine/decode_attention.cpp, prefill_attention.cpp) "
                          "(default: %(default)s)")
+POINTWISE_KERNEL_HELP = ("RMSNorm, the residual add, RoPE and SiLU·up (EngineConfig.pointwise_kernel, "
+                         "pdserve/engine/pointwise.py): torch is torch's ops, as transformers runs them; "
+                         "avx2 is pdserve's fused kernels, one pass over the rows each "
+                         "(pdserve/engine/pointwise.cpp) (default: %(default)s)")
+KERNEL_FLAGS = ("linear_kernel", "attention_kernel", "pointwise_kernel")
 
 
 def add_kernel_flags(p: argparse.ArgumentParser) -> None:
-    """--linear-kernel and --attention-kernel, as EngineConfig names them."""
-    from pdserve.engine.config import ATTENTION_KERNELS, LINEAR_KERNELS
+    """--linear-kernel, --attention-kernel and --pointwise-kernel, as EngineConfig names them."""
+    from pdserve.engine.config import ATTENTION_KERNELS, LINEAR_KERNELS, POINTWISE_KERNELS
 
     p.add_argument("--linear-kernel", choices=LINEAR_KERNELS, default="matmul", help=LINEAR_KERNEL_HELP)
     p.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default="sdpa",
                    help=ATTENTION_KERNEL_HELP)
+    p.add_argument("--pointwise-kernel", choices=POINTWISE_KERNELS, default="torch",
+                   help=POINTWISE_KERNEL_HELP)
+
+
+def kernel_settings(args: Any) -> dict[str, str]:
+    """The kernel flags' values, by EngineConfig's field names (for Ours(...) and a result's JSON)."""
+    return {name: getattr(args, name) for name in KERNEL_FLAGS}
+
+
+def kernel_argv(args: Any) -> list[str]:
+    """The kernel flags again, for a child process's command line."""
+    return [arg for name in KERNEL_FLAGS for arg in ("--" + name.replace("_", "-"), getattr(args, name))]
 
 
 # --- a peer's own virtualenv -------------------------------------------------------------------

@@ -29,6 +29,8 @@ from bench.common import (
     check_least,
     environment,
     format_table,
+    kernel_argv,
+    kernel_settings,
     progress,
     run_timed,
     set_threads,
@@ -45,15 +47,15 @@ def resident_mib() -> float:
     return int(line.split()[1]) / 1024
 
 
-def child(side: str, threads: int, linear_kernel: str, attention_kernel: str, seed: int) -> dict[str, Any]:
+def child(side: str, threads: int, kernels: dict[str, str], seed: int) -> dict[str, Any]:
     """One side in this process: its workloads' times, page faults and resident memory."""
     from bench.engine import Ours, random_prompt
     from bench.prefill_ttft import CACHED, PROMPT, SUFFIX, one_rep
     from pdserve.engine.weights import load_model
 
     set_threads(threads)
-    ours = Ours(load_model(None, progress=False), 2 * (PROMPT // 16) + 16, 16, threads, linear_kernel,
-                attention_kernel, retain_freed_memory=side == "on")
+    ours = Ours(load_model(None, progress=False), 2 * (PROMPT // 16) + 16, 16, threads, **kernels,
+                retain_freed_memory=side == "on")
     rng = random.Random(seed)
     prompt = random_prompt(rng, PROMPT)
     one_rep(ours, prompt, CACHED, SUFFIX, random_prompt(rng, 32))  # untimed: every buffer's first touch
@@ -66,8 +68,7 @@ def child(side: str, threads: int, linear_kernel: str, attention_kernel: str, se
 
 def run_child(side: str, args: Any, threads: int, seed: int) -> dict[str, Any]:
     command = [sys.executable, "-m", "bench.cpu_allocator", "--child", side, "--threads", str(threads),
-               "--linear-kernel", args.linear_kernel, "--attention-kernel", args.attention_kernel,
-               "--seed", str(seed)]
+               *kernel_argv(args), "--seed", str(seed)]
     out = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -88,8 +89,7 @@ def run(args: Any) -> dict[str, Any]:
     return {"medians_s": med, "runs": runs,
             "off_over_on": {w: med["off"][w] / med["on"][w] for w in WORKLOADS},
             "minor_faults": median_of("minor_faults"), "resident_mib": median_of("resident_mib"),
-            "linear_kernel": args.linear_kernel, "attention_kernel": args.attention_kernel,
-            "threads": threads, "reps": args.reps, "loadavg_at_start": load,
+            **kernel_settings(args), "threads": threads, "reps": args.reps, "loadavg_at_start": load,
             "environment": environment(threads)}
 
 
@@ -113,8 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     check_least(p, args, {"reps": 1})
     if args.child:
-        print(json.dumps(child(args.child, set_threads(args.threads), args.linear_kernel,
-                               args.attention_kernel, args.seed)))
+        print(json.dumps(child(args.child, set_threads(args.threads), kernel_settings(args), args.seed)))
         return
     run_timed(run, report, args)
 

@@ -41,6 +41,7 @@ from bench.common import (
     copy_bandwidth,
     environment,
     format_table,
+    kernel_settings,
     median,
     peak_matmul_flops,
     progress,
@@ -88,9 +89,9 @@ WARM_SUFFIX_TOKENS = 14  # the cluster trace that showed 294 ms for 14 new token
 class Ours:
     """LLMEngine, driven one step at a time so that token timestamps are exact."""
 
-    def __init__(self, loaded: Any, num_blocks: int, block_size: int, threads: int,
+    def __init__(self, loaded: Any, num_blocks: int, block_size: int, threads: int, *,
                  linear_kernel: str = "matmul", attention_kernel: str = "sdpa",
-                 retain_freed_memory: bool = True) -> None:
+                 pointwise_kernel: str = "torch", retain_freed_memory: bool = True) -> None:
         from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
         from pdserve.engine.llm_engine import LLMEngine
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_dtype="float32",
@@ -98,7 +99,7 @@ class Ours:
         scheduler = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64)
         config = EngineConfig(cache=cache, scheduler=scheduler, device="cpu", num_threads=threads,
                               linear_kernel=linear_kernel, attention_kernel=attention_kernel,
-                              retain_freed_memory=retain_freed_memory)
+                              pointwise_kernel=pointwise_kernel, retain_freed_memory=retain_freed_memory)
         self.engine = LLMEngine(loaded, config)
 
     @staticmethod
@@ -401,8 +402,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     progress(f"threads={threads}; loading SmolLM2 for pdserve")
     loaded = load_model(None, progress=False)
-    ours = Ours(loaded, kv_blocks_needed(sizes), sizes.block_size, threads, args.linear_kernel,
-                args.attention_kernel)
+    ours = Ours(loaded, kv_blocks_needed(sizes), sizes.block_size, threads, **kernel_settings(args))
     progress("loading the same GGUF into transformers")
     theirs = Theirs(gguf_path())
     rng = random.Random(0)
@@ -427,8 +427,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     assert not ours.engine.leaked_blocks()
     import transformers
     env = {**environment(threads), "loadavg_at_start": load_at_start}
-    return {**result, "threads": threads, "linear_kernel": args.linear_kernel,
-            "attention_kernel": args.attention_kernel, "torch": torch.__version__,
+    return {**result, "threads": threads, **kernel_settings(args), "torch": torch.__version__,
             "transformers": transformers.__version__, "reps": sizes.reps,
             "concurrent_reps": sizes.concurrent_reps, "quick": args.quick, "sizes": asdict(sizes),
             "environment": env}
@@ -482,7 +481,8 @@ def report(r: dict[str, Any]) -> str:
             f"{r['peak_matmul_flops'] / 1e9:.1f} GFLOP/s fp32 matmul peak "
             f"({r['prefill_flops_per_token'] / 1e6:.1f} MFLOP/token)")
     head = (f"threads={r['threads']} linear_kernel={r['linear_kernel']} "
-            f"attention_kernel={r.get('attention_kernel', 'sdpa')} torch={r['torch']} "
+            f"attention_kernel={r.get('attention_kernel', 'sdpa')} "
+            f"pointwise_kernel={r.get('pointwise_kernel', 'torch')} torch={r['torch']} "
             f"transformers={r['transformers']} reps={r['reps']} "
             f"(concurrent {r['concurrent_reps']}); greedy tokens equal to transformers': "
             f"{r['decode_greedy_tokens_match']}")

@@ -49,9 +49,8 @@ def fresh_mask(length: int, window: str) -> torch.Tensor:
 def window_logits(model: Any, ids: list[int], window: str) -> torch.Tensor:
     """Logits of every position with keys and values in float32 where fresh_mask says, int8 elsewhere."""
     from pdserve.engine.kv_format import KV_FORMATS
-    from pdserve.engine.model import rms_norm
 
-    fmt, c = KV_FORMATS[KV_DTYPE], model.config
+    fmt, c, rms_norm = KV_FORMATS[KV_DTYPE], model.config, model.pointwise.rms_norm
     group = c.num_heads // c.num_kv_heads
     fresh = fresh_mask(len(ids), window)
     causal = torch.ones(len(ids), len(ids), dtype=torch.bool).tril()

@@ -65,6 +65,7 @@ from bench.common import (
     ensure_venv,
     environment,
     format_table,
+    kernel_settings,
     median,
     progress,
     ratio,
@@ -474,8 +475,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                "without it the thread counts cannot be matched")
         threads = set_threads(vllm_threads)
         progress(f"pdserve runs at torch threads={threads}, vLLM's worker count")
-        ours = Ours(loaded, kv_blocks_needed(w), w.block_size, threads, args.linear_kernel,
-                    args.attention_kernel)
+        ours = Ours(loaded, kv_blocks_needed(w), w.block_size, threads, **kernel_settings(args))
         judge = TieJudge(model_dir)
         result: dict[str, Any] = {}
         decode_prompt = loaded.tokenizer.apply_chat_template(DECODE_MESSAGES)
@@ -490,8 +490,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     headline = {f"vllm_concurrent_ratio_{n}": result[f"vllm_concurrent_ratio_{n}"],
                 "vllm_decode_ratio": result["vllm_decode_ratio"],
                 "vllm_prefill_ratio": result["vllm_prefill_ratio"],
-                "threads": threads, "linear_kernel": args.linear_kernel,
-                "attention_kernel": args.attention_kernel,
+                "threads": threads, **kernel_settings(args),
                 "vllm_worker_omp_num_threads": vllm_threads,
                 "vllm_version": peer.ready["vllm_version"], "greedy_tokens_identical": identical}
     vllm_side = {k: peer.ready[k] for k in ("torch", "worker_cpus_allowed", "driver_cpus_allowed",
@@ -515,6 +514,7 @@ def report(r: dict[str, Any]) -> str:
     table = format_table(["workload", "ours", "vLLM", "ratio", "ratio is", "greedy identical"], rows)
     head = (f"vLLM {r['vllm_version']} (CPU) vs pdserve at threads={r['threads']} "
             f"linear_kernel={r['linear_kernel']} attention_kernel={r.get('attention_kernel', 'sdpa')} "
+            f"pointwise_kernel={r.get('pointwise_kernel', 'torch')} "
             f"(vLLM worker OMP_NUM_THREADS={r['vllm_worker_omp_num_threads']}); reps={r['reps']}; "
             f"vLLM start {r['vllm_start_s']:.0f} s (compile cache: {r.get('vllm_compile_cache', '?')}); "
             f"load average at start {r['loadavg_at_start']['1min']:.2f}")

@@ -63,7 +63,8 @@ def run(args: Any) -> dict[str, Any]:
     load = warn_if_busy(threads)
     loaded = load_model(None, progress=False)
     blocks = 2 * (PROMPT // 16) + 16
-    sides = {k: Ours(loaded, blocks, 16, threads, args.linear_kernel, k) for k in KERNELS}
+    sides = {k: Ours(loaded, blocks, 16, threads, linear_kernel=args.linear_kernel, attention_kernel=k)
+             for k in KERNELS}
     rng = random.Random(0)
     for ours in sides.values():
         ours.generate([random_prompt(rng, 64)], [4])  # warm-up

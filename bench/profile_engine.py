@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from bench.common import add_kernel_flags, bench_parser, format_table, publish, set_threads
+from bench.common import add_kernel_flags, bench_parser, format_table, kernel_settings, publish, set_threads
 from bench.engine import Ours, random_prompt
 
 GROUPS = {"matmuls": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "pdserve::gemv"),
@@ -92,12 +92,10 @@ def run(args: Any) -> dict[str, Any]:
     from pdserve.engine.weights import load_model
 
     threads = set_threads(args.threads)
-    ours = Ours(load_model(None, progress=False), 2048, 16, threads, args.linear_kernel,
-                args.attention_kernel)
+    ours = Ours(load_model(None, progress=False), 2048, 16, threads, **kernel_settings(args))
     rng = random.Random(0)
     ours.generate([random_prompt(rng, 64)], [4])  # warm-up
-    result: dict[str, Any] = {"threads": threads, "linear_kernel": args.linear_kernel,
-                              "attention_kernel": args.attention_kernel}
+    result: dict[str, Any] = {"threads": threads, **kernel_settings(args)}
     for name in [args.only] if args.only else WORKLOADS:
         result[name] = profiled(ours, prepare(ours, name, rng))
     return result

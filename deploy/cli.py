@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING
 
 from pdserve import __version__
 from pdserve.client_security import add_client_security_arguments, given_flags
-from pdserve.engine.config import ATTENTION_KERNELS, KV_DTYPES, LINEAR_KERNELS, CacheConfig, SchedulerConfig
+from pdserve.engine.config import (
+    ATTENTION_KERNELS,
+    KV_DTYPES,
+    LINEAR_KERNELS,
+    POINTWISE_KERNELS,
+    CacheConfig,
+    SchedulerConfig,
+)
 from pdserve.engine.hashing import CACHE_ISOLATION
 from pdserve.engine.sampling_defaults import SMOLLM2_MODEL_CARD
 from pdserve.units import human_bytes
@@ -376,6 +383,11 @@ def _add_up_cache(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
                             "and prefill chunks, reading the rows where they lie in the pool (float32 KV "
                             "cache only), built with g++ and ninja on first use "
                             f"(default: {d.attention_kernel}; docs/benchmarks.md)")
+    cache.add_argument("--pointwise-kernel", choices=POINTWISE_KERNELS,
+                       help="every worker's RMSNorm, residual add, RoPE and SiLU·up: torch = torch's ops, as "
+                            "transformers runs them; avx2 = pdserve's fused kernels, one pass over the rows "
+                            "each (norm and SiLU within a few ulp of torch's), built with g++ and ninja on "
+                            f"first use (default: {d.pointwise_kernel}; docs/benchmarks.md)")
     cache.add_argument("--max-chunk-bytes", type=int, metavar="BYTES",
                        help="KV payload per frame a prefill worker sends a decode worker, whole blocks, at "
                             f"least one (default: {d.kv_frames.max_chunk_bytes:,}; docs/benchmarks.md has "

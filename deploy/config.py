@@ -28,7 +28,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from pdserve.engine.config import ATTENTION_KERNELS, LINEAR_KERNELS, CacheConfig, SchedulerConfig
+from pdserve.engine.config import (
+    ATTENTION_KERNELS,
+    LINEAR_KERNELS,
+    POINTWISE_KERNELS,
+    CacheConfig,
+    SchedulerConfig,
+)
 from pdserve.engine.hashing import CACHE_ISOLATION
 from pdserve.engine.sampling_defaults import SamplingOverrides
 from pdserve.field_error import FieldError
@@ -81,6 +87,7 @@ class ClusterSpec:
     actor_placement: str = "pack"  # how Ray places the worker actors: ACTOR_PLACEMENTS
     linear_kernel: str = "matmul"  # every worker's matmul kernel: LINEAR_KERNELS (pdserve/engine/linear.py)
     attention_kernel: str = "sdpa"  # every worker's attention: ATTENTION_KERNELS (engine/model.py)
+    pointwise_kernel: str = "torch"  # every worker's norm/RoPE/SiLU: POINTWISE_KERNELS (engine/pointwise.py)
     # NOTE: None decides at start: 1 when the cluster has a GPU for every worker, else 0 (CPU). An
     # autoscaling cluster has no GPU node yet at start, so its config says 1 explicitly.
     gpus_per_worker: float | None = None
@@ -125,6 +132,7 @@ class ClusterSpec:
         _check_choice("actor_placement (--actor-placement)", self.actor_placement, tuple(ACTOR_PLACEMENTS))
         _check_choice("linear_kernel (--linear-kernel)", self.linear_kernel, LINEAR_KERNELS)
         _check_choice("attention_kernel (--attention-kernel)", self.attention_kernel, ATTENTION_KERNELS)
+        _check_choice("pointwise_kernel (--pointwise-kernel)", self.pointwise_kernel, POINTWISE_KERNELS)
         if self.attention_kernel == "avx2" and self.cache.kv_dtype != "float32":
             raise ValueError("attention_kernel (--attention-kernel) avx2 reads float32 K/V rows only, but "
                              f"cache.kv_dtype (--kv-dtype) is {self.cache.kv_dtype}: "
@@ -223,6 +231,7 @@ FILE_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "actor_placement": ("actor_placement", (str,)),
     "linear_kernel": ("linear_kernel", (str,)),
     "attention_kernel": ("attention_kernel", (str,)),
+    "pointwise_kernel": ("pointwise_kernel", (str,)),
     "gpus_per_worker": ("gpus_per_worker", (int, float, _NONE)),
     "torch_threads": ("torch_threads", (int, _NONE)),
     "cache.block_size": ("cache.block_size", (int,)),
@@ -277,6 +286,7 @@ FLAG_FIELDS: dict[str, str] = {
     "actor_placement": "actor_placement", "gpus_per_worker": "gpus_per_worker",
     "torch_threads": "torch_threads",
     "linear_kernel": "linear_kernel", "attention_kernel": "attention_kernel",
+    "pointwise_kernel": "pointwise_kernel",
     "host": "host", "port": "port", "metrics_port": "metrics_port", "redis_url": "redis_url",
     "http_port": "http_port", "served_model_name": "served_model_name",
     "address": "ray_address", "namespace": "namespace",

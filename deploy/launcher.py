@@ -245,7 +245,8 @@ class LocalCluster:
         s = self.spec
         engine = EngineConfig(model_path=s.model_path, cache=s.cache.for_worker(worker_id),
                               scheduler=s.scheduler, num_threads=threads,
-                              linear_kernel=s.linear_kernel, attention_kernel=s.attention_kernel)
+                              linear_kernel=s.linear_kernel, attention_kernel=s.attention_kernel,
+                              pointwise_kernel=s.pointwise_kernel)
         return WorkerSpec(role=role, worker_id=worker_id, redis_url=self.redis_url, engine=engine,
                           host=s.host, namespace=s.namespace,
                           tls=s.tls, cluster_secret=self.security.cluster_secret, audit=s.audit,

@@ -137,6 +137,7 @@ def hf_tiny(tiny_model_dir):
 def make_engine(loaded: LoadedModel, *, block_size: int = 16, num_blocks: int | None = 256,
                 budget: int = 2048, max_seqs: int = 64, kv_dtype: str = "float32",
                 prefix_caching: bool = True, linear_kernel: str = "matmul", attention_kernel: str = "sdpa",
+                pointwise_kernel: str = "torch",
                 host_blocks: int | None = None, disk_dir: str | None = None,
                 disk_gib: float = 4.0) -> LLMEngine:
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_dtype=kv_dtype,
@@ -144,7 +145,8 @@ def make_engine(loaded: LoadedModel, *, block_size: int = 16, num_blocks: int | 
                         disk_cache_dir=disk_dir, disk_cache_gib=disk_gib)
     scheduler = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs)
     return LLMEngine(loaded, EngineConfig(cache=cache, scheduler=scheduler, device="cpu",
-                                          linear_kernel=linear_kernel, attention_kernel=attention_kernel))
+                                          linear_kernel=linear_kernel, attention_kernel=attention_kernel,
+                                          pointwise_kernel=pointwise_kernel))
 
 
 class RecordingPublisher:

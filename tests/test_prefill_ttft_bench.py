@@ -15,7 +15,7 @@ KERNELS = ["sdpa", pytest.param("avx2", marks=pytest.mark.skipif(cpu_kernels.una
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_each_workload_finds_the_prefix_it_names(tiny_loaded, kernel):
-    ours = Ours(tiny_loaded, 64, 16, 1, "matmul", kernel)
+    ours = Ours(tiny_loaded, 64, 16, 1, attention_kernel=kernel)
     prompt = [(7 * i + 3) % 250 + 5 for i in range(200)]
     times = one_rep(ours, prompt, 160, 14, other=[9] * 32)
     assert set(times) == {"cold", "warm128", "suffix14"} and all(t > 0 for t in times.values())

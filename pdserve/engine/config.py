@@ -154,6 +154,7 @@ class SchedulerConfig:
 
 LINEAR_KERNELS = ("matmul", "onednn", "avx2")
 ATTENTION_KERNELS = ("sdpa", "avx2")
+POINTWISE_KERNELS = ("torch", "avx2")
 
 
 def cpu_threads_per_worker(workers: int) -> int:
@@ -176,6 +177,10 @@ class EngineConfig:
     # dense copy; avx2 is pdserve's own paged kernels, for decode rows (decode_attention.cpp) and
     # prefill chunks (prefill_attention.cpp), reading the rows in the pool, float32 caches only.
     attention_kernel: str = "sdpa"
+    # RMSNorm, the residual add, RoPE and SiLU·up (pdserve/engine/pointwise.py): torch is torch's ops
+    # (bit-equal to transformers); avx2 is pdserve's fused kernels, one pass each (norm and SiLU within
+    # a few ulp of torch's).
+    pointwise_kernel: str = "torch"
     # On the CPU, keep freed memory in the process (pdserve/engine/cpu_allocator.py): a step's large
     # temporaries reuse mapped pages instead of faulting fresh ones in. Process-wide once set.
     retain_freed_memory: bool = True
@@ -187,6 +192,9 @@ class EngineConfig:
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise FieldError("attention_kernel", f"must be one of {', '.join(ATTENTION_KERNELS)}",
                              self.attention_kernel)
+        if self.pointwise_kernel not in POINTWISE_KERNELS:
+            raise FieldError("pointwise_kernel", f"must be one of {', '.join(POINTWISE_KERNELS)}",
+                             self.pointwise_kernel)
         if self.attention_kernel == "avx2" and self.cache.kv_dtype != "float32":
             raise FieldError("attention_kernel", f"must be sdpa with kv_dtype {self.cache.kv_dtype} (avx2 "
                              "reads float32 K/V rows only: use kv_dtype float32 for it)",

@@ -62,7 +62,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemv.cpp", "decode_attention.cpp",
-                                                            "prefill_attention.cpp"))
+                                                            "prefill_attention.cpp", "pointwise.cpp"))
 HEADERS = (Path(__file__).with_name("prefill_attention_lanes.h"),)  # included by a source: in the digest
 # NOTE: -fopenmp is what makes at::parallel_for parallel: without it the header's OpenMP pragma is
 # ignored and the kernels run on one thread at about half their bandwidth.

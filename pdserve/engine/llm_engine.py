@@ -61,6 +61,7 @@ from pdserve.engine.host_tier import build_lower_tier
 from pdserve.engine.linear import select_linear
 from pdserve.engine.model import LlamaModel, select_attention
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
+from pdserve.engine.pointwise import select_pointwise
 from pdserve.engine.sampler import sample, token_logprobs, uniform
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.engine.sequence import SamplingParams, Sequence, SequenceStatus, TokenLogprob, Usage
@@ -138,7 +139,8 @@ class LLMEngine:
             retain_freed_memory()  # NOTE: prefill's large temporaries stop faulting their pages in each step
         self.model = LlamaModel(loaded.config, loaded.state_dict, self.device,
                                 select_linear(self.device, config.linear_kernel),
-                                select_attention(self.device, config.attention_kernel))
+                                select_attention(self.device, config.attention_kernel),
+                                select_pointwise(self.device, config.pointwise_kernel))
         cache = config.cache
         self.block_size = cache.block_size
         num_blocks = cache.resolve_num_blocks(loaded.config)

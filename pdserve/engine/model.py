@@ -41,6 +41,7 @@ from pdserve.engine.cpu_kernels import PagedDecodeAttention, PagedPrefillAttenti
 from pdserve.engine.kv_format import KV_FORMATS, KVFormat, format_of
 from pdserve.engine.linear import Linear, MatmulLinear
 from pdserve.engine.own_rows import OwnRows, attend_with_own_rows, own_rows_at, with_own_rows
+from pdserve.engine.pointwise import TorchPointwise
 from pdserve.units import ceil_div
 
 
@@ -97,13 +98,6 @@ class RotaryEmbedding:
         """cos and sin rows for positions, shaped [T, 1, head_dim]: looked up once per step."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
-    @staticmethod
-    def apply(x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x: [T, heads, head_dim]; rotate-half convention, as Hugging Face Llama."""
-        cos, sin = rot
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
 
 
 def sdpa_4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -146,20 +140,17 @@ def select_attention(device: torch.device, kernel: str = "sdpa") -> PagedAttenti
     return PagedAttention(cpu_kernels.paged_decode_attention(), cpu_kernels.paged_prefill_attention())
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return weight * (x * torch.rsqrt(variance + eps))
-
-
 class LlamaModel:
     """Weights plus the forward pass. Stateless apart from the weights."""
 
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor],
                  device: torch.device, linear: Linear | None = None,
-                 paged_attention: PagedAttention | None = None) -> None:
+                 paged_attention: PagedAttention | None = None,
+                 pointwise: TorchPointwise | None = None) -> None:
         self.config = config
         self.device = device
         self.linear = linear or MatmulLinear()
+        self.pointwise = pointwise or TorchPointwise()
         self.paged_attention = paged_attention  # None: SDPA over gathered K/V
         c = config
         self.q_size = c.num_heads * c.head_dim
@@ -200,25 +191,26 @@ class LlamaModel:
         fmt = format_of(kv_cache.dtype)
         decode_groups = (self._decode_groups(meta, kv_cache.shape[3])
                          if meta.num_decode and self.paged_attention is None else [])
+        norm, eps = self.pointwise, self.config.rms_norm_eps
+        residual = None  # the sum of the embeddings and every sublayer's output so far
         for i, w in enumerate(self.layers):
-            h = h + self._attention(rms_norm(h, w["ln1"], self.config.rms_norm_eps), rot,
-                                    w, kv_cache[i], fmt, meta, decode_groups)
-            h = h + self._mlp(rms_norm(h, w["ln2"], self.config.rms_norm_eps), w)
+            x, residual = norm.add_rms_norm(h, residual, w["ln1"], eps)
+            h = self._attention(x, rot, w, kv_cache[i], fmt, meta, decode_groups)
+            x, residual = norm.add_rms_norm(h, residual, w["ln2"], eps)
+            h = self._mlp(x, w)
             if on_layer_done is not None:
                 on_layer_done(i)
-        h = rms_norm(h[logit_rows], self.final_norm, self.config.rms_norm_eps)
+        h = norm.rms_norm(residual[logit_rows] + h[logit_rows], self.final_norm, eps)
         return self.linear(h, self.lm_head)
 
     def _mlp(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
-        gate, up = self.linear(x, w["gate_up"]).chunk(2, dim=-1)
-        return self.linear(F.silu(gate) * up, w["down"])
+        return self.linear(self.pointwise.silu_and_mul(self.linear(x, w["gate_up"])), w["down"])
 
     def _qkv(self, x: torch.Tensor, rot, w: dict[str, torch.Tensor]):
         """q [T, H, D] and k [T, KVH, D] rotated, v [T, KVH, D]; q and k rotate as one tensor."""
         c = self.config
         qkv = self.linear(x, w["qkv"])
-        qk = self.rope.apply(qkv[:, :self.q_size + self.kv_size].view(-1, c.num_heads + c.num_kv_heads,
-                                                                      c.head_dim), rot)
+        qk = self.pointwise.rotary(qkv, rot, c.num_heads + c.num_kv_heads, c.head_dim)
         q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
         return q, k, qkv[:, self.q_size + self.kv_size:].view(-1, c.num_kv_heads, c.head_dim)
 
@@ -335,8 +327,9 @@ class LlamaModel:
         ids = torch.tensor(token_ids, device=self.device)
         rot = self.rope.at(torch.arange(len(token_ids), device=self.device))
         h = self.embed[ids]
+        norm, eps = self.pointwise, self.config.rms_norm_eps
         for w in self.layers:
-            x = rms_norm(h, w["ln1"], self.config.rms_norm_eps)
+            x = norm.rms_norm(h, w["ln1"], eps)
             q, k, v = self._qkv(x, rot, w)
             q, k, v = fmt.rotate(q), fmt.rotate(k), fmt.rotate(v)
             own = (k, v) if fmt.own_row_in_float32 else None
@@ -346,5 +339,5 @@ class LlamaModel:
             else:
                 attn = fmt.unrotate(sdpa_4d(q, k, v, None, True, self.scale))
             h = h + self.linear(attn.reshape(-1, self.q_size), w["o"])
-            h = h + self._mlp(rms_norm(h, w["ln2"], self.config.rms_norm_eps), w)
-        return self.linear(rms_norm(h, self.final_norm, self.config.rms_norm_eps), self.lm_head)
+            h = h + self._mlp(norm.rms_norm(h, w["ln2"], eps), w)
+        return self.linear(norm.rms_norm(h, self.final_norm, eps), self.lm_head)

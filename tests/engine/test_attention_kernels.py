@@ -250,12 +250,13 @@ def test_avx2_attention_greedy_continuation_matches_transformers(tiny_loaded, hf
 @needs_avx2
 @pytest.mark.slow  # transformers' GGUF load
 def test_avx2_kernels_on_smollm2_match_transformers_within_the_linear_bound(smollm_loaded, hf_smollm):
-    """Both opt-in kernels together, as the benches run them: the linear kernels' bound on the
-    logits (the attention kernel adds sums in its own order, not another bound), greedy tokens equal."""
+    """The three opt-in kernels together, as the benches run them: the linear kernels' bound on the
+    logits (attention, norms and SiLU add sums in their own order, not another bound), greedy tokens
+    equal."""
     messages = [{"role": "user", "content": "Write one sentence about the sea."}]
     chat_ids = smollm_loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    engine = make_engine(smollm_loaded, linear_kernel="avx2", attention_kernel="avx2", block_size=16,
-                         num_blocks=64, budget=40)
+    engine = make_engine(smollm_loaded, linear_kernel="avx2", attention_kernel="avx2",
+                         pointwise_kernel="avx2", block_size=16, num_blocks=64, budget=40)
     with torch.inference_mode():
         diff = (engine.model.reference_logits(chat_ids) - hf_logits(hf_smollm, chat_ids)).abs().max().item()
     assert diff <= ONEDNN_VS_TRANSFORMERS
