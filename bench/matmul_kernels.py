@@ -9,8 +9,10 @@ For each product [M, in] x [in, out] of a SmolLM2 layer (qkv 576->960, gate_up 5
 down 1536->576, and lm_head 576->49,152 with M of 1 to 8) and M rows (1: batch-1 decode; 2 to 32:
 decode batches; 14: a short suffix; 64, 128; 256; 2,048: a prefill chunk), each kernel runs on 30
 distinct weights in turn (lm_head: 3), so that each call reads its weight from memory as a model's
-layers do: MatmulLinear and OneDNNLinear of pdserve/engine/linear.py, and pdserve::gemv
-(pdserve/engine/gemv.cpp) at every row count where it builds. avx2 runs the GEMV up to
+layers do: MatmulLinear and OneDNNLinear of pdserve/engine/linear.py (the weight packed once into
+oneDNN's layout), onednn_unpacked (oneDNN given W as stored, reordering it in every call: what
+OneDNNLinear ran before 2026-12-06), and pdserve::gemv (pdserve/engine/gemv.cpp) at every row count
+where it builds. avx2 runs the GEMV up to
 max_gemv_rows() rows and oneDNN above: where the gemv and onednn columns cross is what sets it,
 per CPU capability (pdserve/engine/linear.py).
 Reported: the best of --reps passes (the least disturbed by other processes) as GFLOP/s and the
@@ -62,9 +64,19 @@ class GemvAtAnyRows:
         return self._kernel(x, prepared)
 
 
+class OneDNNUnpacked(OneDNNLinear):
+    """oneDNN over W [out, in] as stored, without the packing OneDNNLinear.prepare does."""
+
+    name = "onednn_unpacked"
+
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.contiguous()
+
+
 def kernels() -> list[Linear]:
-    """matmul and onednn, and pdserve's GEMV where it builds here (it says why not, once)."""
-    found: list[Linear] = [MatmulLinear(), OneDNNLinear()]
+    """matmul, onednn and onednn_unpacked, and pdserve's GEMV where it builds here (it says why not,
+    once)."""
+    found: list[Linear] = [MatmulLinear(), OneDNNLinear(), OneDNNUnpacked()]
     kernel = cpu_kernels.gemv()
     if kernel is None:
         print(f"gemv left out: {cpu_kernels.unavailable()}")

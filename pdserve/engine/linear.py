@@ -2,10 +2,13 @@
 
     select_linear(device, kernel) -> Linear       (EngineConfig.linear_kernel)
         matmul  MatmulLinear: torch.matmul over W.T kept contiguous; any device. The default.
-        onednn  OneDNNLinear: torch.ops.mkldnn._linear_pointwise; x86 CPU builds of torch only
+        onednn  OneDNNLinear: torch.ops.mkldnn._linear_pointwise over W packed once into oneDNN's
+                blocked layout; x86 CPU builds of torch only
         avx2    Avx2Linear: pdserve's GEMV (pdserve/engine/gemv.cpp) for up to max_gemv_rows() rows
                 (32; 8 where the CPU has AVX-512, which the GEMV then runs), oneDNN above; an
-                x86 CPU with AVX2, oneDNN, and a C++ compiler and ninja to build the GEMV
+                x86 CPU with AVX2, oneDNN, and a C++ compiler and ninja to build the GEMV. It keeps
+                two copies of every weight, W for the GEMV and oneDNN's packed one: twice the
+                weights' memory (SmolLM2: 1.08 GB instead of 540 MB)
     linear.prepare(W) once when the weights load; linear(x, prepared) every step
 
 NOTE: why two. torch's fp32 matmul on an x86 CPU goes to MKL's sgemm, which on the AMD EPYC
@@ -24,6 +27,7 @@ opt-in as well and under the same tests.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -40,6 +44,14 @@ from pdserve.engine.cpu_kernels import Gemv
 # (2026-12-04's Zen 5, both runs of each; docs/benchmarks.md).
 MAX_GEMV_ROWS = 32
 GEMV_CROSSOVER = {("AVX512", "avx512"): 8, ("AVX512", "avx2"): 4}
+# NOTE: why oneDNN's weights are packed. Given W as stored, [out, in], oneDNN reorders it into its
+# blocked layout inside every call; packed once at load, the same products ran 1.0-1.35x faster on
+# one thread (qkv most, at 14 to 2,048 rows), and SmolLM2's cold 2,048-token prefill 1.05-1.10x and a
+# 14-token prefill 1.33-1.37x faster, tokens identical: from two rows up the packing changes no sum
+# (tests/engine/test_linear_kernels.py; docs/benchmarks.md, 2026-12-06; at one row oneDNN given W as
+# stored runs a GEMV path of its own, about as fast, which sums in another order). The layout is chosen for a
+# batch of PACK_FOR_ROWS rows and serves every row count (packed for 2,048 rows it was no faster there).
+PACK_FOR_ROWS = 32
 
 
 def max_gemv_rows(capability: str | None = None, gemv_isa: str | None = None) -> int:
@@ -50,14 +62,25 @@ def max_gemv_rows(capability: str | None = None, gemv_isa: str | None = None) ->
     return GEMV_CROSSOVER.get((capability, gemv_isa), MAX_GEMV_ROWS)
 
 
+@dataclass(frozen=True)
+class GemvAndPacked:
+    """Avx2Linear's two copies of one weight: [out, in] for the GEMV, oneDNN's packed one for more rows."""
+
+    rows: torch.Tensor
+    packed: torch.Tensor
+
+
+PreparedWeight = torch.Tensor | GemvAndPacked
+
+
 class Linear(Protocol):
     name: str
 
-    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+    def prepare(self, weight: torch.Tensor) -> PreparedWeight:
         """The weight [out, in] as this kernel wants it stored."""
         ...
 
-    def __call__(self, x: torch.Tensor, prepared: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, prepared: PreparedWeight) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
         ...
 
@@ -79,12 +102,13 @@ class MatmulLinear:
 
 
 class OneDNNLinear:
-    """oneDNN's fp32 inner product over W as Linear stores it, [out, in] and contiguous."""
+    """oneDNN's fp32 inner product over W packed into oneDNN's blocked layout (W [out, in] as given
+    works too, reordered in every call)."""
 
     name = "onednn"
 
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight.contiguous()
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_FOR_ROWS)
 
     def __call__(self, x: torch.Tensor, prepared: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, prepared, None, "none", [], "")
@@ -105,13 +129,14 @@ class Avx2Linear:
         self._onednn = OneDNNLinear()
         self.max_rows = max_rows or max_gemv_rows()
 
-    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight.contiguous()
+    def prepare(self, weight: torch.Tensor) -> GemvAndPacked:
+        rows = weight.contiguous()
+        return GemvAndPacked(rows, self._onednn.prepare(rows))
 
-    def __call__(self, x: torch.Tensor, prepared: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, prepared: GemvAndPacked) -> torch.Tensor:
         if x.shape[0] <= self.max_rows:
-            return self._gemv(x.contiguous(), prepared)
-        return self._onednn(x, prepared)
+            return self._gemv(x.contiguous(), prepared.rows)
+        return self._onednn(x, prepared.packed)
 
 
 def onednn_available(device: torch.device) -> bool:
@@ -119,8 +144,8 @@ def onednn_available(device: torch.device) -> bool:
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     try:
-        x, w = torch.ones(2, 3), torch.ones(4, 3)
-        return bool(torch.equal(OneDNNLinear()(x, w), torch.full((2, 4), 3.0)))
+        x, w, onednn = torch.ones(2, 3), torch.ones(4, 3), OneDNNLinear()
+        return bool(torch.equal(onednn(x, onednn.prepare(w)), torch.full((2, 4), 3.0)))
     except (RuntimeError, AttributeError):
         return False
 

@@ -137,13 +137,26 @@ def test_avx2_sends_few_rows_to_the_gemv_and_more_to_onednn(monkeypatch):
     linear = select_linear(torch.device("cpu"), "avx2")
     assert isinstance(linear, Avx2Linear)
     g = torch.Generator().manual_seed(9)
-    w = linear.prepare(torch.randn(64, 48, generator=g))
+    w = torch.randn(64, 48, generator=g)
+    prepared = linear.prepare(w)
     calls = []
     monkeypatch.setattr(linear, "_gemv", lambda x, w: calls.append(x.shape[0]) or cpu_kernels.gemv()(x, w))
     for rows in (1, linear.max_rows, linear.max_rows + 1, 300):
         x = torch.randn(rows, 48, generator=g)
-        assert torch.allclose(linear(x, w), x @ w.t(), atol=1e-4, rtol=1e-5)
+        assert torch.allclose(linear(x, prepared), x @ w.t(), atol=1e-4, rtol=1e-5)
     assert calls == [1, linear.max_rows]
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [2, 9, 14, 32, 128, 700])
+def test_packing_the_weight_for_onednn_changes_no_value(rows):
+    """OneDNNLinear.prepare packs W into oneDNN's blocked layout once; given W as stored, oneDNN
+    reorders it in the call. The two give the same bits from two rows up (at one row, given W as
+    stored, oneDNN runs a GEMV path of its own that sums in another order)."""
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 576, generator=g), torch.randn(1536, 576, generator=g)
+    onednn = OneDNNLinear()
+    assert torch.equal(onednn(x, onednn.prepare(w)), onednn(x, w))
 
 
 def test_the_gemv_stops_sooner_where_onednn_runs_avx512():
