@@ -9,6 +9,9 @@ extension on first use.
     prefill_attention.cpp  torch.ops.pdserve.paged_prefill_attention: a prefill chunk's queries over
     (+ _lanes.h)           its sequence's rows in the pool, causal, flash-style (the same `avx2`
                            attention kernel, for prefill chunks)
+    pointwise.cpp          torch.ops.pdserve.rms_norm, add_rms_norm_, silu_and_mul, rotary_: the work
+                           between a layer's products, one pass each (the `avx2` pointwise kernel,
+                           pdserve/engine/pointwise.py)
 
     gemv(), paged_decode_attention(), paged_prefill_attention()
                                        the operators, or None where they cannot be built or run here
