@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.sampler import filtered_probs, inverse_cdf, uniform
+from pdserve.engine.sampler import filtered_probs, inverse_cdf, sample, uniform
 from pdserve.engine.sequence import SamplingParams
 from tests.conftest import assert_no_leaks, make_engine
 
@@ -96,3 +96,13 @@ def test_stop_string_truncates_text(smollm_loaded):
     assert stopped.finish_reason == "stop"
     assert stopped.text == full.text[: full.text.index("4")]
     assert_no_leaks(engine)
+
+
+def test_a_greedy_row_takes_the_first_of_tied_maxima_as_argmax_does():
+    logits = torch.full((3, 50), -1.0)
+    logits[0, [7, 3, 40]] = 2.5
+    logits[1, 49] = float("inf")
+    logits[2, [0, 1]] = 0.0
+    logits[2] = torch.where(logits[2] < 0, float("-inf"), logits[2])
+    greedy = [SamplingParams(temperature=0)] * 3
+    assert sample(logits, greedy, [0.0] * 3) == [3, 49, 0] == logits.argmax(dim=-1).tolist()
