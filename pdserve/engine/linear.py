@@ -45,9 +45,10 @@ from pdserve.engine.cpu_kernels import Gemv
 MAX_GEMV_ROWS = 32
 GEMV_CROSSOVER = {("AVX512", "avx512"): 8, ("AVX512", "avx2"): 4}
 # NOTE: why oneDNN's weights are packed. Given W as stored, [out, in], oneDNN reorders it into its
-# blocked layout inside every call; packed once at load, the same products ran 1.0-1.35x faster on
-# one thread (qkv most, at 14 to 2,048 rows), and SmolLM2's cold 2,048-token prefill 1.05-1.10x and a
-# 14-token prefill 1.33-1.37x faster, tokens identical: from two rows up the packing changes no sum
+# blocked layout inside every call; packed once at load, qkv's product ran 1.3-1.65x faster on one
+# thread at 2 to 32 rows, gate_up's 1.15-1.33x, down's no faster (python -m bench.matmul_kernels:
+# onednn against onednn_unpacked), and SmolLM2's cold 2,048-token prefill 1.05-1.10x and a 14-token
+# prefill 1.33-1.37x faster, tokens identical: from two rows up the packing changes no sum
 # (tests/engine/test_linear_kernels.py; docs/benchmarks.md, 2026-12-06; at one row oneDNN given W as
 # stored runs a GEMV path of its own, about as fast, which sums in another order). The layout is chosen for a
 # batch of PACK_FOR_ROWS rows and serves every row count (packed for 2,048 rows it was no faster there).
