@@ -374,9 +374,9 @@ def _add_up_cache(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
                        help="every worker's matmul kernel: matmul = torch's own, as transformers runs "
                             "it; onednn = oneDNN, 2-3x faster prefill and batched decode on x86 "
                             "CPUs, logits within 1e-3; avx2 = oneDNN plus pdserve's own GEMV for "
-                            "products of up to 32 rows (8, in 16 lanes, where the CPU has AVX-512), with a "
-                            "second, packed copy of every weight for oneDNN (twice the weights' memory), built "
-                            "with g++ and ninja on first use "
+                            "products of up to 32 rows (8, in 16 lanes, where the CPU has AVX-512), with "
+                            "a second, packed copy of every weight for oneDNN (twice the weights' memory), "
+                            "built with g++ and ninja on first use "
                             f"(default: {d.linear_kernel}; docs/benchmarks.md)")
     cache.add_argument("--attention-kernel", choices=ATTENTION_KERNELS,
                        help="every worker's attention: sdpa = torch's, over each sequence's blocks "

@@ -6,10 +6,8 @@ import pytest
 
 from bench.engine import Ours
 from bench.kernel_ab import WORKLOADS, Sizes, alternate, main
-from pdserve.engine import cpu_kernels
+from tests.engine.kernel_checks import needs_kernel
 
-needs_kernel = pytest.mark.skipif(cpu_kernels.unavailable() is not None,
-                                  reason=f"{cpu_kernels.unavailable()}")
 SMALL = Sizes(prompt=64, cached=48, suffix=6, decode_prompt=8, decode_tokens=5, mixed_requests=3,
               mixed_prompt=(4, 20), mixed_output=(2, 5))
 

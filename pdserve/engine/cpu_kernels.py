@@ -66,7 +66,8 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemv.cpp", "decode_attention.cpp",
                                                             "prefill_attention.cpp", "pointwise.cpp"))
-HEADERS = (Path(__file__).with_name("prefill_attention_lanes.h"),)  # included by a source: in the digest
+HEADERS = tuple(Path(__file__).with_name(name)  # included by the sources: in the digest
+                for name in ("prefill_attention_lanes.h", "cephes_exp.h"))
 # NOTE: -fopenmp is what makes at::parallel_for parallel: without it the header's OpenMP pragma is
 # ignored and the kernels run on one thread at about half their bandwidth.
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")

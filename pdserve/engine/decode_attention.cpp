@@ -23,6 +23,8 @@
 #include <cmath>
 #include <vector>
 
+#include "cephes_exp.h"
+
 namespace {
 
 constexpr int64_t kTokens = 8;  // keys scored together, one accumulator each (independent FMA chains)
@@ -43,24 +45,11 @@ inline __m256 horizontal_sums(const __m256 (&a)[kTokens]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// exp(x) for x <= 0, 8 lanes: Cephes' single-precision expf (range reduction by ln 2, a degree-5
-// polynomial), within 2 ulp of std::exp; underflows to 0 below -87.
+// exp(x) for x <= 0, 8 lanes (cephes_exp.h); underflows to 0 below -87.
 inline __m256 exp_ps(__m256 x) {
   const __m256 low = _mm256_set1_ps(-87.0f);
   const __m256 underflow = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, low);
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(exponent)));
+  return _mm256_andnot_ps(underflow, pdserve::exp8_in_range(_mm256_max_ps(x, low)));
 }
 
 constexpr int64_t kPrefetchAhead = 16;  // rows: the next block's, while this one is read

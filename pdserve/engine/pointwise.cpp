@@ -26,6 +26,8 @@
 
 #include <cmath>
 
+#include "cephes_exp.h"
+
 namespace {
 
 constexpr int64_t kNormGrainRows = 32;  // rows of 576 floats: under this a call runs on one thread
@@ -76,26 +78,14 @@ inline void add_into(float* residual, const float* x, int64_t n) {
   for (; i < n; ++i) residual[i] = residual[i] + x[i];
 }
 
-// e^x for 8 lanes: Cephes' expf (x = n ln2 + r, a degree-5 polynomial in r, then 2^n) over
-// [-88.38, 88.38], 0 below and infinity above. silu divides by 1 + e^-x, so at either end it rounds
-// as torch's does: x itself far above 0, a zero far below (tests/engine/test_pointwise.py).
+// e^x for 8 lanes (cephes_exp.h) over [-87, 88.38], 0 below and infinity above. silu divides by
+// 1 + e^-x, so at either end it rounds as torch's does: x itself far above 0, a zero far below
+// (tests/engine/test_pointwise.py).
 inline __m256 exp8(__m256 x) {
-  const __m256 limit = _mm256_set1_ps(88.3762626647949f);
-  const __m256 overflows = _mm256_cmp_ps(x, limit, _CMP_GT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), limit);
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-  const __m256 e = _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
-  return _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), overflows);
+  const __m256 low = _mm256_set1_ps(-87.0f), high = _mm256_set1_ps(88.3762626647949f);
+  const __m256 underflow = _mm256_cmp_ps(x, low, _CMP_LT_OQ), overflow = _mm256_cmp_ps(x, high, _CMP_GT_OQ);
+  const __m256 e = pdserve::exp8_in_range(_mm256_min_ps(_mm256_max_ps(x, low), high));
+  return _mm256_blendv_ps(_mm256_andnot_ps(underflow, e), _mm256_set1_ps(INFINITY), overflow);
 }
 
 // silu(g) * u = g / (1 + e^-g) * u, as torch's silu then mul round it.

@@ -10,24 +10,26 @@ greedy tokens. The reference attends with SDPA, so every step compares the two a
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 import torch
 
 from pdserve.engine import cpu_kernels
-from pdserve.engine.audit import TOLERANCE, KVAuditor
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.model import select_attention
 from pdserve.engine.sequence import SamplingParams
 from pdserve.field_error import FieldError
-from tests.conftest import assert_no_leaks, make_engine
+from tests.conftest import make_engine
+from tests.engine.kernel_checks import (
+    check_cache_paths,
+    check_decode_filled_blocks_audit_clean,
+    check_greedy_matches_transformers,
+    needs_kernel,
+)
 from tests.engine.test_exactness import check_against_reference, varied_prompts
 from tests.engine.test_linear_kernels import ONEDNN_VS_TRANSFORMERS, needs_avx2
 from tests.engine.test_oracle import hf_greedy, hf_logits
 
-needs_kernel = pytest.mark.skipif(cpu_kernels.unavailable() is not None,
-                                  reason=f"pdserve's CPU kernels: {cpu_kernels.unavailable()}")
 CPU = torch.device("cpu")
 
 
@@ -194,11 +196,8 @@ KERNEL_PAIRS = [pytest.param("matmul", marks=needs_kernel, id="matmul"),
                          [{}, {"budget": 7}, {"block_size": 8, "num_blocks": 10, "budget": 32}],
                          ids=["batched", "chunked", "preempted"])
 def test_avx2_attention_cache_paths_match_the_reference(tiny_loaded, linear_kernel, engine_kwargs):
-    prompts = varied_prompts(tiny_loaded.config.vocab_size)
     engine = make_engine(tiny_loaded, linear_kernel=linear_kernel, attention_kernel="avx2", **engine_kwargs)
-    check_against_reference(engine, prompts)
-    results = check_against_reference(engine, prompts)  # again: prefix hits
-    assert sum(r.usage.cached_tokens for r in results) > 0
+    check_cache_paths(engine)
 
 
 @needs_kernel
@@ -222,29 +221,13 @@ def test_avx2_attention_over_many_rows_of_mixed_lengths_matches_the_reference(ti
 
 @needs_kernel
 def test_avx2_attention_blocks_filled_by_decode_steps_audit_clean(tiny_loaded):
-    engine = make_engine(tiny_loaded, attention_kernel="avx2", budget=40)
-    rng = random.Random(11)
-    for _ in range(4):
-        prompt = [rng.randrange(tiny_loaded.config.vocab_size) for _ in range(rng.randint(20, 60))]
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-                           detokenize=False)
-        for _ in range(3):
-            engine.step()
-    while engine.has_unfinished():
-        engine.step()
-    report = KVAuditor(engine).audit()
-    assert report.mismatched == 0 and report.checked > 0, report
-    assert report.max_rel_diff <= TOLERANCE["float32"] / 4, report
-    assert_no_leaks(engine)
+    check_decode_filled_blocks_audit_clean(make_engine(tiny_loaded, attention_kernel="avx2", budget=40))
 
 
 @needs_kernel
 def test_avx2_attention_greedy_continuation_matches_transformers(tiny_loaded, hf_tiny):
     engine = make_engine(tiny_loaded, attention_kernel="avx2", block_size=4, budget=16)
-    ids = [5, 17, 300, 4000, 12, 7, 99, 1024, 33]
-    [ours] = engine.generate([ids], SamplingParams(temperature=0, max_tokens=32), detokenize=False)
-    assert ours.token_ids == hf_greedy(hf_tiny, ids, 32)
-    assert_no_leaks(engine)
+    check_greedy_matches_transformers(engine, hf_tiny)
 
 
 @needs_avx2

@@ -11,7 +11,6 @@ crosses the two kernels.
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,6 @@ import pytest
 import torch
 
 from pdserve.engine import cpu_kernels
-from pdserve.engine.audit import TOLERANCE, KVAuditor
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.linear import (
     Avx2Linear,
@@ -32,7 +30,12 @@ from pdserve.engine.linear import (
 )
 from pdserve.engine.sequence import SamplingParams
 from pdserve.field_error import FieldError
-from tests.conftest import assert_no_leaks, make_engine
+from tests.conftest import make_engine
+from tests.engine.kernel_checks import (
+    check_cache_paths,
+    check_decode_filled_blocks_audit_clean,
+    check_greedy_matches_transformers,
+)
 from tests.engine.test_exactness import check_against_reference, varied_prompts
 from tests.engine.test_oracle import hf_greedy, hf_logits
 
@@ -193,40 +196,19 @@ def test_gemv_takes_a_row_that_is_a_view():
                          [{}, {"budget": 7}, {"block_size": 8, "num_blocks": 10, "budget": 32}],
                          ids=["batched", "chunked", "preempted"])
 def test_opt_in_kernel_cache_paths_match_the_reference(tiny_loaded, kernel, engine_kwargs):
-    prompts = varied_prompts(tiny_loaded.config.vocab_size)
-    engine = kernel_engine(tiny_loaded, kernel, **engine_kwargs)
-    check_against_reference(engine, prompts)
-    results = check_against_reference(engine, prompts)  # again: prefix hits
-    assert sum(r.usage.cached_tokens for r in results) > 0
+    check_cache_paths(kernel_engine(tiny_loaded, kernel, **engine_kwargs))
 
 
 @pytest.mark.parametrize("kernel", OPT_IN_KERNELS)
 def test_opt_in_kernel_blocks_filled_by_decode_steps_audit_clean(tiny_loaded, kernel):
     """Decode steps (under avx2, the GEMV's products) fill whole blocks beside prefill chunks; the
     KV audit recomputes each as one prefill (oneDNN's products): the rows agree across the kernels."""
-    engine = kernel_engine(tiny_loaded, kernel, budget=40)
-    rng = random.Random(11)
-    for _ in range(4):
-        prompt = [rng.randrange(tiny_loaded.config.vocab_size) for _ in range(rng.randint(20, 60))]
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-                           detokenize=False)
-        for _ in range(3):
-            engine.step()
-    while engine.has_unfinished():
-        engine.step()
-    report = KVAuditor(engine).audit()
-    assert report.mismatched == 0 and report.checked > 0, report
-    assert report.max_rel_diff <= TOLERANCE["float32"] / 4, report
-    assert_no_leaks(engine)
+    check_decode_filled_blocks_audit_clean(kernel_engine(tiny_loaded, kernel, budget=40))
 
 
 @pytest.mark.parametrize("kernel", OPT_IN_KERNELS)
 def test_opt_in_kernel_greedy_continuation_matches_transformers(tiny_loaded, hf_tiny, kernel):
-    engine = kernel_engine(tiny_loaded, kernel, block_size=4, budget=16)
-    ids = [5, 17, 300, 4000, 12, 7, 99, 1024, 33]
-    [ours] = engine.generate([ids], SamplingParams(temperature=0, max_tokens=32), detokenize=False)
-    assert ours.token_ids == hf_greedy(hf_tiny, ids, 32)
-    assert_no_leaks(engine)
+    check_greedy_matches_transformers(kernel_engine(tiny_loaded, kernel, block_size=4, budget=16), hf_tiny)
 
 
 @pytest.mark.parametrize("kernel", OPT_IN_KERNELS)

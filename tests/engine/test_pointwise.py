@@ -10,25 +10,22 @@ greedy tokens.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from pdserve.engine import cpu_kernels
-from pdserve.engine.audit import TOLERANCE, KVAuditor
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model import RotaryEmbedding
 from pdserve.engine.pointwise import FusedPointwise, TorchPointwise, select_pointwise
-from pdserve.engine.sequence import SamplingParams
 from pdserve.field_error import FieldError
-from tests.conftest import assert_no_leaks, make_engine
-from tests.engine.test_exactness import check_against_reference, varied_prompts
+from tests.conftest import make_engine
+from tests.engine.kernel_checks import (
+    check_cache_paths,
+    check_decode_filled_blocks_audit_clean,
+    check_greedy_matches_transformers,
+    needs_kernel,
+)
 from tests.engine.test_linear_kernels import needs_avx2
-from tests.engine.test_oracle import hf_greedy
 
-needs_kernel = pytest.mark.skipif(cpu_kernels.unavailable() is not None,
-                                  reason=f"pdserve's CPU kernels: {cpu_kernels.unavailable()}")
 CPU = torch.device("cpu")
 NORM_REL = 1e-6  # measured: 3.5e-7 (a few ulp) on rows of 576
 SILU_REL = 1e-6  # measured: 3.1e-7
@@ -160,36 +157,17 @@ KERNEL_SETS = [pytest.param({}, marks=needs_kernel, id="pointwise-only"),
                          [{}, {"budget": 7}, {"block_size": 8, "num_blocks": 10, "budget": 32}],
                          ids=["batched", "chunked", "preempted"])
 def test_fused_pointwise_cache_paths_match_the_reference(tiny_loaded, kernels, engine_kwargs):
-    prompts = varied_prompts(tiny_loaded.config.vocab_size)
     engine = make_engine(tiny_loaded, pointwise_kernel="avx2", **kernels, **engine_kwargs)
     assert isinstance(engine.model.pointwise, FusedPointwise)
-    check_against_reference(engine, prompts)
-    results = check_against_reference(engine, prompts)  # again: prefix hits
-    assert sum(r.usage.cached_tokens for r in results) > 0
+    check_cache_paths(engine)
 
 
 @needs_kernel
 def test_fused_pointwise_blocks_filled_by_decode_steps_audit_clean(tiny_loaded):
-    engine = make_engine(tiny_loaded, pointwise_kernel="avx2", budget=40)
-    rng = random.Random(11)
-    for _ in range(4):
-        prompt = [rng.randrange(tiny_loaded.config.vocab_size) for _ in range(rng.randint(20, 60))]
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-                           detokenize=False)
-        for _ in range(3):
-            engine.step()
-    while engine.has_unfinished():
-        engine.step()
-    report = KVAuditor(engine).audit()
-    assert report.mismatched == 0 and report.checked > 0, report
-    assert report.max_rel_diff <= TOLERANCE["float32"] / 4, report
-    assert_no_leaks(engine)
+    check_decode_filled_blocks_audit_clean(make_engine(tiny_loaded, pointwise_kernel="avx2", budget=40))
 
 
 @needs_kernel
 def test_fused_pointwise_greedy_continuation_matches_transformers(tiny_loaded, hf_tiny):
     engine = make_engine(tiny_loaded, pointwise_kernel="avx2", block_size=4, budget=16)
-    ids = [5, 17, 300, 4000, 12, 7, 99, 1024, 33]
-    [ours] = engine.generate([ids], SamplingParams(temperature=0, max_tokens=32), detokenize=False)
-    assert ours.token_ids == hf_greedy(hf_tiny, ids, 32)
-    assert_no_leaks(engine)
+    check_greedy_matches_transformers(engine, hf_tiny)
