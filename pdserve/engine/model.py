@@ -99,7 +99,6 @@ class RotaryEmbedding:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-
 def sdpa_4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
             causal: bool, scale: float) -> torch.Tensor:
     """Attention of one sequence; q [Tq, H, D], k/v [Tk, KVH, D] -> [Tq, H, D].

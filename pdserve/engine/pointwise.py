@@ -1,6 +1,6 @@
 """The element-by-element work between a layer's products: RMSNorm, the residual add, RoPE, SiLU·up.
 
-    select_pointwise(device, kernel) -> Pointwise        (EngineConfig.pointwise_kernel)
+    select_pointwise(device, kernel) -> TorchPointwise or FusedPointwise   (EngineConfig.pointwise_kernel)
     POINTWISE_KERNELS (pdserve/engine/config.py) = ("torch", "avx2")
 
 torch (the default) is torch's own ops in the order Hugging Face's Llama runs them, so the
@@ -9,7 +9,7 @@ fused kernels (pdserve/engine/pointwise.cpp): one pass over each row where torch
 eight, as vLLM's CPU build does with its fused_add_rms_norm, silu_and_mul and rotary_embedding.
 Its RoPE and residual sums are bit-equal to torch's; its norm and SiLU differ by a few ulp
 (tests/engine/test_pointwise.py), so it is an opt-in setting beside the avx2 linear and attention
-kernels, and the exactness suite runs the engine on it (tests/engine/test_linear_kernels.py).
+kernels, and the exactness suite runs the engine on it (the same test file).
 
 A layer runs them as:
 
