@@ -43,7 +43,7 @@ WORKLOADS = ("cold", "warm128", "suffix14", "decode1", "mixed32")
 
 
 @dataclass(frozen=True)
-class Sizes:
+class WorkloadSizes:
     prompt: int = 2048
     cached: int = 1920
     suffix: int = 14
@@ -59,7 +59,7 @@ class Sizes:
         return max(self.mixed_requests * one_request, 2 * -(-self.prompt // self.block_size)) + 16
 
 
-def one_side(ours: Ours, rng: random.Random, sizes: Sizes) -> dict[str, float]:
+def one_side(ours: Ours, rng: random.Random, sizes: WorkloadSizes) -> dict[str, float]:
     """Every workload once on this side; rng is seeded alike for both sides of a rep."""
     prompt = random_prompt(rng, sizes.prompt)
     ttfts = one_rep(ours, prompt, sizes.cached, sizes.suffix, random_prompt(rng, 32))
@@ -76,7 +76,7 @@ def one_side(ours: Ours, rng: random.Random, sizes: Sizes) -> dict[str, float]:
             "decode1": 1 / decode_tokens_per_s(stamps), "mixed32": mixed}
 
 
-def alternate(sides: dict[str, Ours], reps: int, sizes: Sizes,
+def alternate(sides: dict[str, Ours], reps: int, sizes: WorkloadSizes,
               seed: int = 0) -> dict[str, dict[str, list[float]]]:
     """reps rounds, the sides' order swapped every round, each round on prompts of its own seed."""
     times: dict[str, dict[str, list[float]]] = {v: {w: [] for w in WORKLOADS} for v in sides}
@@ -93,7 +93,7 @@ def run(args: Any) -> dict[str, Any]:
 
     threads = set_threads(args.threads)
     load = warn_if_busy(threads)
-    loaded, sizes = load_model(None, progress=False), Sizes()
+    loaded, sizes = load_model(None, progress=False), WorkloadSizes()
     base = kernel_settings(args)
     sides = {v: Ours(loaded, sizes.blocks(), sizes.block_size, threads, **{**base, args.setting: v})
              for v in args.values}

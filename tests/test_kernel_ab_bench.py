@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from bench.engine import Ours
-from bench.kernel_ab import WORKLOADS, Sizes, alternate, main
+from bench.kernel_ab import WORKLOADS, WorkloadSizes, alternate, main
 from tests.engine.kernel_checks import needs_kernel
 
-SMALL = Sizes(prompt=64, cached=48, suffix=6, decode_prompt=8, decode_tokens=5, mixed_requests=3,
+SMALL = WorkloadSizes(prompt=64, cached=48, suffix=6, decode_prompt=8, decode_tokens=5, mixed_requests=3,
               mixed_prompt=(4, 20), mixed_output=(2, 5))
 
 

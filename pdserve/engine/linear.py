@@ -67,7 +67,7 @@ def max_gemv_rows(capability: str | None = None, gemv_isa: str | None = None) ->
 class GemvAndPacked:
     """Avx2Linear's two copies of one weight: [out, in] for the GEMV, oneDNN's packed one for more rows."""
 
-    rows: torch.Tensor
+    weight: torch.Tensor
     packed: torch.Tensor
 
 
@@ -131,12 +131,12 @@ class Avx2Linear:
         self.max_rows = max_rows or max_gemv_rows()
 
     def prepare(self, weight: torch.Tensor) -> GemvAndPacked:
-        rows = weight.contiguous()
-        return GemvAndPacked(rows, self._onednn.prepare(rows))
+        weight = weight.contiguous()
+        return GemvAndPacked(weight, self._onednn.prepare(weight))
 
     def __call__(self, x: torch.Tensor, prepared: GemvAndPacked) -> torch.Tensor:
         if x.shape[0] <= self.max_rows:
-            return self._gemv(x.contiguous(), prepared.rows)
+            return self._gemv(x.contiguous(), prepared.weight)
         return self._onednn(x, prepared.packed)
 
 
