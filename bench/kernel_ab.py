@@ -10,7 +10,9 @@ runs at A and the other at B. Per rep, on fresh seeded prompts, each side runs i
   warm128   its 128 new tokens after 1,920 cached                   TTFT, seconds)
   suffix14  14 new tokens after the same 1,920 cached
   decode1   32 batch-1 decode steps after a 56-token prompt: seconds per step
-  mixed32   bench.engine's 32 concurrent requests (prompts of 32-512 tokens, 16-128 new): seconds
+  mixed32   bench.engine's 32 concurrent requests (its concurrent_mix: prompts of 32-512 tokens,
+            16-128 new): seconds
+The sizes are bench.engine's (SIZES: its FULL, with 33 tokens to decode).
 Alternating rep by rep lets a drifting machine hit both sides alike, which two bench.engine runs
 minutes apart do not (this machine's speed moved 14% between two of them on 2026-12-06). Reported:
 medians over --reps, and A ÷ B per workload (above 1: B is faster).
@@ -21,7 +23,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 from bench.common import (
@@ -36,38 +38,30 @@ from bench.common import (
     set_threads,
     warn_if_busy,
 )
-from bench.engine import Ours, decode_tokens_per_s, random_prompt
+from bench.engine import (
+    FULL,
+    WARM_SUFFIX_TOKENS,
+    Ours,
+    Sizes,
+    concurrent_mix,
+    decode_tokens_per_s,
+    kv_blocks_needed,
+    random_prompt,
+)
 from bench.prefill_ttft import one_rep
 
 WORKLOADS = ("cold", "warm128", "suffix14", "decode1", "mixed32")
+SIZES = replace(FULL, decode_new_tokens=33)  # 32 decode steps after the prefill's token
+DECODE_PROMPT_TOKENS = 56
 
 
-@dataclass(frozen=True)
-class WorkloadSizes:
-    prompt: int = 2048
-    cached: int = 1920
-    suffix: int = 14
-    decode_prompt: int = 56
-    decode_tokens: int = 33  # 32 decode steps after the prefill's token
-    mixed_requests: int = 32
-    mixed_prompt: tuple[int, int] = (32, 512)
-    mixed_output: tuple[int, int] = (16, 128)
-    block_size: int = 16
-
-    def blocks(self) -> int:
-        one_request = -(-(self.mixed_prompt[1] + self.mixed_output[1]) // self.block_size)
-        return max(self.mixed_requests * one_request, 2 * -(-self.prompt // self.block_size)) + 16
-
-
-def one_side(ours: Ours, rng: random.Random, sizes: WorkloadSizes) -> dict[str, float]:
+def one_side(ours: Ours, rng: random.Random, sizes: Sizes) -> dict[str, float]:
     """Every workload once on this side; rng is seeded alike for both sides of a rep."""
-    prompt = random_prompt(rng, sizes.prompt)
-    ttfts = one_rep(ours, prompt, sizes.cached, sizes.suffix, random_prompt(rng, 32))
+    prompt = random_prompt(rng, sizes.warm_prompt_tokens)
+    ttfts = one_rep(ours, prompt, sizes.warm_cached_tokens, WARM_SUFFIX_TOKENS, random_prompt(rng, 32))
     ours.reset()
-    _, stamps, _ = ours.stream(random_prompt(rng, sizes.decode_prompt), sizes.decode_tokens)
-    lengths = [rng.randint(*sizes.mixed_prompt) for _ in range(sizes.mixed_requests)]
-    prompts = [random_prompt(rng, n) for n in lengths]
-    wants = [rng.randint(*sizes.mixed_output) for _ in prompts]
+    _, stamps, _ = ours.stream(random_prompt(rng, DECODE_PROMPT_TOKENS), sizes.decode_new_tokens)
+    prompts, wants = concurrent_mix(rng, sizes)
     ours.reset()
     start = time.perf_counter()
     ours.generate(prompts, wants)
@@ -76,7 +70,7 @@ def one_side(ours: Ours, rng: random.Random, sizes: WorkloadSizes) -> dict[str, 
             "decode1": 1 / decode_tokens_per_s(stamps), "mixed32": mixed}
 
 
-def alternate(sides: dict[str, Ours], reps: int, sizes: WorkloadSizes,
+def alternate(sides: dict[str, Ours], reps: int, sizes: Sizes,
               seed: int = 0) -> dict[str, dict[str, list[float]]]:
     """reps rounds, the sides' order swapped every round, each round on prompts of its own seed."""
     times: dict[str, dict[str, list[float]]] = {v: {w: [] for w in WORKLOADS} for v in sides}
@@ -93,13 +87,13 @@ def run(args: Any) -> dict[str, Any]:
 
     threads = set_threads(args.threads)
     load = warn_if_busy(threads)
-    loaded, sizes = load_model(None, progress=False), WorkloadSizes()
+    loaded = load_model(None, progress=False)
     base = kernel_settings(args)
-    sides = {v: Ours(loaded, sizes.blocks(), sizes.block_size, threads, **{**base, args.setting: v})
+    sides = {v: Ours(loaded, kv_blocks_needed(SIZES), SIZES.block_size, threads, **{**base, args.setting: v})
              for v in args.values}
     for ours in sides.values():
         ours.generate([random_prompt(random.Random(99), 64)], [4])  # warm-up
-    times = alternate(sides, args.reps, sizes)
+    times = alternate(sides, args.reps, SIZES)
     med = {v: {w: statistics.median(t) for w, t in d.items()} for v, d in times.items()}
     a, b = args.values
     return {"setting": args.setting, "values": args.values, "medians_s": med, "times_s": times,

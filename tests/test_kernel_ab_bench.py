@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from bench.engine import Ours
-from bench.kernel_ab import WORKLOADS, WorkloadSizes, alternate, main
+from bench.engine import Ours, Sizes, kv_blocks_needed
+from bench.kernel_ab import WORKLOADS, alternate, main
 from tests.engine.kernel_checks import needs_kernel
 
-SMALL = WorkloadSizes(prompt=64, cached=48, suffix=6, decode_prompt=8, decode_tokens=5, mixed_requests=3,
-              mixed_prompt=(4, 20), mixed_output=(2, 5))
+SMALL = Sizes(prefill_lengths=(64,), decode_new_tokens=5, concurrent_requests=3,
+              concurrent_prompt_range=(4, 20), concurrent_output_range=(2, 5), warm_prompt_tokens=64,
+              warm_cached_tokens=48)
 
 
 @needs_kernel
 def test_each_side_times_every_workload_in_every_rep(tiny_loaded):
-    sides = {v: Ours(tiny_loaded, SMALL.blocks(), SMALL.block_size, 1, pointwise_kernel=v)
+    sides = {v: Ours(tiny_loaded, kv_blocks_needed(SMALL), SMALL.block_size, 1, pointwise_kernel=v)
              for v in ("torch", "avx2")}
     assert [s.engine.config.pointwise_kernel for s in sides.values()] == ["torch", "avx2"]
     times = alternate(sides, 2, SMALL)
