@@ -1,7 +1,7 @@
 """The engine's attention kernels on SmolLM2's shapes: torch's SDPA over gathered blocks, and
 pdserve's paged kernels, for decode rows and for prefill chunks.
 
-    python -m bench.attention_kernels [--json] [--threads N] [--reps N] [--only decode|prefill]
+    python -m bench.attention_kernels [--json] [--threads N] [--reps N] [--only decode|prefill|paths]
 
 Decode: for B decode rows (1, 8, 32) with context lengths drawn as bench.engine's concurrent mix
 draws prompts (32-512 tokens), and one row of 2,048. Prefill: one chunk of N new tokens after C
@@ -19,6 +19,13 @@ a model's layers do:
 The two alternate rep by rep. Reported: medians of --reps passes, per layer; ratio = sdpa ÷ avx2
 (how many times faster the paged kernel is); the K/V bytes the rows hold ÷ avx2's time (decode) or
 the attention's FLOPs ÷ avx2's time (prefill); and the largest difference between the two outputs.
+
+Paths: the paged prefill attention's two paths on chunks of 1 to 128 queries after 1,920 cached
+rows (and 14 after 544), alternating the same way: tiled (every key transposed once per call, 12
+query rows a tile) and lanes (16 query rows in a vector's lanes, each key read in place), forced by
+pdserve::paged_prefill_attention_on. The kernel takes the lanes path up to
+prefill_attention_lane_rows() query rows a KV head; where the two columns cross is what sets it.
+Ratio = tiled ÷ lanes; the outputs must be equal bit for bit (max |diff| 0).
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ BLOCK_SIZE = 16
 CASES = {"1 x 32-512": (1, None), "8 x 32-512": (8, None), "32 x 32-512": (32, None), "1 x 2,048": (1, 2048)}
 PREFILL_CASES = {"14 after 544": (544, 14), "14 after 1,920": (1920, 14), "128 after 1,920": (1920, 128),
                  "512 fresh": (0, 512), "2,048 fresh": (0, 2048)}  # (cached, new) tokens
+PATH_CASES = {"1 after 1,920": (1920, 1), "14 after 1,920": (1920, 14), "32 after 1,920": (1920, 32),
+              "64 after 1,920": (1920, 64), "128 after 1,920": (1920, 128), "14 after 544": (544, 14)}
 
 
 class Case:
@@ -107,7 +116,17 @@ def paged_prefill(model: LlamaModel, case: PrefillCase):
     return lambda layer: attend(case.q, case.layers[layer], case.table, case.segment.start, model.scale)
 
 
-SIDES = {"decode": (sdpa_attention, paged_attention), "prefill": (sdpa_prefill, paged_prefill)}
+def prefill_on(path: str):
+    def side(model: LlamaModel, case: PrefillCase):
+        attend = cpu_kernels.paged_prefill_attention_on(path)
+        return lambda layer: attend(case.q, case.layers[layer], case.table, case.segment.start, model.scale)
+    return side
+
+
+# per kind: the two sides, the first the baseline (ratio = first ÷ second)
+SIDES = {"decode": {"sdpa": sdpa_attention, "avx2": paged_attention},
+         "prefill": {"sdpa": sdpa_prefill, "avx2": paged_prefill},
+         "paths": {"tiled": prefill_on("tiled"), "lanes": prefill_on("lanes")}}
 
 
 def seconds_per_layer(fn: Any) -> float:
@@ -118,20 +137,21 @@ def seconds_per_layer(fn: Any) -> float:
 
 
 def measure(model: LlamaModel, kind: str, name: str, case: Case | PrefillCase, reps: int) -> dict[str, Any]:
-    sdpa_side, avx2_side = SIDES[kind]
-    sides = {"sdpa": sdpa_side(model, case), "avx2": avx2_side(model, case)}
+    sides = {side: make(model, case) for side, make in SIDES[kind].items()}
+    base, ours = sides
     with torch.inference_mode():
-        diff = (sides["sdpa"](0) - sides["avx2"](0)).abs().max().item()  # also the warm-up
+        diff = (sides[base](0) - sides[ours](0)).abs().max().item()  # also the warm-up
         times: dict[str, list[float]] = {k: [] for k in sides}
         for _ in range(reps):
             for side, fn in sides.items():
                 times[side].append(seconds_per_layer(fn))
-    sdpa, avx2 = (statistics.median(times[k]) for k in ("sdpa", "avx2"))
-    rate = ({"avx2_kv_gb_per_s": case.kv_bytes / avx2 / 1e9} if kind == "decode"
-            else {"avx2_gflop_per_s": case.flops / avx2 / 1e9, "sdpa_gflop_per_s": case.flops / sdpa / 1e9})
+    first, second = (statistics.median(times[k]) for k in sides)
+    rate = ({"avx2_kv_gb_per_s": case.kv_bytes / second / 1e9} if kind == "decode"
+            else {f"{ours}_gflop_per_s": case.flops / second / 1e9,
+                  f"{base}_gflop_per_s": case.flops / first / 1e9})
     return {"kind": kind, "case": name, "rows": len(case.q), "context_tokens": int(sum(case.lens)),
-            "sdpa_ms_per_layer": sdpa * 1e3, "avx2_ms_per_layer": avx2 * 1e3, "ratio": sdpa / avx2,
-            **rate, "max_abs_diff": diff}
+            f"{base}_ms_per_layer": first * 1e3, f"{ours}_ms_per_layer": second * 1e3,
+            "ratio": first / second, **rate, "max_abs_diff": diff}
 
 
 def run(args: Any) -> dict[str, Any]:
@@ -151,21 +171,27 @@ def run(args: Any) -> dict[str, Any]:
     if args.only in (None, "prefill"):
         results += [measure(model, "prefill", name, PrefillCase(model, cached, new), args.reps)
                     for name, (cached, new) in PREFILL_CASES.items()]
+    if args.only in (None, "paths"):
+        results += [measure(model, "paths", name, PrefillCase(model, cached, new), args.reps)
+                    for name, (cached, new) in PATH_CASES.items()]
     return {"cases": results, "threads": threads, "reps": args.reps, "loadavg_at_start": load,
-            "environment": environment(threads)}
+            "lane_rows": cpu_kernels.prefill_attention_lane_rows(), "environment": environment(threads)}
 
 
 def report(r: dict[str, Any]) -> str:
     tables = []
     for kind, head, rate in (("decode", "rows x context", "avx2 K/V GB/s"),
-                             ("prefill", "new after cached", "avx2 GFLOP/s")):
-        rows = [[c["case"], c["context_tokens"], c["sdpa_ms_per_layer"], c["avx2_ms_per_layer"], c["ratio"],
-                 c.get("avx2_kv_gb_per_s", c.get("avx2_gflop_per_s")), f"{c['max_abs_diff']:.1e}"]
+                             ("prefill", "new after cached", "avx2 GFLOP/s"),
+                             ("paths", "new after cached", "lanes GFLOP/s")):
+        base, ours = SIDES[kind]
+        rows = [[c["case"], c["context_tokens"], c[f"{base}_ms_per_layer"], c[f"{ours}_ms_per_layer"],
+                 c["ratio"], c.get("avx2_kv_gb_per_s", c.get(f"{ours}_gflop_per_s")),
+                 f"{c['max_abs_diff']:.1e}"]
                 for c in r["cases"] if c["kind"] == kind]
         if rows:
-            tables.append(format_table([head, "tokens", "sdpa ms/layer", "avx2 ms/layer", "sdpa ÷ avx2",
-                                        rate, "max |diff|"], rows))
-    return "\n\n".join(tables)
+            tables.append(format_table([head, "tokens", f"{base} ms/layer", f"{ours} ms/layer",
+                                        f"{base} ÷ {ours}", rate, "max |diff|"], rows))
+    return "\n\n".join(tables) + f"\n\nthe lanes path runs up to {r['lane_rows']} query rows a KV head"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -174,8 +200,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="torch intra-op threads (default: one per usable CPU core)")
     p.add_argument("--reps", type=int, default=5,
                    help="passes over the 30 layers per kernel, alternating; medians (default: %(default)s)")
-    p.add_argument("--only", choices=("decode", "prefill"), default=None,
-                   help="run only the decode cases or only the prefill cases (default: both)")
+    p.add_argument("--only", choices=("decode", "prefill", "paths"), default=None,
+                   help="run only the decode cases, the prefill cases (sdpa against avx2), or the "
+                        "prefill kernel's two paths (default: all three)")
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error(f"--reps must be >= 1, got {args.reps}")

@@ -36,3 +36,12 @@ def test_both_prefill_attentions_attend_the_same_chunk_and_agree(tiny_loaded, ca
     assert result["rows"] == new and result["context_tokens"] == cached + new
     assert result["max_abs_diff"] < 1e-5
     assert result["avx2_gflop_per_s"] > 0 and result["sdpa_gflop_per_s"] > 0
+
+
+@pytest.mark.skipif(cpu_kernels.unavailable() is not None, reason=f"{cpu_kernels.unavailable()}")
+def test_the_prefill_kernels_two_paths_attend_the_same_chunk_to_the_bit(tiny_loaded):
+    model = LlamaModel(tiny_loaded.config, tiny_loaded.state_dict, torch.device("cpu"))
+    result = measure(model, "paths", "9 after 37", PrefillCase(model, 37, 9), reps=1)
+    assert result["max_abs_diff"] == 0
+    assert result["tiled_ms_per_layer"] > 0 and result["lanes_ms_per_layer"] > 0
+    assert result["ratio"] == pytest.approx(result["tiled_ms_per_layer"] / result["lanes_ms_per_layer"])

@@ -11,8 +11,13 @@
 // softmax, and the values read from the pool. The body (prefill_attention_lanes.h) is compiled for
 // both widths; the AVX-512 one runs where the CPU has it, unless PDSERVE_CPU_ISA=avx2 (as the GEMV).
 //
-// A row's sums run over key tiles that start at multiples of the tile from key 0, so a row gets the
-// same bits whichever chunk it is in, whatever the thread count.
+// A chunk of few query rows a KV head (up to kLaneRowsMax: a short suffix after a long cached
+// prefix) takes the lanes path instead: its rows in a vector's lanes and each key read in place, with
+// no transposed copy, which for a few rows cost more than their arithmetic (the lanes header's
+// second half).
+//
+// A row's sums run over key tiles that start at multiples of the tile from key 0, in the same order
+// on both paths, so a row gets the same bits whichever chunk it is in, whatever the thread count.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -22,6 +27,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace pdserve {
@@ -29,6 +35,8 @@ bool use_avx512();  // gemv.cpp: AVX-512F here, and not capped by PDSERVE_CPU_IS
 }
 
 namespace {
+
+constexpr int64_t kLaneRowsMax = 128;  // query rows a KV head up to which the lanes path runs
 
 // One call's shapes and where its rows are: the pool layer is cache[K|V, block, offset, kv_head, d].
 struct Problem {
@@ -54,6 +62,7 @@ constexpr int W = 16;
 constexpr int TV = 2;      // 32 keys a tile
 constexpr int kRows = 12;  // 24 score registers and the key tile's 2: 26 of 32
 constexpr int RP = 6;      // 6 rows x 4 vectors of output + 4 of values: 28 of 32 registers
+constexpr int RPL = 4;     // the lanes path's 16 rows, 4 at a time: 16 + 4 + a broadcast
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
 inline vf splat(float x) { return _mm512_set1_ps(x); }
@@ -69,6 +78,7 @@ constexpr int W = 8;
 constexpr int TV = 2;      // 16 keys a tile
 constexpr int kRows = 6;   // 12 score registers and the key tile's 2: 14 of 16
 constexpr int RP = 2;      // 2 rows x 4 vectors of output + 4 of values: 12 of 16 registers
+constexpr int RPL = 2;     // the lanes path's 8 rows, 2 at a time
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
 inline vf splat(float x) { return _mm256_set1_ps(x); }
@@ -91,8 +101,11 @@ inline float sum_of(vf v) {
 // q [T, heads, head_dim] (the chunk's queries, rotated); cache [2, blocks, block_size, kv_heads,
 // head_dim], the chunk's own rows written already; block_table [width] (the sequence's, covering
 // start + T rows); start: the chunk's first position.
-torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& cache,
-                                      const torch::Tensor& block_table, int64_t start, double scale) {
+// path: "lanes", "tiled", or "auto" (lanes up to kLaneRowsMax query rows a KV head).
+torch::Tensor attend_on(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& block_table,
+                        int64_t start, double scale, const std::string& path) {
+  TORCH_CHECK(path == "auto" || path == "lanes" || path == "tiled",
+              "paged_prefill_attention: path must be auto, lanes or tiled, not ", path);
   TORCH_CHECK(q.dim() == 3 && cache.dim() == 5 && block_table.dim() == 1,
               "paged_prefill_attention: q [T, H, D], cache [2, blocks, block_size, KVH, D], block_table [width]");
   TORCH_CHECK(q.scalar_type() == torch::kFloat && cache.scalar_type() == torch::kFloat &&
@@ -117,17 +130,38 @@ torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tenso
   auto out = torch::empty_like(q);
   const Problem p{q.data_ptr<float>(), cache.data_ptr<float>(), slots.data(), tokens, heads, kv_heads, head_dim,
                   start, context, blocks * block_size * kv_heads * head_dim, static_cast<float>(scale)};
+  const bool lanes = path == "lanes" || (path == "auto" && tokens * (heads / kv_heads) <= kLaneRowsMax);
   if (pdserve::use_avx512())
-    lanes16::attend(p, out.data_ptr<float>());
+    lanes ? lanes16::attend_lanes(p, out.data_ptr<float>()) : lanes16::attend(p, out.data_ptr<float>());
   else
-    lanes8::attend(p, out.data_ptr<float>());
+    lanes ? lanes8::attend_lanes(p, out.data_ptr<float>()) : lanes8::attend(p, out.data_ptr<float>());
   return out;
 }
 
+torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& cache,
+                                      const torch::Tensor& block_table, int64_t start, double scale) {
+  return attend_on(q, cache, block_table, start, scale, "auto");
+}
+
+// The same attention on the path named: the tests check that both give the same bits, and
+// bench.attention_kernels times one against the other.
+torch::Tensor paged_prefill_attention_on(const torch::Tensor& q, const torch::Tensor& cache,
+                                         const torch::Tensor& block_table, int64_t start, double scale,
+                                         const std::string& path) {
+  return attend_on(q, cache, block_table, start, scale, path);
+}
+
+int64_t prefill_attention_lane_rows() { return kLaneRowsMax; }
+
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+  // the query rows a KV head up to which a chunk takes the lanes path
+  m.def("prefill_attention_lane_rows() -> int", &prefill_attention_lane_rows);
   m.def("paged_prefill_attention(Tensor q, Tensor cache, Tensor block_table, int start, float scale) -> Tensor");
+  m.def("paged_prefill_attention_on(Tensor q, Tensor cache, Tensor block_table, int start, float scale, "
+        "str path) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("paged_prefill_attention", &paged_prefill_attention);
+  m.impl("paged_prefill_attention_on", &paged_prefill_attention_on);
 }

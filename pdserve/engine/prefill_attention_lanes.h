@@ -66,6 +66,21 @@ inline vf exp_negative(vf x) {
   return as_float(as_int(y * as_float(exponent)) & ~underflow);
 }
 
+// Asks for the key and value rows of positions [from, to) of a KV head ahead of their use, a cache
+// line at a time (the lanes path's next tile: 1.1-1.2x on 14 queries after 1,920 rows). A row lies wherever its block does, so the hardware's
+// prefetchers, which follow strides, lose it at every block.
+inline void prefetch_rows(const Problem& p, int64_t kv_head, int64_t from, int64_t to) {
+  const int64_t bytes = p.head_dim * static_cast<int64_t>(sizeof(float));
+  for (int64_t t = from; t < to; ++t) {
+    const char* key = reinterpret_cast<const char*>(p.key(t, kv_head));
+    const char* value = reinterpret_cast<const char*>(p.value(t, kv_head));
+    for (int64_t b = 0; b < bytes; b += 64) {
+      __builtin_prefetch(key + b);
+      __builtin_prefetch(value + b);
+    }
+  }
+}
+
 // W keys transposed: kt[d * W + j] = K[key0 + j][d]; zeros past the last key.
 inline void transpose_tile(const Problem& p, int64_t kv_head, int64_t key0, float* kt) {
   const int64_t keys = std::clamp<int64_t>(p.context - key0, 0, W);
@@ -134,12 +149,15 @@ inline void mask_tile(const Item& item, int64_t key0, vf (&s)[kRows][TV]) {
   }
 }
 
-// o[r][c, c + CC*W) = o * rescale[r] + sum_j p[r][j] V[key0 + j][c, ...), RP rows at a time.
-template <int CC>
+// o[r][c, c + CC*W) = o * rescale[r] + sum_j p[r][j] V[key0 + j][c, ...), for Rows rows, RP at a time;
+// the probabilities lie at probs[r * RS + j * KS] (RS = T, KS = 1 for the tiled path's items; RS = 1,
+// KS = W for the lanes path's, whose rows run across a vector's lanes).
+template <int Rows, int RP, int RS, int KS, int CC>
 inline void weigh_values(const Problem& p, const float* const* values, int64_t keys, const float* probs,
                          const float* rescale, int64_t c, float* o) {
+  static_assert(Rows % RP == 0, "a pass over the values covers RP rows");
   const int64_t d = p.head_dim;
-  for (int r0 = 0; r0 < kRows; r0 += RP) {
+  for (int r0 = 0; r0 < Rows; r0 += RP) {
     vf acc[RP][CC];
 #pragma GCC unroll 8
     for (int r = 0; r < RP; ++r)
@@ -149,13 +167,13 @@ inline void weigh_values(const Problem& p, const float* const* values, int64_t k
       // NOTE: one pointer each for the value row and the weights, constant offsets from them: with
       // an address per row GCC ran out of registers and reloaded them from the stack every key.
       const float* value = values[j] + c;
-      const float* weights = probs + r0 * T + j;
+      const float* weights = probs + r0 * RS + j * KS;
       vf v[CC];
 #pragma GCC unroll 4
       for (int k = 0; k < CC; ++k) v[k] = load(value + k * W);
 #pragma GCC unroll 8
       for (int r = 0; r < RP; ++r) {
-        const vf weight = splat(weights[r * T]);
+        const vf weight = splat(weights[r * RS]);
 #pragma GCC unroll 4
         for (int k = 0; k < CC; ++k) acc[r][k] += weight * v[k];
       }
@@ -169,18 +187,30 @@ inline void weigh_values(const Problem& p, const float* const* values, int64_t k
 
 // The values' part of a tile, over the head's columns: chunks of kChunk vectors, then single vectors,
 // then the scalar columns past the last whole vector.
+template <int Rows, int RP, int RS, int KS>
 inline void weigh_tile(const Problem& p, const float* const* values, int64_t keys, const float* probs,
                        const float* rescale, float* o) {
   const int64_t d = p.head_dim;
   int64_t c = 0;
-  for (; c + kChunk * W <= d; c += kChunk * W) weigh_values<kChunk>(p, values, keys, probs, rescale, c, o);
-  for (; c + W <= d; c += W) weigh_values<1>(p, values, keys, probs, rescale, c, o);
+  for (; c + kChunk * W <= d; c += kChunk * W)
+    weigh_values<Rows, RP, RS, KS, kChunk>(p, values, keys, probs, rescale, c, o);
+  for (; c + W <= d; c += W) weigh_values<Rows, RP, RS, KS, 1>(p, values, keys, probs, rescale, c, o);
   for (; c < d; ++c)
-    for (int r = 0; r < kRows; ++r) {
+    for (int r = 0; r < Rows; ++r) {
       float sum = o[r * d + c] * rescale[r];
-      for (int64_t j = 0; j < keys; ++j) sum += probs[r * T + j] * values[j][c];
+      for (int64_t j = 0; j < keys; ++j) sum += probs[r * RS + j * KS] * values[j][c];
       o[r * d + c] = sum;
     }
+}
+
+inline void write_rows(const Problem& p, const float* const* q, int64_t real_rows, const float* o,
+                       const float* total, float* out) {
+  const int64_t d = p.head_dim;
+  for (int64_t r = 0; r < real_rows; ++r) {
+    float* row = out + (q[r] - p.q);  // out has q's layout
+    const float inverse = 1.0f / total[r];
+    for (int64_t c = 0; c < d; ++c) row[c] = o[r * d + c] * inverse;
+  }
 }
 
 // One item over every key tile its rows may see; o: kRows * head_dim floats of scratch.
@@ -222,13 +252,9 @@ inline void attend_item(const Problem& p, const Item& item, int64_t kv_head, con
     }
     const int64_t keys = std::min<int64_t>(T, item.last_position + 1 - key0);
     for (int64_t j = 0; j < keys; ++j) values[j] = p.value(key0 + j, kv_head);
-    weigh_tile(p, values, keys, probs, rescale, o);
+    weigh_tile<kRows, RP, T, 1>(p, values, keys, probs, rescale, o);
   }
-  for (int64_t r = 0; r < item.real_rows; ++r) {
-    float* row = out + (item.q[r] - p.q);  // out has q's layout
-    const float inverse = 1.0f / total[r];
-    for (int64_t c = 0; c < d; ++c) row[c] = o[r * d + c] * inverse;
-  }
+  write_rows(p, item.q, item.real_rows, o, total, out);
 }
 
 // The rows of item k: KV heads outer, so that the items running together read one head's keys and
@@ -250,6 +276,133 @@ inline Item item_rows(const Problem& p, int64_t k, int64_t row_tiles, float* q_b
   }
   item.last_position = item.position[kRows - 1];
   return item;
+}
+
+// ---- The lanes path: a chunk of few rows, each key read where it lies ----
+//
+// For a short chunk after a long context, transposing every key (transpose_keys) cost more than the
+// chunk's own arithmetic: 14 queries after 1,920 cached rows spent 0.21 of their 0.91 ms a layer
+// (SmolLM2, 2 threads) on it, and the tiled items that followed read the keys a second time from
+// the copy; on this path the same chunk takes 0.54-0.66 ms, and the paths cross at about 64
+// queries (192 rows a KV head): `python -m bench.attention_kernels --only prefill`'s paths table.
+// Up to kLaneRowsMax query rows a KV head, an item is instead W rows in the lanes of one
+// vector ((query i, head h) pairs as item_rows orders them), scored against each key by broadcasting
+// the key's elements from its row in the pool:
+//
+//     s[j] (a vector over the rows) = scale * sum_d q_by_dim[d] * K[key0 + j][d]
+//
+// The same products, summed in the same order, and the same softmax as the tiled path's, per row:
+// the tile's probability sum below re-creates sum_of's order (the vector's halves added, then their
+// halves, down to one lane), so a row gets the same bits on either path, and which path a chunk
+// takes never shows in its output (tests/engine/test_attention_kernels.py checks it bit for bit).
+
+constexpr int kKeysAtOnce = 8;  // keys scored together: 8 sums, the query vector and a broadcast
+
+struct LaneItem {
+  const float* q[W];  // each row's query (a padding row repeats the last real one)
+  float* q_by_dim;    // [head_dim][W]: dimension d of every row's query, one vector
+  vi position;
+  int64_t real_rows;
+  int32_t first_position, last_position;
+};
+
+// s[j] = scale * q . K[key0 + j] for the tile's T keys (a key past the item's last row scores that
+// row's key: masked below, as every key past a row's position is).
+inline void score_lanes(const Problem& p, const LaneItem& item, int64_t kv_head, int64_t key0, vf* s) {
+  for (int j0 = 0; j0 < T; j0 += kKeysAtOnce) {
+    const float* key[kKeysAtOnce];
+    vf sum[kKeysAtOnce];
+#pragma GCC unroll 8
+    for (int j = 0; j < kKeysAtOnce; ++j) {
+      key[j] = p.key(std::min<int64_t>(key0 + j0 + j, item.last_position), kv_head);
+      sum[j] = vf{};
+    }
+    const float* q = item.q_by_dim;
+    for (int64_t d = 0; d < p.head_dim; ++d, q += W) {
+      const vf qd = load(q);
+#pragma GCC unroll 8
+      for (int j = 0; j < kKeysAtOnce; ++j) sum[j] += qd * splat(key[j][d]);
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < kKeysAtOnce; ++j) s[j0 + j] = sum[j] * p.scale;
+  }
+}
+
+// Each row's sum of a tile's probabilities, in sum_of's order for the tiled path's row: the TV
+// vectors of a row added lane by lane, then the lanes folded in halves down to one.
+inline vf tile_sum(const vf* probability) {
+  vf lanes[W];
+  for (int j = 0; j < W; ++j) {
+    lanes[j] = probability[j];
+#pragma GCC unroll 2
+    for (int t = 1; t < TV; ++t) lanes[j] += probability[t * W + j];
+  }
+  for (int half = W / 2; half >= 1; half /= 2)
+    for (int j = 0; j < half; ++j) lanes[j] = lanes[j] + lanes[j + half];
+  return lanes[0];
+}
+
+// One lane item over every key tile its rows may see; o: W * head_dim floats of scratch.
+inline void attend_lane_item(const Problem& p, const LaneItem& item, int64_t kv_head, float* o, float* out) {
+  alignas(64) float probs[T * W];  // probs[j * W + r]
+  alignas(64) float rescale[W], total_rows[W];
+  vf s[T];
+  const float* values[T];
+  vf top = splat(-__builtin_inff()), total{};
+  std::fill(o, o + W * p.head_dim, 0.0f);
+  const vf minus_infinity = splat(-__builtin_inff());
+  for (int64_t key0 = 0; key0 <= item.last_position; key0 += T) {
+    prefetch_rows(p, kv_head, key0 + T, std::min<int64_t>(key0 + 2 * T, item.last_position + 1));
+    score_lanes(p, item, kv_head, key0, s);
+    if (key0 + T - 1 > item.first_position)
+      for (int j = 0; j < T; ++j)
+        s[j] = splat_int(static_cast<int32_t>(key0 + j)) > item.position ? minus_infinity : s[j];
+    vf next = top;
+    for (int j = 0; j < T; ++j) next = next > s[j] ? next : s[j];
+    for (int j = 0; j < T; ++j) {
+      s[j] = exp_negative(s[j] - next);
+      store(probs + j * W, s[j]);
+    }
+    const vf rescaled = exp_negative(top - next);  // 0 on the first tile, where top is -inf
+    total = total * rescaled + tile_sum(s);
+    top = next;
+    store(rescale, rescaled);
+    const int64_t keys = std::min<int64_t>(T, item.last_position + 1 - key0);
+    for (int64_t j = 0; j < keys; ++j) values[j] = p.value(key0 + j, kv_head);
+    weigh_tile<W, RPL, 1, W>(p, values, keys, probs, rescale, o);
+  }
+  store(total_rows, total);
+  write_rows(p, item.q, item.real_rows, o, total_rows, out);
+}
+
+// The rows of lane item k, ordered as item_rows orders the tiled path's.
+inline LaneItem lane_item_rows(const Problem& p, int64_t k, int64_t row_groups, float* q_by_dim) {
+  const int64_t group = p.heads / p.kv_heads, kv_head = item_kv_head(k, row_groups);
+  const int64_t first = (row_groups - 1 - k % row_groups) * W, rows = p.tokens * group;
+  LaneItem item{};
+  item.real_rows = std::min<int64_t>(W, rows - first);
+  item.q_by_dim = q_by_dim;
+  for (int64_t r = 0; r < W; ++r) {
+    const int64_t row = first + std::min(r, item.real_rows - 1), i = row / group, h = kv_head * group + row % group;
+    item.q[r] = p.q + (i * p.heads + h) * p.head_dim;
+    item.position[r] = static_cast<int32_t>(p.start + i);
+    for (int64_t d = 0; d < p.head_dim; ++d) q_by_dim[d * W + r] = item.q[r][d];
+  }
+  item.first_position = item.position[0];
+  item.last_position = item.position[W - 1];
+  return item;
+}
+
+inline void attend_lanes(const Problem& p, float* out) {
+  const int64_t row_groups = (p.tokens * (p.heads / p.kv_heads) + W - 1) / W;
+  const int64_t items = row_groups * p.kv_heads;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> o(static_cast<size_t>(W * p.head_dim)), q_by_dim(o.size());
+    for (int64_t k = next++; k < items; k = next++)
+      attend_lane_item(p, lane_item_rows(p, k, row_groups, q_by_dim.data()), item_kv_head(k, row_groups),
+                       o.data(), out);
+  });
 }
 
 inline void attend(const Problem& p, float* out) {

@@ -10,6 +10,10 @@ greedy tokens. The reference attends with SDPA, so every step compares the two a
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,11 +149,35 @@ def test_paged_prefill_attention_matches_float64_over_the_same_rows(heads, kv_he
                           atol=1e-5, rtol=1e-5)
 
 
+PATH_SHAPES = [(9, 3, 64), (4, 2, 16), (3, 3, 12), (2, 1, 5), (8, 1, 128)]
+PATH_CHUNKS = [(0, 1), (0, 13), (5, 1), (17, 30), (90, 7), (33, 3), (300, 14), (40, 70)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, kv_heads, head_dim", PATH_SHAPES,
+                         ids=["smollm2", "tiny", "no-gqa-tail", "under-one-vector", "one-kv-head-128"])
+def test_the_lanes_and_tiled_paths_give_the_same_bits(heads, kv_heads, head_dim):
+    """A chunk of few rows a KV head takes the lanes path, a longer one the tiled path: on any chunk
+    the two give the same bits (and match float64), so which one a chunk took never shows."""
+    lanes = cpu_kernels.paged_prefill_attention_on("lanes")
+    tiled = cpu_kernels.paged_prefill_attention_on("tiled")
+    scale = head_dim ** -0.5
+    for start, tokens in PATH_CHUNKS:
+        q, cache, table = prefill_case(start * 100 + tokens, start, tokens, heads, kv_heads, head_dim, 16)
+        ours = lanes(q, cache, table, start, scale)
+        assert torch.equal(ours, tiled(q, cache, table, start, scale)), (start, tokens)
+        assert torch.allclose(ours.double(), float64_chunk_attention(q, cache, table, start, scale),
+                              atol=1e-5, rtol=1e-5)
+
+
 @needs_kernel
 def test_a_prefill_row_attends_alike_in_any_chunk_and_at_any_thread_count():
     """Bit for bit: a row's sums run over key tiles fixed from key 0, so chunking a prompt (chunked
-    prefill, a prefix hit, the audit's recompute) or the thread count never changes its bits."""
+    prefill, a prefix hit, the audit's recompute) or the thread count never changes its bits. The
+    whole prompt has more rows a KV head than the lanes path takes and the short chunks fewer, so the
+    chunkings cross the two paths."""
     q, cache, table = prefill_case(3, 0, 70, 9, 3, 64, 16)
+    assert 70 * 3 > cpu_kernels.prefill_attention_lane_rows() >= 35 * 3
     attend = cpu_kernels.paged_prefill_attention()
     whole = attend(q, cache, table, 0, 0.125)
     for cuts in ([0, 13, 40, 70], [0, 1, 2, 69, 70], [0, 35, 70]):
@@ -161,6 +189,33 @@ def test_a_prefill_row_attends_alike_in_any_chunk_and_at_any_thread_count():
         assert torch.equal(attend(q, cache, table, 0, 0.125), whole)
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_an_unknown_prefill_attention_path_is_refused_by_name():
+    q, cache, table = prefill_case(4, 0, 3, 4, 2, 16, 16)
+    with pytest.raises(RuntimeError, match="path must be auto, lanes or tiled, not rows"):
+        torch.ops.pdserve.paged_prefill_attention_on(q, cache, table, 0, 0.25, "rows")
+
+
+CAPPED_PATHS = """
+from pdserve.engine import cpu_kernels
+from tests.engine.test_attention_kernels import PATH_SHAPES, test_the_lanes_and_tiled_paths_give_the_same_bits
+assert cpu_kernels.gemv_isa() == "avx2", cpu_kernels.gemv_isa()
+for shape in PATH_SHAPES:
+    test_the_lanes_and_tiled_paths_give_the_same_bits(*shape)
+print("checked")
+"""
+
+
+@needs_kernel
+def test_the_two_paths_give_the_same_bits_in_8_lanes_too():
+    """PDSERVE_CPU_ISA=avx2 runs the 8-lane build on an AVX-512 CPU too (read once per process, so in
+    a process of its own): its probability sums fold in another order, which the lanes path follows."""
+    env = {**os.environ, "PDSERVE_CPU_ISA": "avx2"}
+    done = subprocess.run([sys.executable, "-c", CAPPED_PATHS], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-2000:]
 
 
 @needs_kernel
