@@ -1,4 +1,5 @@
-"""The engine's matmul kernels on SmolLM2's shapes: torch's default (MKL on x86), oneDNN, pdserve's GEMV.
+"""The engine's matmul kernels on SmolLM2's shapes: torch's default (MKL on x86), oneDNN, pdserve's GEMV
+and panel matmul.
 
     python -m bench.matmul_kernels [--json] [--threads N] [--reps N]
 
@@ -7,14 +8,15 @@ probes `import kernels` (the Hugging Face kernels package) at import time.
 
 For each product [M, in] x [in, out] of a SmolLM2 layer (qkv 576->960, gate_up 576->3072,
 down 1536->576, and lm_head 576->49,152 with M of 1 to 8) and M rows (1: batch-1 decode; 2 to 32:
-decode batches; 14: a short suffix; 64, 128; 256; 2,048: a prefill chunk), each kernel runs on 30
+decode batches; 14: a short suffix; 64, 128; 256, 512; 2,048: a prefill chunk), each kernel runs on 30
 distinct weights in turn (lm_head: 3), so that each call reads its weight from memory as a model's
 layers do: MatmulLinear and OneDNNLinear of pdserve/engine/linear.py (the weight packed once into
 oneDNN's layout), onednn_unpacked (oneDNN given W as stored, reordering it in every call: what
-OneDNNLinear ran before 2026-12-06), and pdserve::gemv (pdserve/engine/gemv.cpp) at every row count
-where it builds. avx2 runs the GEMV up to
-max_gemv_rows() rows and oneDNN above: where the gemv and onednn columns cross is what sets it,
-per CPU capability (pdserve/engine/linear.py).
+OneDNNLinear ran before 2026-12-06), and pdserve::gemv (pdserve/engine/gemv.cpp) and
+pdserve::panel_matmul (pdserve/engine/panel_matmul.cpp, its panels packed once) at every row count
+where they build. avx2 runs the GEMV up to its crossover, the panels up to max_panel_rows() where
+the CPU has AVX-512, and oneDNN above: where the gemv, panel and onednn columns cross is what sets
+them, per CPU capability (pdserve/engine/linear.py).
 Reported: the best of --reps passes (the least disturbed by other processes) as GFLOP/s and the
 weight bytes streamed per second; ratio = oneDNN / matmul; and, for reference, the bytes per second
 of a plain read of the same weights (w.sum()), the bandwidth a GEMV can approach.
@@ -32,7 +34,7 @@ from pdserve.engine import cpu_kernels
 from pdserve.engine.linear import Linear, MatmulLinear, OneDNNLinear, onednn_available
 
 SHAPES = {"qkv": (576, 960), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
-ROWS = (1, 2, 4, 8, 14, 32, 64, 128, 256, 2048)
+ROWS = (1, 2, 4, 8, 14, 32, 64, 128, 256, 512, 2048)
 LM_HEAD_ROWS = (1, 2, 4, 8)  # lm_head runs on the sampled rows only: one per decode sequence
 LAYERS = 30
 WEIGHT_COPIES = {"lm_head": 3}  # 113 MB each: 3 copies already exceed any cache
@@ -64,6 +66,22 @@ class GemvAtAnyRows:
         return self._kernel(x, prepared)
 
 
+class PanelsAtAnyRows:
+    """pdserve::panel_matmul as a Linear, at every row count (the engine's avx2 kernel runs it from
+    the GEMV's last row to max_panel_rows())."""
+
+    name = "panel"
+
+    def __init__(self, kernel: cpu_kernels.PanelMatmul) -> None:
+        self._kernel = kernel
+
+    def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return self._kernel.pack(weight), weight.shape[0]
+
+    def __call__(self, x: torch.Tensor, prepared: tuple[torch.Tensor, int]) -> torch.Tensor:
+        return self._kernel(x, *prepared)
+
+
 class OneDNNUnpacked(OneDNNLinear):
     """oneDNN over W [out, in] as stored, without the packing OneDNNLinear.prepare does."""
 
@@ -74,14 +92,14 @@ class OneDNNUnpacked(OneDNNLinear):
 
 
 def kernels() -> list[Linear]:
-    """matmul, onednn and onednn_unpacked, and pdserve's GEMV where it builds here (it says why not,
-    once)."""
+    """matmul, onednn and onednn_unpacked, and pdserve's GEMV and panel matmul where they build here
+    (it says why not, once)."""
     found: list[Linear] = [MatmulLinear(), OneDNNLinear(), OneDNNUnpacked()]
-    kernel = cpu_kernels.gemv()
-    if kernel is None:
-        print(f"gemv left out: {cpu_kernels.unavailable()}")
+    gemv, panel = cpu_kernels.gemv(), cpu_kernels.panel_matmul()
+    if gemv is None or panel is None:
+        print(f"gemv and panel left out: {cpu_kernels.unavailable()}")
     else:
-        found.append(GemvAtAnyRows(kernel))
+        found += [GemvAtAnyRows(gemv), PanelsAtAnyRows(panel)]
     return found
 
 

@@ -3,13 +3,15 @@
     python -m bench.profile_engine [--json] [--threads N] [--linear-kernel K] [--attention-kernel K]
                                    [--only NAME]
 
-Steps SmolLM2's LLMEngine (bench.engine's Ours) through five workloads and profiles them:
+Steps SmolLM2's LLMEngine (bench.engine's Ours) through six workloads and profiles them:
   decode1   16 batch-1 decode steps after a 40-token prompt
   decode32  10 decode steps of 32 sequences of 32-512 context tokens
   suffix    one prefill of 14 new tokens after 544 cached ones
+  suffix1920  one prefill of 14 new tokens after 1,920 cached ones (bench.engine's suffix)
   warm128   one prefill of 128 new tokens after 1,920 cached ones (bench.engine's warm TTFT)
   cold2048  one prefill of a 2,048-token prompt on an empty cache (bench.engine's cold TTFT)
-Each op's self CPU time is put in one group: matmuls (aten::mm, oneDNN's linear, pdserve::gemv),
+Each op's self CPU time is put in one group: matmuls (aten::mm, oneDNN's linear, pdserve::gemv and
+pdserve::panel_matmul),
 KV gather (index_select), attention (scaled_dot_product*, pdserve::paged_*_attention), KV write
 (index_put*), everything else. Reported: each group's share of the profiled op time, and its
 milliseconds per profiled step (op time only: Python between ops is in neither).
@@ -23,14 +25,15 @@ from typing import Any
 from bench.common import add_kernel_flags, bench_parser, format_table, kernel_settings, publish, set_threads
 from bench.engine import Ours, random_prompt
 
-GROUPS = {"matmuls": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "pdserve::gemv"),
+GROUPS = {"matmuls": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "pdserve::gemv",
+                      "pdserve::panel_matmul"),
           "kv_gather": ("aten::index_select",),
           "attention": ("aten::_scaled_dot_product", "pdserve::paged_decode_attention",
                         "pdserve::paged_prefill_attention"),
           "kv_write": ("aten::index_put", "aten::_index_put")}
 
 
-WORKLOADS = ("decode1", "decode32", "suffix", "warm128", "cold2048")
+WORKLOADS = ("decode1", "decode32", "suffix", "suffix1920", "warm128", "cold2048")
 ALL_GROUPS = (*GROUPS, "everything_else")
 
 
@@ -81,7 +84,7 @@ def prepare(ours: Ours, name: str, rng: random.Random) -> int:
     if name == "cold2048":
         add(random_prompt(rng, 2048), 1)
         return 1
-    cached, new = {"suffix": (544, 14), "warm128": (1920, 128)}[name]
+    cached, new = {"suffix": (544, 14), "suffix1920": (1920, 14), "warm128": (1920, 128)}[name]
     prompt = random_prompt(rng, cached + new)
     ours.ttft(prompt[:cached] + random_prompt(rng, 32))  # `cached` tokens cached, whole blocks
     add(prompt, 1)

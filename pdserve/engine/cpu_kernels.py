@@ -9,11 +9,14 @@ extension on first use.
     prefill_attention.cpp  torch.ops.pdserve.paged_prefill_attention: a prefill chunk's queries over
     (+ _lanes.h)           its sequence's rows in the pool, causal, flash-style (the same `avx2`
                            attention kernel, for prefill chunks)
+    panel_matmul.cpp       torch.ops.pdserve.pack_panels, panel_matmul: y = x @ W.T for tens of rows
+    (+ _lanes.h)           of x, W packed at load into panels of output columns (the `avx2` linear
+                           kernel between the GEMV's rows and oneDNN's)
     pointwise.cpp          torch.ops.pdserve.rms_norm, add_rms_norm_, silu_and_mul, rotary_: the work
                            between a layer's products, one pass each (the `avx2` pointwise kernel,
                            pdserve/engine/pointwise.py)
 
-    gemv(), paged_decode_attention(), paged_prefill_attention()
+    gemv(), panel_matmul(), paged_decode_attention(), paged_prefill_attention()
                                        the operators, or None where they cannot be built or run here
     paged_prefill_attention_on(path)   the prefill attention on its lanes or tiled path only
     prefill_attention_lane_rows()      the query rows a KV head up to which a chunk takes the lanes path
@@ -69,9 +72,10 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemv.cpp", "decode_attention.cpp",
-                                                            "prefill_attention.cpp", "pointwise.cpp"))
+                                                            "prefill_attention.cpp", "pointwise.cpp",
+                                                            "panel_matmul.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name)  # included by the sources: in the digest
-                for name in ("prefill_attention_lanes.h", "cephes_exp.h"))
+                for name in ("prefill_attention_lanes.h", "cephes_exp.h", "panel_matmul_lanes.h"))
 # NOTE: -fopenmp is what makes at::parallel_for parallel: without it the header's OpenMP pragma is
 # ignored and the kernels run on one thread at about half their bandwidth.
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
@@ -79,6 +83,17 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
 Gemv = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 PagedDecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 PagedPrefillAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+
+
+class PanelMatmul:
+    """pdserve::panel_matmul as the avx2 linear kernel calls it: pack(W) once at load, then
+    panel(x, panels, out) = x @ W.T, out being W's row count."""
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.pdserve.pack_panels(weight.contiguous())
+
+    def __call__(self, x: torch.Tensor, panels: torch.Tensor, out: int) -> torch.Tensor:
+        return torch.ops.pdserve.panel_matmul(x, panels, out)
 
 
 def extension_name() -> str:
@@ -126,6 +141,10 @@ def gemv() -> Gemv | None:
 def gemv_isa() -> str | None:
     """The instruction set pdserve::gemv runs here, avx512 or avx2 (PDSERVE_CPU_ISA=avx2 caps it)."""
     return None if _build() else torch.ops.pdserve.gemv_isa()
+
+
+def panel_matmul() -> PanelMatmul | None:
+    return None if _build() else PanelMatmul()
 
 
 def paged_decode_attention() -> PagedDecodeAttention | None:

@@ -5,10 +5,12 @@
         onednn  OneDNNLinear: torch.ops.mkldnn._linear_pointwise over W packed once into oneDNN's
                 blocked layout; x86 CPU builds of torch only
         avx2    Avx2Linear: pdserve's GEMV (pdserve/engine/gemv.cpp) for up to max_gemv_rows() rows
-                (32; 8 where the CPU has AVX-512, which the GEMV then runs), oneDNN above; an
-                x86 CPU with AVX2, oneDNN, and a C++ compiler and ninja to build the GEMV. It keeps
-                two copies of every weight, W for the GEMV and oneDNN's packed one: twice the
-                weights' memory (SmolLM2: 1.08 GB instead of 540 MB)
+                (32 on AVX2; 2 where the CPU has AVX-512, which the GEMV then runs), there pdserve's
+                panel matmul (pdserve/engine/panel_matmul.cpp) up to max_panel_rows() rows (128),
+                and oneDNN above; an x86 CPU with AVX2, oneDNN, and a C++ compiler and ninja to build
+                the kernels. It keeps a copy of every weight for each kernel it runs: W for the
+                GEMV, oneDNN's packed one, and on AVX-512 the panels, three times the weights'
+                memory there (SmolLM2: 1.62 GB instead of 540 MB; twice on an AVX2-only CPU)
     linear.prepare(W) once when the weights load; linear(x, prepared) every step
 
 NOTE: why two. torch's fp32 matmul on an x86 CPU goes to MKL's sgemm, which on the AMD EPYC
@@ -33,7 +35,7 @@ from typing import Protocol
 import torch
 
 from pdserve.engine import cpu_kernels
-from pdserve.engine.cpu_kernels import Gemv
+from pdserve.engine.cpu_kernels import Gemv, PanelMatmul
 
 # Rows of x up to which the GEMV runs, by torch's CPU capability (the widest vector ISA, which
 # oneDNN runs too) and the GEMV's own instruction set (cpu_kernels.gemv_isa). On an AVX2-only CPU
@@ -44,6 +46,15 @@ from pdserve.engine.cpu_kernels import Gemv
 # (2026-12-04's Zen 5, both runs of each; docs/benchmarks.md).
 MAX_GEMV_ROWS = 32
 GEMV_CROSSOVER = {("AVX512", "avx512"): 8, ("AVX512", "avx2"): 4}
+# Rows of x up to which the panel matmul runs, from where the GEMV stops (2 rows, PANEL_GEMV_ROWS),
+# by the same pair. On 2026-12-06's AVX-512 Xeon (python -m bench.matmul_kernels --threads 1 and 2
+# --reps 5, 07:40; docs/benchmarks.md), against oneDNN on SmolLM2's qkv, gate_up and down products:
+# 14 rows 1.16-2.25x, 32 rows 0.99-1.24x, 128 rows 0.95-1.28x (1.0-1.28x on 2 threads), 256 rows
+# 0.93-1.05x, 2,048 rows 0.76-0.96x; against the GEMV, 0.78-1.24x at 2 rows and 0.89-1.24x at 4
+# (the GEMV stays ahead on down), 1.04-1.88x at 8. Not measured in 8 lanes: an AVX2-only CPU keeps
+# the GEMV and oneDNN alone.
+PANEL_CROSSOVER = {("AVX512", "avx512"): 128}
+PANEL_GEMV_ROWS = 2
 # NOTE: why oneDNN's weights are packed. Given W as stored, [out, in], oneDNN reorders it into its
 # blocked layout inside every call; packed once at load, qkv's product ran 1.3-1.65x faster on one
 # thread at 2 to 32 rows, gate_up's 1.15-1.33x, down's no faster (python -m bench.matmul_kernels:
@@ -63,15 +74,25 @@ def max_gemv_rows(capability: str | None = None, gemv_isa: str | None = None) ->
     return GEMV_CROSSOVER.get((capability, gemv_isa), MAX_GEMV_ROWS)
 
 
+def max_panel_rows(capability: str | None = None, gemv_isa: str | None = None) -> int:
+    """Rows up to which the avx2 kernel runs the panel matmul (0: never) on a CPU of `capability`
+    with pdserve's kernels on `gemv_isa` (default: this CPU's)."""
+    capability = capability or torch.backends.cpu.get_cpu_capability()
+    gemv_isa = gemv_isa or cpu_kernels.gemv_isa() or "avx2"
+    return PANEL_CROSSOVER.get((capability, gemv_isa), 0)
+
+
 @dataclass(frozen=True)
-class GemvAndPacked:
-    """Avx2Linear's two copies of one weight: [out, in] for the GEMV, oneDNN's packed one for more rows."""
+class Avx2Weight:
+    """Avx2Linear's copies of one weight: [out, in] for the GEMV; panels for the panel matmul (None
+    where it does not run); oneDNN's packed one for more rows."""
 
     weight: torch.Tensor
+    panels: torch.Tensor | None
     packed: torch.Tensor
 
 
-PreparedWeight = torch.Tensor | GemvAndPacked
+PreparedWeight = torch.Tensor | Avx2Weight
 
 
 class Linear(Protocol):
@@ -116,7 +137,8 @@ class OneDNNLinear:
 
 
 class Avx2Linear:
-    """pdserve's GEMV for a few rows of x (a decode step's products), oneDNN for more; W [out, in].
+    """pdserve's GEMV for a few rows of x (a decode step's products), its panel matmul for tens to
+    hundreds (where the CPU has AVX-512), oneDNN for more; W [out, in].
 
     NOTE: a product's kernel depends on its row count only, never on the values, so a step's
     result is a function of its inputs; which rows share a step can change which kernel runs,
@@ -125,18 +147,24 @@ class Avx2Linear:
 
     name = "avx2"
 
-    def __init__(self, gemv: Gemv, max_rows: int | None = None) -> None:
-        self._gemv = gemv
+    def __init__(self, gemv: Gemv, panel: PanelMatmul | None = None, gemv_rows: int | None = None,
+                 panel_rows: int | None = None) -> None:
+        self._gemv, self._panel = gemv, panel
         self._onednn = OneDNNLinear()
-        self.max_rows = max_rows or max_gemv_rows()
+        self.panel_rows = (max_panel_rows() if panel_rows is None else panel_rows) if panel else 0
+        self.gemv_rows = gemv_rows or (PANEL_GEMV_ROWS if self.panel_rows else max_gemv_rows())
 
-    def prepare(self, weight: torch.Tensor) -> GemvAndPacked:
+    def prepare(self, weight: torch.Tensor) -> Avx2Weight:
         weight = weight.contiguous()
-        return GemvAndPacked(weight, self._onednn.prepare(weight))
+        panels = self._panel.pack(weight) if self.panel_rows else None
+        return Avx2Weight(weight, panels, self._onednn.prepare(weight))
 
-    def __call__(self, x: torch.Tensor, prepared: GemvAndPacked) -> torch.Tensor:
-        if x.shape[0] <= self.max_rows:
+    def __call__(self, x: torch.Tensor, prepared: Avx2Weight) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows <= self.gemv_rows:
             return self._gemv(x.contiguous(), prepared.weight)
+        if rows <= self.panel_rows:
+            return self._panel(x.contiguous(), prepared.panels, prepared.weight.shape[0])
         return self._onednn(x, prepared.packed)
 
 
@@ -165,4 +193,4 @@ def select_linear(device: torch.device, kernel: str = "matmul") -> Linear:
     gemv = cpu_kernels.gemv()
     if gemv is None:
         raise ValueError(f"linear_kernel 'avx2' is not available: {cpu_kernels.unavailable()}")
-    return Avx2Linear(gemv)
+    return Avx2Linear(gemv, cpu_kernels.panel_matmul())

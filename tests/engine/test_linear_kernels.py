@@ -25,6 +25,7 @@ from pdserve.engine.linear import (
     MatmulLinear,
     OneDNNLinear,
     max_gemv_rows,
+    max_panel_rows,
     onednn_available,
     select_linear,
 )
@@ -136,18 +137,108 @@ def test_an_unknown_cpu_isa_cap_is_refused_by_name():
 
 
 @needs_avx2
-def test_avx2_sends_few_rows_to_the_gemv_and_more_to_onednn(monkeypatch):
+def test_avx2_sends_few_rows_to_the_gemv_tens_to_the_panels_and_more_to_onednn(monkeypatch):
     linear = select_linear(torch.device("cpu"), "avx2")
     assert isinstance(linear, Avx2Linear)
+    assert linear.panel_rows == max_panel_rows()
     g = torch.Generator().manual_seed(9)
     w = torch.randn(64, 48, generator=g)
     prepared = linear.prepare(w)
-    calls = []
-    monkeypatch.setattr(linear, "_gemv", lambda x, w: calls.append(x.shape[0]) or cpu_kernels.gemv()(x, w))
-    for rows in (1, linear.max_rows, linear.max_rows + 1, 300):
+    assert (prepared.panels is None) == (linear.panel_rows == 0)
+    gemv_calls, panel_calls = [], []
+    gemv = cpu_kernels.gemv()
+    monkeypatch.setattr(linear, "_gemv", lambda x, w: gemv_calls.append(x.shape[0]) or gemv(x, w))
+    if linear.panel_rows:
+        panel = linear._panel
+        monkeypatch.setattr(linear, "_panel",
+                            lambda x, p, n: panel_calls.append(x.shape[0]) or panel(x, p, n))
+    top = max(linear.gemv_rows, linear.panel_rows)
+    for rows in (1, linear.gemv_rows, linear.gemv_rows + 1, top, top + 1, 300):
         x = torch.randn(rows, 48, generator=g)
         assert torch.allclose(linear(x, prepared), x @ w.t(), atol=1e-4, rtol=1e-5)
-    assert calls == [1, linear.max_rows]
+    assert gemv_calls == [1, linear.gemv_rows]
+    assert panel_calls == ([linear.gemv_rows + 1, top] if linear.panel_rows else [])
+
+
+def test_the_panels_run_where_they_were_measured():
+    """On AVX-512 the panels take 3 to 128 rows (docs/benchmarks.md, 2026-12-06 07:40); not
+    measured in 8 lanes, an AVX2-only CPU keeps the GEMV and oneDNN alone."""
+    assert max_panel_rows("AVX512", "avx512") == 128
+    assert max_panel_rows("AVX512", "avx2") == 0
+    assert max_panel_rows("AVX2", "avx2") == 0
+    assert max_panel_rows() == max_panel_rows(torch.backends.cpu.get_cpu_capability(), cpu_kernels.gemv_isa())
+    if cpu_kernels.gemv() is not None:
+        without = Avx2Linear(cpu_kernels.gemv(), cpu_kernels.panel_matmul(), panel_rows=0)
+        assert without.gemv_rows == max_gemv_rows() and without.panel_rows == 0
+
+
+PANEL_ROWS = [1, 2, 5, 6, 7, 13, 14, 15, 29, 64, 300]
+PANEL_SHAPES = {"qkv": (576, 960), "down": (1536, 576), "tails": (37, 10), "under-one-panel": (5, 3),
+                "lm_head-like": (64, 4097)}
+
+
+def check_panel_products(panel, rows: int, n_in: int, n_out: int) -> None:
+    g = torch.Generator().manual_seed(rows * 1000 + n_in)
+    x, w = torch.randn(rows, n_in, generator=g), torch.randn(n_out, n_in, generator=g)
+    ours = panel(x, panel.pack(w), n_out)
+    assert ours.shape == (rows, n_out)
+    assert torch.allclose(ours, x.double().mm(w.double().t()).float(), atol=1e-4, rtol=1e-5)
+
+
+@needs_avx2
+@pytest.mark.parametrize("rows", PANEL_ROWS)
+@pytest.mark.parametrize("n_in, n_out", PANEL_SHAPES.values(), ids=PANEL_SHAPES.keys())
+def test_panel_matmul_computes_the_same_products_as_matmul(rows, n_in, n_out):
+    """Row counts that fill, split or leave a tail of its blocks of rows (14 on AVX-512, 6 on AVX2),
+    and outputs that are not a whole number of panels."""
+    check_panel_products(cpu_kernels.panel_matmul(), rows, n_in, n_out)
+
+
+@needs_avx2
+def test_a_panel_row_does_not_depend_on_the_rows_beside_it_or_the_threads():
+    """Each output is one sum over the input, in order, whatever block its row falls in."""
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(40, 576, generator=g), torch.randn(960, 576, generator=g)
+    panel = cpu_kernels.panel_matmul()
+    panels = panel.pack(w)
+    together = panel(x, panels, 960)
+    for i in (0, 13, 14, 39):
+        assert torch.equal(panel(x[i:i + 1].contiguous(), panels, 960)[0], together[i])
+    assert torch.equal(panel(x[5:33].contiguous(), panels, 960), together[5:33])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(panel(x, panels, 960), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_avx2
+def test_panel_matmul_refuses_panels_that_do_not_fit_the_output():
+    panel = cpu_kernels.panel_matmul()
+    panels = panel.pack(torch.randn(40, 8))
+    with pytest.raises(RuntimeError, match="panels cannot hold 400 columns"):
+        panel(torch.randn(2, 8), panels, 400)
+
+
+CAPPED_PANELS = """
+from pdserve.engine import cpu_kernels
+from tests.engine.test_linear_kernels import PANEL_ROWS, PANEL_SHAPES, check_panel_products
+assert cpu_kernels.gemv_isa() == "avx2", cpu_kernels.gemv_isa()
+for rows in PANEL_ROWS:
+    for n_in, n_out in PANEL_SHAPES.values():
+        check_panel_products(cpu_kernels.panel_matmul(), rows, n_in, n_out)
+print("checked")
+"""
+
+
+@needs_avx2
+def test_panel_matmul_capped_to_avx2_computes_the_same_products():
+    """The 8-lane build, run here in a process of its own with PDSERVE_CPU_ISA=avx2."""
+    env = {**os.environ, "PDSERVE_CPU_ISA": "avx2"}
+    done = subprocess.run([sys.executable, "-c", CAPPED_PANELS], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-2000:]
 
 
 @needs_onednn
