@@ -189,8 +189,9 @@ def run_timed(run: Callable[[Any], dict[str, Any]], report: Callable[[dict[str, 
 LINEAR_KERNEL_HELP = ("pdserve's matmul kernel (EngineConfig.linear_kernel, pdserve/engine/linear.py): "
                       "matmul is torch's own, as transformers runs it; onednn is oneDNN, as vLLM's CPU build "
                       "calls it, faster on x86 CPUs; avx2 is oneDNN plus pdserve's own GEMV for products of "
-                      "up to 32 rows, 8 on an AVX-512 CPU, where it runs 16 lanes "
-                      "(pdserve/engine/gemv.cpp) (default: %(default)s)")
+                      "up to 32 rows, and where the CPU has AVX-512 the GEMV to 2 rows and pdserve's panel "
+                      "matmul to 128, in 16 lanes (pdserve/engine/gemv.cpp, panel_matmul.cpp) "
+                      "(default: %(default)s)")
 ATTENTION_KERNEL_HELP = ("pdserve's attention (EngineConfig.attention_kernel, "
                          "pdserve/engine/model.py): sdpa is torch's, over each sequence's blocks gathered "
                          "into a dense copy; avx2 is pdserve's own paged kernels for decode rows and "

@@ -374,8 +374,9 @@ def _add_up_cache(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
                        help="every worker's matmul kernel: matmul = torch's own, as transformers runs "
                             "it; onednn = oneDNN, 2-3x faster prefill and batched decode on x86 "
                             "CPUs, logits within 1e-3; avx2 = oneDNN plus pdserve's own GEMV for "
-                            "products of up to 32 rows (8, in 16 lanes, where the CPU has AVX-512), with "
-                            "a second, packed copy of every weight for oneDNN (twice the weights' memory), "
+                            "products of up to 32 rows (where the CPU has AVX-512: the GEMV to 2 rows "
+                            "in 16 lanes, then pdserve's panel matmul to 128), with a copy of every "
+                            "weight for each (twice the weights' memory; three times on AVX-512), "
                             "built with g++ and ninja on first use "
                             f"(default: {d.linear_kernel}; docs/benchmarks.md)")
     cache.add_argument("--attention-kernel", choices=ATTENTION_KERNELS,
