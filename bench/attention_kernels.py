@@ -21,8 +21,9 @@ The two alternate rep by rep. Reported: medians of --reps passes, per layer; rat
 the attention's FLOPs ÷ avx2's time (prefill); and the largest difference between the two outputs.
 
 Paths: the paged prefill attention's two paths on chunks of 1 to 128 queries after 1,920 cached
-rows (and 14 after 544), alternating the same way: tiled (every key transposed once per call, 12
-query rows a tile) and lanes (16 query rows in a vector's lanes, each key read in place), forced by
+rows, 256 after 1,792, 14 after 544 and 128 fresh, alternating the same way: tiled (every key
+transposed once per call, 12 query rows a tile) and lanes (query rows in a vector's lanes, each key
+read in place), forced by
 pdserve::paged_prefill_attention_on. The kernel takes the lanes path up to
 prefill_attention_lane_rows() query rows a KV head; where the two columns cross is what sets it.
 Ratio = tiled ÷ lanes; the outputs must be equal bit for bit (max |diff| 0).
@@ -49,7 +50,8 @@ CASES = {"1 x 32-512": (1, None), "8 x 32-512": (8, None), "32 x 32-512": (32, N
 PREFILL_CASES = {"14 after 544": (544, 14), "14 after 1,920": (1920, 14), "128 after 1,920": (1920, 128),
                  "512 fresh": (0, 512), "2,048 fresh": (0, 2048)}  # (cached, new) tokens
 PATH_CASES = {"1 after 1,920": (1920, 1), "14 after 1,920": (1920, 14), "32 after 1,920": (1920, 32),
-              "64 after 1,920": (1920, 64), "128 after 1,920": (1920, 128), "14 after 544": (544, 14)}
+              "64 after 1,920": (1920, 64), "128 after 1,920": (1920, 128), "256 after 1,792": (1792, 256),
+              "14 after 544": (544, 14), "128 fresh": (0, 128)}
 
 
 class Case:

@@ -36,7 +36,11 @@ bool use_avx512();  // gemv.cpp: AVX-512F here, and not capped by PDSERVE_CPU_IS
 
 namespace {
 
-constexpr int64_t kLaneRowsMax = 128;  // query rows a KV head up to which the lanes path runs
+// Query rows a KV head up to which the lanes path runs: SmolLM2's 128 queries (3 rows each). After
+// 1,920 cached rows the lanes path led from 1 to 64 queries (1.12-1.86x) and tied at 128 (1.00-1.12x);
+// 256 after 1,792 was 0.96-1.04x and a fresh 128-query chunk 0.90-1.02x (1 and 2 threads,
+// python -m bench.attention_kernels --only paths, docs/benchmarks.md 2026-12-06 08:12).
+constexpr int64_t kLaneRowsMax = 384;
 
 // One call's shapes and where its rows are: the pool layer is cache[K|V, block, offset, kv_head, d].
 struct Problem {
@@ -62,7 +66,8 @@ constexpr int W = 16;
 constexpr int TV = 2;      // 32 keys a tile
 constexpr int kRows = 12;  // 24 score registers and the key tile's 2: 26 of 32
 constexpr int RP = 6;      // 6 rows x 4 vectors of output + 4 of values: 28 of 32 registers
-constexpr int RPL = 4;     // the lanes path's 16 rows, 4 at a time: 16 + 4 + a broadcast
+constexpr int RPL = 4;     // the lanes path's rows, 4 at a time: 16 + 4 + a broadcast
+constexpr int LV = 2;      // the lanes path's vectors of rows an item: 2 x 8 sums, 2 queries, a broadcast
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
 inline vf splat(float x) { return _mm512_set1_ps(x); }
@@ -78,7 +83,8 @@ constexpr int W = 8;
 constexpr int TV = 2;      // 16 keys a tile
 constexpr int kRows = 6;   // 12 score registers and the key tile's 2: 14 of 16
 constexpr int RP = 2;      // 2 rows x 4 vectors of output + 4 of values: 12 of 16 registers
-constexpr int RPL = 2;     // the lanes path's 8 rows, 2 at a time
+constexpr int RPL = 2;     // the lanes path's rows, 2 at a time
+constexpr int LV = 1;      // one vector of rows an item: 8 sums, the queries and a broadcast, of 16
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
 inline vf splat(float x) { return _mm256_set1_ps(x); }

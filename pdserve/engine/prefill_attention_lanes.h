@@ -268,48 +268,61 @@ inline Item item_rows(const Problem& p, int64_t k, int64_t row_tiles, float* q_b
 // For a short chunk after a long context, transposing every key (transpose_keys) cost more than the
 // chunk's own arithmetic: 14 queries after 1,920 cached rows spent 0.21 of their 0.91 ms a layer
 // (SmolLM2, 2 threads) on it, and the tiled items that followed read the keys a second time from
-// the copy; on this path the same chunk takes 0.54-0.66 ms, and the paths cross at about 64
-// queries (192 rows a KV head): `python -m bench.attention_kernels --only prefill`'s paths table.
-// Up to kLaneRowsMax query rows a KV head, an item is instead W rows in the lanes of one
-// vector ((query i, head h) pairs as item_rows orders them), scored against each key by broadcasting
-// the key's elements from its row in the pool:
+// the copy. Up to kLaneRowsMax query rows a KV head, an item is instead LV vectors of W rows in the
+// lanes ((query i, head h) pairs as item_rows orders them: 2 x 16 on AVX-512, 1 x 8 on AVX2),
+// scored against each key by broadcasting the key's elements from its row in the pool:
 //
-//     s[j] (a vector over the rows) = scale * sum_d q_by_dim[d] * K[key0 + j][d]
+//     s[v][j] (a vector over rows) = scale * sum_d q_by_dim[d][v] * K[key0 + j][d]
 //
 // The same products, summed in the same order, and the same softmax as the tiled path's, per row:
 // the tile's probability sum below re-creates sum_of's order (the vector's halves added, then their
 // halves, down to one lane), so a row gets the same bits on either path, and which path a chunk
 // takes never shows in its output (tests/engine/test_attention_kernels.py checks it bit for bit).
+// python -m bench.attention_kernels --only paths times the two: 14 queries after 1,920 rows 1.5-1.8x
+// faster on this path (2026-12-06).
 
-constexpr int kKeysAtOnce = 8;  // keys scored together: 8 sums, the query vector and a broadcast
+constexpr int kKeysAtOnce = 8;  // keys scored together: 8 sums a vector of rows, the queries and a broadcast
 
+// An item: 1 to LV vectors of W rows each, one KV head's.
 struct LaneItem {
-  const float* q[W];  // each row's query (a padding row repeats the last real one)
-  float* q_by_dim;    // [head_dim][W]: dimension d of every row's query, one vector
-  vi position;
+  const float* q[LV * W];  // each row's query (a padding row repeats the last real one)
+  float* q_by_dim;         // [head_dim][vectors * W]: dimension d of every row's query
+  vi position[LV];
   int64_t real_rows;
+  int vectors;
   int32_t first_position, last_position;
 };
 
-// s[j] = scale * q . K[key0 + j] for the tile's T keys (a key past the item's last row scores that
-// row's key: masked below, as every key past a row's position is).
-inline void score_lanes(const Problem& p, const LaneItem& item, int64_t kv_head, int64_t key0, vf* s) {
+// s[v][j] = scale * q . K[key0 + j] for the tile's T keys and the item's V vectors of rows (a key
+// past the item's last row scores that row's key: masked below, as every key past a row's position
+// is). Each key element is broadcast once and serves every vector.
+template <int V>
+inline void score_lanes(const Problem& p, const LaneItem& item, int64_t kv_head, int64_t key0, vf (*s)[T]) {
   for (int j0 = 0; j0 < T; j0 += kKeysAtOnce) {
     const float* key[kKeysAtOnce];
-    vf sum[kKeysAtOnce];
+    vf sum[V][kKeysAtOnce];
 #pragma GCC unroll 8
     for (int j = 0; j < kKeysAtOnce; ++j) {
       key[j] = p.key(std::min<int64_t>(key0 + j0 + j, item.last_position), kv_head);
-      sum[j] = vf{};
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) sum[v][j] = vf{};
     }
     const float* q = item.q_by_dim;
-    for (int64_t d = 0; d < p.head_dim; ++d, q += W) {
-      const vf qd = load(q);
+    for (int64_t d = 0; d < p.head_dim; ++d, q += V * W) {
+      vf qd[V];
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) qd[v] = load(q + v * W);
 #pragma GCC unroll 8
-      for (int j = 0; j < kKeysAtOnce; ++j) sum[j] += qd * splat(key[j][d]);
+      for (int j = 0; j < kKeysAtOnce; ++j) {
+        const vf k = splat(key[j][d]);
+#pragma GCC unroll 2
+        for (int v = 0; v < V; ++v) sum[v][j] += qd[v] * k;
+      }
     }
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v)
 #pragma GCC unroll 8
-    for (int j = 0; j < kKeysAtOnce; ++j) s[j0 + j] = sum[j] * p.scale;
+      for (int j = 0; j < kKeysAtOnce; ++j) s[v][j0 + j] = sum[v][j] * p.scale;
   }
 }
 
@@ -327,14 +340,18 @@ inline vf tile_sum(const vf* probability) {
   return lanes[0];
 }
 
-// One lane item over every key tile its rows may see; o: W * head_dim floats of scratch.
+// One lane item of V vectors of rows over every key tile its rows may see; o: V * W * head_dim
+// floats of scratch.
+template <int V>
 inline void attend_lane_item(const Problem& p, const LaneItem& item, int64_t kv_head, float* o, float* out) {
-  alignas(64) float probs[T * W];  // probs[j * W + r]
-  alignas(64) float rescale[W], total_rows[W];
-  vf s[T];
+  constexpr int R = V * W;
+  alignas(64) float probs[T * R];  // probs[j * R + r]
+  alignas(64) float rescale[R], total_rows[R];
+  vf s[V][T];
   const float* values[T];
-  vf top = splat(-__builtin_inff()), total{};
-  std::fill(o, o + W * p.head_dim, 0.0f);
+  vf top[V], total[V];
+  for (int v = 0; v < V; ++v) top[v] = splat(-__builtin_inff()), total[v] = vf{};
+  std::fill(o, o + R * p.head_dim, 0.0f);
   const vf minus_infinity = splat(-__builtin_inff());
   for (int64_t key0 = 0; key0 <= item.last_position; key0 += T) {
     // NOTE: the next tile's key and value rows, asked for into L2 a cache line at a time: a row lies
@@ -349,55 +366,69 @@ inline void attend_lane_item(const Problem& p, const LaneItem& item, int64_t kv_
         _mm_prefetch(value + b, _MM_HINT_T1);
       }
     }
-    score_lanes(p, item, kv_head, key0, s);
-    if (key0 + T - 1 > item.first_position)
-      for (int j = 0; j < T; ++j)
-        s[j] = splat_int(static_cast<int32_t>(key0 + j)) > item.position ? minus_infinity : s[j];
-    vf next = top;
-    for (int j = 0; j < T; ++j) next = next > s[j] ? next : s[j];
-    for (int j = 0; j < T; ++j) {
-      s[j] = exp_negative(s[j] - next);
-      store(probs + j * W, s[j]);
+    score_lanes<V>(p, item, kv_head, key0, s);
+    for (int v = 0; v < V; ++v) {
+      if (key0 + T - 1 > item.first_position)
+        for (int j = 0; j < T; ++j)
+          s[v][j] = splat_int(static_cast<int32_t>(key0 + j)) > item.position[v] ? minus_infinity : s[v][j];
+      vf next = top[v];
+      for (int j = 0; j < T; ++j) next = next > s[v][j] ? next : s[v][j];
+      for (int j = 0; j < T; ++j) {
+        s[v][j] = exp_negative(s[v][j] - next);
+        store(probs + j * R + v * W, s[v][j]);
+      }
+      const vf rescaled = exp_negative(top[v] - next);  // 0 on the first tile, where top is -inf
+      total[v] = total[v] * rescaled + tile_sum(s[v]);
+      top[v] = next;
+      store(rescale + v * W, rescaled);
     }
-    const vf rescaled = exp_negative(top - next);  // 0 on the first tile, where top is -inf
-    total = total * rescaled + tile_sum(s);
-    top = next;
-    store(rescale, rescaled);
     const int64_t keys = std::min<int64_t>(T, item.last_position + 1 - key0);
     for (int64_t j = 0; j < keys; ++j) values[j] = p.value(key0 + j, kv_head);
-    weigh_tile<W, RPL, 1, W>(p, values, keys, probs, rescale, o);
+    weigh_tile<R, RPL, 1, R>(p, values, keys, probs, rescale, o);
   }
-  store(total_rows, total);
+  for (int v = 0; v < V; ++v) store(total_rows + v * W, total[v]);
   write_rows(p, item.q, item.real_rows, o, total_rows, out);
 }
 
-// The rows of lane item k, ordered as item_rows orders the tiled path's.
-inline LaneItem lane_item_rows(const Problem& p, int64_t k, int64_t row_groups, float* q_by_dim) {
-  const int64_t group = p.heads / p.kv_heads, kv_head = item_kv_head(k, row_groups);
-  const int64_t first = (row_groups - 1 - k % row_groups) * W, rows = p.tokens * group;
+// Lane item k: a KV head's rows cut into vectors of W, the vectors into items of up to LV, the
+// last rows (the most keys) first; rows ordered as item_rows orders the tiled path's.
+inline LaneItem lane_item_rows(const Problem& p, int64_t k, int64_t items_per_head, float* q_by_dim) {
+  const int64_t group = p.heads / p.kv_heads, kv_head = k / items_per_head, rows = p.tokens * group;
+  const int64_t vectors_per_head = (rows + W - 1) / W;
+  const int64_t end = vectors_per_head - (k % items_per_head) * LV, begin = std::max<int64_t>(0, end - LV);
   LaneItem item{};
-  item.real_rows = std::min<int64_t>(W, rows - first);
+  item.vectors = static_cast<int>(end - begin);
+  const int64_t first = begin * W, width = item.vectors * W;
+  item.real_rows = std::min<int64_t>(width, rows - first);
   item.q_by_dim = q_by_dim;
-  for (int64_t r = 0; r < W; ++r) {
+  for (int64_t r = 0; r < width; ++r) {
     const int64_t row = first + std::min(r, item.real_rows - 1), i = row / group, h = kv_head * group + row % group;
     item.q[r] = p.q + (i * p.heads + h) * p.head_dim;
-    item.position[r] = static_cast<int32_t>(p.start + i);
-    for (int64_t d = 0; d < p.head_dim; ++d) q_by_dim[d * W + r] = item.q[r][d];
+    item.position[r / W][r % W] = static_cast<int32_t>(p.start + i);
+    for (int64_t d = 0; d < p.head_dim; ++d) q_by_dim[d * width + r] = item.q[r][d];
   }
-  item.first_position = item.position[0];
-  item.last_position = item.position[W - 1];
+  item.first_position = item.position[0][0];
+  item.last_position = item.position[item.vectors - 1][W - 1];
   return item;
 }
 
 inline void attend_lanes(const Problem& p, float* out) {
-  const int64_t row_groups = (p.tokens * (p.heads / p.kv_heads) + W - 1) / W;
-  const int64_t items = row_groups * p.kv_heads;
+  const int64_t vectors_per_head = (p.tokens * (p.heads / p.kv_heads) + W - 1) / W;
+  const int64_t items_per_head = (vectors_per_head + LV - 1) / LV, items = items_per_head * p.kv_heads;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> o(static_cast<size_t>(W * p.head_dim)), q_by_dim(o.size());
-    for (int64_t k = next++; k < items; k = next++)
-      attend_lane_item(p, lane_item_rows(p, k, row_groups, q_by_dim.data()), item_kv_head(k, row_groups),
-                       o.data(), out);
+    std::vector<float> o(static_cast<size_t>(LV * W * p.head_dim)), q_by_dim(o.size());
+    for (int64_t k = next++; k < items; k = next++) {
+      const LaneItem item = lane_item_rows(p, k, items_per_head, q_by_dim.data());
+      const int64_t kv_head = k / items_per_head;
+      if constexpr (LV >= 2) {
+        if (item.vectors == 2) {
+          attend_lane_item<2>(p, item, kv_head, o.data(), out);
+          continue;
+        }
+      }
+      attend_lane_item<1>(p, item, kv_head, o.data(), out);
+    }
   });
 }
 
