@@ -49,10 +49,11 @@ GEMV_CROSSOVER = {("AVX512", "avx512"): 8, ("AVX512", "avx2"): 4}
 # Rows of x up to which the panel matmul runs, from where the GEMV stops (2 rows, PANEL_GEMV_ROWS),
 # by the same pair. On 2026-12-06's AVX-512 Xeon (python -m bench.matmul_kernels --threads 1 and 2
 # --reps 5, 07:40; docs/benchmarks.md), against oneDNN on SmolLM2's qkv, gate_up and down products:
-# 14 rows 1.16-2.25x, 32 rows 0.99-1.24x, 128 rows 0.95-1.28x (1.0-1.28x on 2 threads), 256 rows
-# 0.93-1.05x, 2,048 rows 0.76-0.96x; against the GEMV, 0.78-1.24x at 2 rows and 0.89-1.24x at 4
-# (the GEMV stays ahead on down), 1.04-1.88x at 8. Not measured in 8 lanes: an AVX2-only CPU keeps
-# the GEMV and oneDNN alone.
+# 14 rows 1.16-2.25x, 32 rows 0.99-1.24x, 128 rows 0.95-1.18x (1.00-1.18x on 2 threads), 256 rows
+# 0.93-1.05x, 2,048 rows 0.76-0.96x; against the GEMV, 0.78-1.24x at 2 rows, 0.89-1.16x at 4 and
+# 0.70-1.88x at 8 (the GEMV stays ahead on down). That Xeon's 480 MB L3 holds the bench's 30 copies
+# of a weight, so those are cache rates; streamed from memory the panels read 19-20 GB/s at 14 rows.
+# Not measured in 8 lanes: an AVX2-only CPU keeps the GEMV and oneDNN alone.
 PANEL_CROSSOVER = {("AVX512", "avx512"): 128}
 PANEL_GEMV_ROWS = 2
 # NOTE: why oneDNN's weights are packed. Given W as stored, [out, in], oneDNN reorders it into its
