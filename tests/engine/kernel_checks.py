@@ -1,10 +1,15 @@
 """The checks every opt-in kernel runs the engine through (tests/engine/test_linear_kernels.py,
 test_attention_kernels.py, test_pointwise.py): its cache paths against the no-cache reference, blocks
-filled by decode steps through the KV audit, and transformers' greedy tokens."""
+filled by decode steps through the KV audit, and transformers' greedy tokens; and run_capped_to_avx2,
+which runs a kernel check on the 8-lane build in a process of its own."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +23,15 @@ from tests.engine.test_oracle import hf_greedy
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.unavailable() is not None,
                                   reason=f"pdserve's CPU kernels: {cpu_kernels.unavailable()}")
+
+
+def run_capped_to_avx2(code: str) -> None:
+    """Runs `code` (which prints "checked" when its checks pass) with PDSERVE_CPU_ISA=avx2: the 8-lane
+    build on an AVX-512 CPU too. The cap is read once per process, hence a process of its own."""
+    env = {**os.environ, "PDSERVE_CPU_ISA": "avx2"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-2000:]
 
 
 def check_cache_paths(engine: LLMEngine) -> None:

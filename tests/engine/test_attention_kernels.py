@@ -10,10 +10,6 @@ greedy tokens. The reference attends with SDPA, so every step compares the two a
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +25,7 @@ from tests.engine.kernel_checks import (
     check_decode_filled_blocks_audit_clean,
     check_greedy_matches_transformers,
     needs_kernel,
+    run_capped_to_avx2,
 )
 from tests.engine.test_exactness import check_against_reference, varied_prompts
 from tests.engine.test_linear_kernels import ONEDNN_VS_TRANSFORMERS, needs_avx2
@@ -210,12 +207,9 @@ print("checked")
 
 @needs_kernel
 def test_the_two_paths_give_the_same_bits_in_8_lanes_too():
-    """PDSERVE_CPU_ISA=avx2 runs the 8-lane build on an AVX-512 CPU too (read once per process, so in
-    a process of its own): its probability sums fold in another order, which the lanes path follows."""
-    env = {**os.environ, "PDSERVE_CPU_ISA": "avx2"}
-    done = subprocess.run([sys.executable, "-c", CAPPED_PATHS], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=Path(__file__).resolve().parents[2])
-    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-2000:]
+    """PDSERVE_CPU_ISA=avx2 runs the 8-lane build on an AVX-512 CPU too: its probability sums fold in
+    another order, which the lanes path follows."""
+    run_capped_to_avx2(CAPPED_PATHS)
 
 
 @needs_kernel

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -36,6 +35,7 @@ from tests.engine.kernel_checks import (
     check_cache_paths,
     check_decode_filled_blocks_audit_clean,
     check_greedy_matches_transformers,
+    run_capped_to_avx2,
 )
 from tests.engine.test_exactness import check_against_reference, varied_prompts
 from tests.engine.test_oracle import hf_greedy, hf_logits
@@ -119,12 +119,9 @@ print("checked")
 
 @needs_avx2
 def test_gemv_capped_to_avx2_computes_the_same_products():
-    """PDSERVE_CPU_ISA=avx2 runs the AVX2 path on an AVX-512 CPU too (read once per process, so in a
-    process of its own): where this machine has AVX-512, the other path is checked here."""
-    env = {**os.environ, "PDSERVE_CPU_ISA": "avx2"}
-    done = subprocess.run([sys.executable, "-c", CAPPED_TO_AVX2], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=Path(__file__).resolve().parents[2])
-    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-2000:]
+    """PDSERVE_CPU_ISA=avx2 runs the AVX2 path on an AVX-512 CPU too: where this machine has AVX-512,
+    the other path is checked here."""
+    run_capped_to_avx2(CAPPED_TO_AVX2)
 
 
 @needs_avx2
@@ -234,11 +231,8 @@ print("checked")
 
 @needs_avx2
 def test_panel_matmul_capped_to_avx2_computes_the_same_products():
-    """The 8-lane build, run here in a process of its own with PDSERVE_CPU_ISA=avx2."""
-    env = {**os.environ, "PDSERVE_CPU_ISA": "avx2"}
-    done = subprocess.run([sys.executable, "-c", CAPPED_PANELS], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=Path(__file__).resolve().parents[2])
-    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-2000:]
+    """The 8-lane build, run here with PDSERVE_CPU_ISA=avx2."""
+    run_capped_to_avx2(CAPPED_PANELS)
 
 
 @needs_onednn
