@@ -69,7 +69,8 @@ PACK_FOR_ROWS = 32
 
 def max_gemv_rows(capability: str | None = None, gemv_isa: str | None = None) -> int:
     """The avx2 kernel's GEMV/oneDNN crossover on a CPU of `capability` with the GEMV running
-    `gemv_isa` (default: this CPU's, and the path the GEMV runs here)."""
+    `gemv_isa` (default: this CPU's, and the path the GEMV runs here). Where the panel matmul runs
+    (max_panel_rows() > 0) the GEMV stops at PANEL_GEMV_ROWS instead: Avx2Linear.gemv_rows."""
     capability = capability or torch.backends.cpu.get_cpu_capability()
     gemv_isa = gemv_isa or cpu_kernels.gemv_isa() or "avx2"
     return GEMV_CROSSOVER.get((capability, gemv_isa), MAX_GEMV_ROWS)

@@ -10,8 +10,9 @@
 // loads the panel's 2 vectors at that input and broadcasts each row's x into 2 FMAs: 2 x 14 sums in
 // 28 of AVX-512's 32 registers (2 x 6 of AVX2's 16), so a block of rows costs one read of the
 // panel, and the blocks after the first read it from L2. A prefetch runs kPrefetchSteps steps ahead
-// of the loads: without it the core did not keep enough reads in flight to stream from memory
-// (14 rows, 2 threads: 12 GB/s without, 18-26 with, on the Xeon of 2026-12-06).
+// of the loads: without it the core did not keep enough reads in flight (14 rows of gate_up, 2
+// threads, 30 weights that the Xeon of 2026-12-06 held in its 480 MB L3: 12 GB/s without, 18-26
+// with; streamed from memory, 19-20 GB/s at any distance from 8 to 64 steps).
 //
 // Each output sums `in` in a fixed order (stretches of kStretch inputs, each in one lane, then the
 // stretches in order): it depends neither on the other rows of x, nor on the blocking, nor on the
