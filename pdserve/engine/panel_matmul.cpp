@@ -2,9 +2,9 @@
 // suffix after a cached prefix, a decode batch), streaming W once per call from a layout packed at
 // load (pdserve/engine/linear.py's avx2 kernel runs it between the GEMV's rows and oneDNN's).
 //
-// Why: from 8 to a few hundred rows a product is still close to bound by reading W, and both
-// oneDNN and the GEMV read it at half the memory's rate there (14 rows: 12-15 GB/s of the machine's
-// 22-26, python -m bench.matmul_kernels). Here W [out, in] is packed as panels of P output columns
+// Why: from 8 to a few hundred rows a product is still close to bound by reading W, and oneDNN
+// and the GEMV read it well below the rate a plain read of it reaches (14 rows, 2 threads: oneDNN
+// 14-16 GB/s, the GEMV 12-24, a plain read 23-44; python -m bench.matmul_kernels, 2026-12-06 07:39). Here W [out, in] is packed as panels of P output columns
 // (P = 2 vectors: 32 on AVX-512, 16 on AVX2), each panel [in][P] contiguous, so one pass over a
 // panel streams its bytes in order. For each block of up to kBlockRows rows of x, a step over `in`
 // loads the panel's 2 vectors at that input and broadcasts each row's x into 2 FMAs: 2 x 14 sums in

@@ -245,7 +245,7 @@ inline void attend_item(const Problem& p, const Item& item, int64_t kv_head, con
 // The rows of item k: KV heads outer, so that the items running together read one head's keys and
 // values (for 2,048 tokens, 0.5 + 0.5 MB of a head against 3 MB for all three of SmolLM2's, with
 // 2 MB of L2 a core); within a head, from the last rows (the most keys) to the first.
-inline int64_t item_kv_head(int64_t k, int64_t row_tiles) { return k / row_tiles; }
+inline int64_t item_kv_head(int64_t k, int64_t items_per_head) { return k / items_per_head; }
 
 inline Item item_rows(const Problem& p, int64_t k, int64_t row_tiles, float* q_by_dim) {
   const int64_t group = p.heads / p.kv_heads, kv_head = item_kv_head(k, row_tiles);
@@ -267,9 +267,10 @@ inline Item item_rows(const Problem& p, int64_t k, int64_t row_tiles, float* q_b
 //
 // For a short chunk after a long context, transposing every key (transpose_keys) cost more than the
 // chunk's own arithmetic: 14 queries after 1,920 cached rows spent 0.21 of their 0.91 ms a layer
-// (SmolLM2, 2 threads) on it, and the tiled items that followed read the keys a second time from
-// the copy. Up to kLaneRowsMax query rows a KV head, an item is instead LV vectors of W rows in the
-// lanes ((query i, head h) pairs as item_rows orders them: 2 x 16 on AVX-512, 1 x 8 on AVX2),
+// on it (SmolLM2, 2 threads; a one-off build that stopped after the transposition), and the tiled
+// items that followed read the keys a second time from the copy. Up to kLaneRowsMax query rows a KV
+// head, an item is instead LV vectors of W rows in the lanes ((query i, head h) pairs as item_rows
+// orders them: 2 x 16 on AVX-512, 1 x 8 on AVX2),
 // scored against each key by broadcasting the key's elements from its row in the pool:
 //
 //     s[v][j] (a vector over rows) = scale * sum_d q_by_dim[d][v] * K[key0 + j][d]
@@ -356,8 +357,9 @@ inline void attend_lane_item(const Problem& p, const LaneItem& item, int64_t kv_
   for (int64_t key0 = 0; key0 <= item.last_position; key0 += T) {
     // NOTE: the next tile's key and value rows, asked for into L2 a cache line at a time: a row lies
     // wherever its block does, and the hardware's prefetchers, which follow strides, lose it at every
-    // block (1.2x on 14 queries after 1,920 rows, 1.4x on one; into L1 it gained nothing). Written
-    // out here: the same loop in a helper function of its own ran no faster than none at all.
+    // block (1.2x on 14 queries after 1,920 rows, 1.4x on one; into L1 it gained nothing: one-off A/B
+    // builds, 2026-12-06). Written out here: the same loop in a helper function of its own ran no
+    // faster than none at all.
     for (int64_t t = key0 + T; t < std::min<int64_t>(key0 + 2 * T, item.last_position + 1); ++t) {
       const char* key = reinterpret_cast<const char*>(p.key(t, kv_head));
       const char* value = reinterpret_cast<const char*>(p.value(t, kv_head));
@@ -393,7 +395,7 @@ inline void attend_lane_item(const Problem& p, const LaneItem& item, int64_t kv_
 // Lane item k: a KV head's rows cut into vectors of W, the vectors into items of up to LV, the
 // last rows (the most keys) first; rows ordered as item_rows orders the tiled path's.
 inline LaneItem lane_item_rows(const Problem& p, int64_t k, int64_t items_per_head, float* q_by_dim) {
-  const int64_t group = p.heads / p.kv_heads, kv_head = k / items_per_head, rows = p.tokens * group;
+  const int64_t group = p.heads / p.kv_heads, kv_head = item_kv_head(k, items_per_head), rows = p.tokens * group;
   const int64_t vectors_per_head = (rows + W - 1) / W;
   const int64_t end = vectors_per_head - (k % items_per_head) * LV, begin = std::max<int64_t>(0, end - LV);
   LaneItem item{};
@@ -420,7 +422,7 @@ inline void attend_lanes(const Problem& p, float* out) {
     std::vector<float> o(static_cast<size_t>(LV * W * p.head_dim)), q_by_dim(o.size());
     for (int64_t k = next++; k < items; k = next++) {
       const LaneItem item = lane_item_rows(p, k, items_per_head, q_by_dim.data());
-      const int64_t kv_head = k / items_per_head;
+      const int64_t kv_head = item_kv_head(k, items_per_head);
       if constexpr (LV >= 2) {
         if (item.vectors == 2) {
           attend_lane_item<2>(p, item, kv_head, o.data(), out);
