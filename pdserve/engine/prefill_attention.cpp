@@ -37,9 +37,9 @@ bool use_avx512();  // gemv.cpp: AVX-512F here, and not capped by PDSERVE_CPU_IS
 namespace {
 
 // Query rows a KV head up to which the lanes path runs: SmolLM2's 128 queries (3 rows each). After
-// 1,920 cached rows the lanes path led from 1 to 64 queries (1.12-1.86x) and tied at 128 (1.00-1.12x);
-// 256 after 1,792 was 0.96-1.04x and a fresh 128-query chunk 0.90-1.02x (1 and 2 threads,
-// python -m bench.attention_kernels --only paths, docs/benchmarks.md 2026-12-06 08:12).
+// 1,920 cached rows the lanes path led from 1 to 128 queries (1.10-2.38x), 256 after 1,792 by
+// 1.04-1.09x, and a fresh 128-query chunk tied (0.99-1.06x) (1 and 2 threads, python -m
+// bench.attention_kernels --only paths, 2026-12-06 10:25, docs/benchmarks.md).
 constexpr int64_t kLaneRowsMax = 384;
 
 // One call's shapes and where its rows are: the pool layer is cache[K|V, block, offset, kv_head, d].
@@ -67,7 +67,8 @@ constexpr int TV = 2;      // 32 keys a tile
 constexpr int kRows = 12;  // 24 score registers and the key tile's 2: 26 of 32
 constexpr int RP = 6;      // 6 rows x 4 vectors of output + 4 of values: 28 of 32 registers
 constexpr int RPL = 4;     // the lanes path's rows, 4 at a time: 16 + 4 + a broadcast
-constexpr int LV = 2;      // the lanes path's vectors of rows an item: 2 x 8 sums, 2 queries, a broadcast
+constexpr int LV = 3;      // the lanes path's vectors of rows an item: 3 x 8 sums, 3 queries, a broadcast
+                           // (14 queries of SmolLM2 in one item a KV head: its K/V read once)
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
 inline vf splat(float x) { return _mm512_set1_ps(x); }

@@ -270,7 +270,7 @@ inline Item item_rows(const Problem& p, int64_t k, int64_t row_tiles, float* q_b
 // on it (SmolLM2, 2 threads; a one-off build that stopped after the transposition), and the tiled
 // items that followed read the keys a second time from the copy. Up to kLaneRowsMax query rows a KV
 // head, an item is instead LV vectors of W rows in the lanes ((query i, head h) pairs as item_rows
-// orders them: 2 x 16 on AVX-512, 1 x 8 on AVX2),
+// orders them: up to 3 x 16 on AVX-512, 1 x 8 on AVX2),
 // scored against each key by broadcasting the key's elements from its row in the pool:
 //
 //     s[v][j] (a vector over rows) = scale * sum_d q_by_dim[d][v] * K[key0 + j][d]
@@ -279,8 +279,8 @@ inline Item item_rows(const Problem& p, int64_t k, int64_t row_tiles, float* q_b
 // the tile's probability sum below re-creates sum_of's order (the vector's halves added, then their
 // halves, down to one lane), so a row gets the same bits on either path, and which path a chunk
 // takes never shows in its output (tests/engine/test_attention_kernels.py checks it bit for bit).
-// python -m bench.attention_kernels --only paths times the two: 14 queries after 1,920 rows 1.5-1.8x
-// faster on this path (2026-12-06).
+// python -m bench.attention_kernels --only paths times the two: 14 queries after 1,920 rows 1.9-2.2x
+// faster on this path (1 and 2 threads, 2026-12-06 10:25).
 
 constexpr int kKeysAtOnce = 8;  // keys scored together: 8 sums a vector of rows, the queries and a broadcast
 
@@ -305,22 +305,40 @@ inline void score_lanes(const Problem& p, const LaneItem& item, int64_t kv_head,
 #pragma GCC unroll 8
     for (int j = 0; j < kKeysAtOnce; ++j) {
       key[j] = p.key(std::min<int64_t>(key0 + j0 + j, item.last_position), kv_head);
-#pragma GCC unroll 2
+#pragma GCC unroll 4
       for (int v = 0; v < V; ++v) sum[v][j] = vf{};
     }
+    // NOTE: the next tile's rows of these keys, K and V, asked for into L2, one cache line a
+    // dimension: a row lies wherever its block does, and the hardware's prefetchers, which follow
+    // strides, lose it at every block. Asked for all at once at the tile's start (a loop of 256 on
+    // SmolLM2), the requests filled the core's line fill buffers and the loop stalled: a quarter of
+    // the lanes path's samples under `perf record` (14 queries after 1,920 rows went 0.46 -> 0.42 ms a
+    // layer spread out like this, 2 threads; one-off A/B builds, 2026-12-06).
+    const char* ahead[2 * kKeysAtOnce];
+    for (int j = 0; j < kKeysAtOnce; ++j) {
+      const int64_t t = std::min<int64_t>(key0 + T + j0 + j, item.last_position);
+      ahead[2 * j] = reinterpret_cast<const char*>(p.key(t, kv_head));
+      ahead[2 * j + 1] = reinterpret_cast<const char*>(p.value(t, kv_head));
+    }
+    const int64_t lines_per_row = p.head_dim / 16;  // head_dim * 4 bytes / 64, if a multiple of 16
+    int64_t row = 0, line = 0;
     const float* q = item.q_by_dim;
     for (int64_t d = 0; d < p.head_dim; ++d, q += V * W) {
+      if (lines_per_row > 0 && row < 2 * kKeysAtOnce) {
+        _mm_prefetch(ahead[row] + line * 64, _MM_HINT_T1);
+        if (++line == lines_per_row) line = 0, ++row;
+      }
       vf qd[V];
-#pragma GCC unroll 2
+#pragma GCC unroll 4
       for (int v = 0; v < V; ++v) qd[v] = load(q + v * W);
 #pragma GCC unroll 8
       for (int j = 0; j < kKeysAtOnce; ++j) {
         const vf k = splat(key[j][d]);
-#pragma GCC unroll 2
+#pragma GCC unroll 4
         for (int v = 0; v < V; ++v) sum[v][j] += qd[v] * k;
       }
     }
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int v = 0; v < V; ++v)
 #pragma GCC unroll 8
       for (int j = 0; j < kKeysAtOnce; ++j) s[v][j0 + j] = sum[v][j] * p.scale;
@@ -355,19 +373,6 @@ inline void attend_lane_item(const Problem& p, const LaneItem& item, int64_t kv_
   std::fill(o, o + R * p.head_dim, 0.0f);
   const vf minus_infinity = splat(-__builtin_inff());
   for (int64_t key0 = 0; key0 <= item.last_position; key0 += T) {
-    // NOTE: the next tile's key and value rows, asked for into L2 a cache line at a time: a row lies
-    // wherever its block does, and the hardware's prefetchers, which follow strides, lose it at every
-    // block (1.2x on 14 queries after 1,920 rows, 1.4x on one; into L1 it gained nothing: one-off A/B
-    // builds, 2026-12-06). Written out here: the same loop in a helper function of its own ran no
-    // faster than none at all.
-    for (int64_t t = key0 + T; t < std::min<int64_t>(key0 + 2 * T, item.last_position + 1); ++t) {
-      const char* key = reinterpret_cast<const char*>(p.key(t, kv_head));
-      const char* value = reinterpret_cast<const char*>(p.value(t, kv_head));
-      for (int64_t b = 0; b < p.head_dim * 4; b += 64) {
-        _mm_prefetch(key + b, _MM_HINT_T1);
-        _mm_prefetch(value + b, _MM_HINT_T1);
-      }
-    }
     score_lanes<V>(p, item, kv_head, key0, s);
     for (int v = 0; v < V; ++v) {
       if (key0 + T - 1 > item.first_position)
@@ -392,19 +397,46 @@ inline void attend_lane_item(const Problem& p, const LaneItem& item, int64_t kv_
   write_rows(p, item.q, item.real_rows, o, total_rows, out);
 }
 
-// Lane item k: a KV head's rows cut into vectors of W, the vectors into items of up to LV, the
-// last rows (the most keys) first; rows ordered as item_rows orders the tiled path's.
-inline LaneItem lane_item_rows(const Problem& p, int64_t k, int64_t items_per_head, float* q_by_dim) {
-  const int64_t group = p.heads / p.kv_heads, kv_head = item_kv_head(k, items_per_head), rows = p.tokens * group;
-  const int64_t vectors_per_head = (rows + W - 1) / W;
-  const int64_t end = vectors_per_head - (k % items_per_head) * LV, begin = std::max<int64_t>(0, end - LV);
+// A lane item's rows: vectors [begin, begin + vectors) of W rows of one KV head.
+struct LaneSpan {
+  int64_t kv_head, begin, vectors;
+};
+
+// The items: each KV head's rows cut into vectors of W, the vectors into items of up to LV, the last
+// rows (the most keys) first. The threads take items as they finish, so a count the threads do not
+// divide leaves some idle for the last item's time: 14 queries of SmolLM2 are one item of 3 vectors
+// a KV head, 3 items for 2 threads. Then the first items are split in two, until the threads divide
+// them (or no item has two vectors): a split costs a second read of that head's K/V, which is less
+// than an idle thread.
+inline std::vector<LaneSpan> lane_spans(const Problem& p, int64_t threads) {
+  const int64_t vectors_per_head = (p.tokens * (p.heads / p.kv_heads) + W - 1) / W;
+  std::vector<LaneSpan> spans;
+  for (int64_t h = 0; h < p.kv_heads; ++h)
+    for (int64_t end = vectors_per_head; end > 0; end -= LV) {
+      const int64_t begin = std::max<int64_t>(0, end - LV);
+      spans.push_back({h, begin, end - begin});
+    }
+  for (size_t i = 0; spans.size() % threads != 0 && i < spans.size(); i += 2) {
+    const LaneSpan whole = spans[i];
+    if (whole.vectors < 2) break;
+    const int64_t first = whole.vectors / 2;  // the later rows: the half with more keys is the smaller
+    spans[i] = {whole.kv_head, whole.begin + whole.vectors - first, first};
+    spans.insert(spans.begin() + static_cast<int64_t>(i) + 1, {whole.kv_head, whole.begin, whole.vectors - first});
+  }
+  return spans;
+}
+
+// A span's rows, ordered as item_rows orders the tiled path's.
+inline LaneItem lane_item_rows(const Problem& p, const LaneSpan& span, float* q_by_dim) {
+  const int64_t group = p.heads / p.kv_heads, rows = p.tokens * group;
   LaneItem item{};
-  item.vectors = static_cast<int>(end - begin);
-  const int64_t first = begin * W, width = item.vectors * W;
+  item.vectors = static_cast<int>(span.vectors);
+  const int64_t first = span.begin * W, width = item.vectors * W;
   item.real_rows = std::min<int64_t>(width, rows - first);
   item.q_by_dim = q_by_dim;
   for (int64_t r = 0; r < width; ++r) {
-    const int64_t row = first + std::min(r, item.real_rows - 1), i = row / group, h = kv_head * group + row % group;
+    const int64_t row = first + std::min(r, item.real_rows - 1), i = row / group;
+    const int64_t h = span.kv_head * group + row % group;
     item.q[r] = p.q + (i * p.heads + h) * p.head_dim;
     item.position[r / W][r % W] = static_cast<int32_t>(p.start + i);
     for (int64_t d = 0; d < p.head_dim; ++d) q_by_dim[d * width + r] = item.q[r][d];
@@ -415,14 +447,20 @@ inline LaneItem lane_item_rows(const Problem& p, int64_t k, int64_t items_per_he
 }
 
 inline void attend_lanes(const Problem& p, float* out) {
-  const int64_t vectors_per_head = (p.tokens * (p.heads / p.kv_heads) + W - 1) / W;
-  const int64_t items_per_head = (vectors_per_head + LV - 1) / LV, items = items_per_head * p.kv_heads;
+  const std::vector<LaneSpan> spans = lane_spans(p, at::get_num_threads());
+  const int64_t items = static_cast<int64_t>(spans.size());
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> o(static_cast<size_t>(LV * W * p.head_dim)), q_by_dim(o.size());
     for (int64_t k = next++; k < items; k = next++) {
-      const LaneItem item = lane_item_rows(p, k, items_per_head, q_by_dim.data());
-      const int64_t kv_head = item_kv_head(k, items_per_head);
+      const LaneItem item = lane_item_rows(p, spans[k], q_by_dim.data());
+      const int64_t kv_head = spans[k].kv_head;
+      if constexpr (LV >= 3) {
+        if (item.vectors == 3) {
+          attend_lane_item<3>(p, item, kv_head, o.data(), out);
+          continue;
+        }
+      }
       if constexpr (LV >= 2) {
         if (item.vectors == 2) {
           attend_lane_item<2>(p, item, kv_head, o.data(), out);
