@@ -166,7 +166,8 @@ def test_the_lanes_and_tiled_paths_give_the_same_bits(heads, kv_heads, head_dim)
         for count in (1, 2, 3):
             torch.set_num_threads(count)
             for start, tokens in PATH_CHUNKS:
-                q, cache, table = prefill_case(start * 100 + tokens, start, tokens, heads, kv_heads, head_dim, 16)
+                q, cache, table = prefill_case(start * 100 + tokens, start, tokens, heads, kv_heads,
+                                               head_dim, 16)
                 ours = lanes(q, cache, table, start, scale)
                 assert torch.equal(ours, tiled(q, cache, table, start, scale)), (count, start, tokens)
                 assert torch.allclose(ours.double(), float64_chunk_attention(q, cache, table, start, scale),
