@@ -405,9 +405,9 @@ struct LaneSpan {
 // The items: each KV head's rows cut into vectors of W, the vectors into items of up to LV, the last
 // rows (the most keys) first. The threads take items as they finish, so a count the threads do not
 // divide leaves some idle for the last item's time: 14 queries of SmolLM2 are one item of 3 vectors
-// a KV head, 3 items for 2 threads. Then the first items are split in two, until the threads divide
-// them (or no item has two vectors): a split costs a second read of that head's K/V, which is less
-// than an idle thread.
+// a KV head, 3 items for 2 threads. Then the first items of two vectors or more are split in two,
+// until the threads divide them (or none is left to split): a split costs a second read of that
+// head's K/V, which is less than an idle thread.
 inline std::vector<LaneSpan> lane_spans(const Problem& p, int64_t threads) {
   const int64_t vectors_per_head = (p.tokens * (p.heads / p.kv_heads) + W - 1) / W;
   std::vector<LaneSpan> spans;
@@ -416,13 +416,14 @@ inline std::vector<LaneSpan> lane_spans(const Problem& p, int64_t threads) {
       const int64_t begin = std::max<int64_t>(0, end - LV);
       spans.push_back({h, begin, end - begin});
     }
-  for (size_t i = 0; spans.size() % threads != 0 && i < spans.size(); i += 2) {
+  for (size_t i = 0; spans.size() % threads != 0 && i < spans.size(); ++i) {
     const LaneSpan whole = spans[i];
-    if (whole.vectors < 2) break;
+    if (whole.vectors < 2) continue;  // a head's first rows, the remainder of its vectors
     // the first item takes the later rows (more keys each), the smaller half
     const int64_t first = whole.vectors / 2;
     spans[i] = {whole.kv_head, whole.begin + whole.vectors - first, first};
     spans.insert(spans.begin() + static_cast<int64_t>(i) + 1, {whole.kv_head, whole.begin, whole.vectors - first});
+    ++i;  // past the second half
   }
   return spans;
 }

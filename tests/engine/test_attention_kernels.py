@@ -155,15 +155,15 @@ PATH_CHUNKS = [(0, 1), (0, 13), (5, 1), (17, 30), (90, 7), (33, 3), (300, 14), (
                          ids=["smollm2", "tiny", "no-gqa-tail", "under-one-vector", "one-kv-head-128"])
 def test_the_lanes_and_tiled_paths_give_the_same_bits(heads, kv_heads, head_dim):
     """A chunk of few rows a KV head takes the lanes path, a longer one the tiled path: on any chunk
-    the two give the same bits (and match float64), so which one a chunk took never shows. At 1, 2
-    and 3 threads, since the lanes path splits its items to the thread count (14 queries of SmolLM2:
-    one item of 3 vectors a KV head on 1 or 3 threads, one head's split in 1 + 2 on 2)."""
+    the two give the same bits (and match float64), so which one a chunk took never shows. At 1 to 4
+    threads, since the lanes path splits its items to the thread count (14 queries of SmolLM2: one
+    item of 3 vectors a KV head on 1 or 3 threads, one head's split in 1 + 2 on 2 or 4)."""
     lanes = cpu_kernels.paged_prefill_attention_on("lanes")
     tiled = cpu_kernels.paged_prefill_attention_on("tiled")
     scale = head_dim ** -0.5
     threads = torch.get_num_threads()
     try:
-        for count in (1, 2, 3):
+        for count in (1, 2, 3, 4):
             torch.set_num_threads(count)
             for start, tokens in PATH_CHUNKS:
                 q, cache, table = prefill_case(start * 100 + tokens, start, tokens, heads, kv_heads,
