@@ -3,6 +3,7 @@
     python -m bench.kv_transfer_wire [--json] [--sizes 64,512] [--dtype float16] [--reps 3]
                                      [--chunk-mib 4] [--codec raw|proto]
                                      [--chunk-sizes 64K,256K,1M,2M,4M,8M [--plot PNG]] [--floor]
+                                     [--stages]
 
 The sender is this process, holding a synthetic pool kv[layer, K|V, block, ...] of N MiB.
 The receiver is a subprocess (`--serve`) holding a zeroed pool of the same layout; it
@@ -39,6 +40,7 @@ import struct
 import subprocess
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -349,6 +351,7 @@ class Case:
     codec: str
     grpc_args: tuple[str, ...] = ()
     floor: bool = False
+    stages: bool = False
 
 
 def measure(case: Case) -> dict[str, Any]:
@@ -376,12 +379,15 @@ def measure(case: Case) -> dict[str, Any]:
         receiver.stop()
     checksum_s = median([timed(lambda: checksum_all(chunks, layout.block_bytes))[0]
                          for _ in range(case.reps)])
+    stages = measure_stages(pool, layout, block_ids, case.chunk_bytes, case.reps,
+                            torch.zeros_like(pool)) if case.stages else {}
     nbytes = case.mib * MIB
     grpc_gbps, tcp_gbps = nbytes / grpc_s / 1e9, nbytes / tcp_s / 1e9
     return {"mib": case.mib, "kv_dtype": case.kv_dtype, "chunk_kib": case.chunk_bytes // 1024,
             "grpc_gbps": grpc_gbps, "tcp_gbps": tcp_gbps,
             "ratio": ratio(grpc_gbps, tcp_gbps), "checksum_overhead": 2 * checksum_s / grpc_s,
-            "grpc_s": grpc_s, "tcp_s": tcp_s, "checksum_s": checksum_s, **floor, **cpu.per_gb(nbytes)}
+            "grpc_s": grpc_s, "tcp_s": tcp_s, "checksum_s": checksum_s, **floor, **stages,
+            **cpu.per_gb(nbytes)}
 
 
 def measure_floor(target: str, pool: torch.Tensor, layout: KVLayout, block_ids: Sequence[int], case: Case,
@@ -396,6 +402,41 @@ def measure_floor(target: str, pool: torch.Tensor, layout: KVLayout, block_ids: 
         once()
         floor_s = median([timed(once)[0] for _ in range(case.reps)])
     return {"floor_gbps": case.mib * MIB / floor_s / 1e9, "floor_s": floor_s}
+
+
+def measure_stages(pool: torch.Tensor, layout: KVLayout, block_ids: Sequence[int], chunk_bytes: int,
+                   reps: int, into: torch.Tensor) -> dict[str, float]:
+    """The push's own work without gRPC, in this process on one thread, seconds per GB (medians
+    of `reps` after a warm-up), through production's pieces:
+
+      stage_encode            transfer_frames: encode_layer's gather and per-block checksums
+      stage_encode_serialize  the same, each frame then made a KVChunk message (serialize_kv_chunk)
+      stage_verify            each message parsed (parse_kv_chunk, decode_header) and its blocks'
+                              checksums verified (decode_layer)
+      stage_verify_write      PoolReceiver.receive of the parsed messages: verify, then write_layer
+                              into `into` (a pool of the same layout, which ends equal to `pool`)"""
+    def frames() -> Iterator[Frame]:
+        return transfer_frames(pool, layout, "stages", block_ids, range(len(block_ids)), chunk_bytes)
+
+    messages = [serialize_kv_chunk(f) for f in frames()]
+
+    def verify() -> None:
+        for header, payload in map(parse_kv_chunk, messages):
+            frame = decode_header(header)
+            if isinstance(frame, LayerChunkHeader):
+                decode_layer(frame, payload, layout)
+
+    receiver = PoolReceiver(into, layout)
+    stages = {"encode": lambda: deque(frames(), maxlen=0),
+              "encode_serialize": lambda: deque(map(serialize_kv_chunk, frames()), maxlen=0),
+              "verify": verify,
+              "verify_write": lambda: receiver.receive(map(parse_kv_chunk, messages))}
+    gb = pool.numel() * pool.element_size() / 1e9
+    out = {}
+    for name, fn in stages.items():
+        fn()
+        out[f"stage_{name}_s_per_gb"] = median([timed(fn)[0] for _ in range(reps)]) / gb
+    return out
 
 
 class CPUMeter:
@@ -485,8 +526,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     default_chunk = int(args.chunk_mib * MIB)
     sweep = args.chunk_sizes or [default_chunk]
     sizes = [max(args.sizes)] if args.chunk_sizes else args.sizes
-    cases = [Case(mib, args.dtype, args.reps, chunk, args.codec, tuple(args.grpc_arg), args.floor)
-             for mib in sizes for chunk in sweep]
+    cases = [Case(mib, args.dtype, args.reps, chunk, args.codec, tuple(args.grpc_arg), args.floor,
+                  args.stages) for mib in sizes for chunk in sweep]
     rows = []
     for case in cases:
         progress(f"{case.mib} MiB {case.kv_dtype}, chunk {case.chunk_bytes // 1024} KiB, {case.reps} reps, "
@@ -496,6 +537,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     rows[-1])
     keys = ("mib", "kv_dtype", "chunk_kib", "grpc_gbps", "tcp_gbps", "ratio", "checksum_overhead",
             *(["floor_gbps"] if args.floor else []),
+            *(k for k in rows[0] if k.startswith("stage_")),
             *(k for k in rows[0] if k.endswith("_cpu_s_per_gb")))
     table = format_table(keys, [[r[k] for k in keys] for r in rows])
     result = {**{k: headline[k] for k in ("grpc_gbps", "tcp_gbps", "ratio", "checksum_overhead")},
@@ -563,6 +605,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--floor", action="store_true",
                    help="also time gRPC alone: pre-serialised messages into a receiver that drops them "
                         "(floor_gbps, floor_{sender,receiver}_cpu_s_per_gb)")
+    p.add_argument("--stages", action="store_true",
+                   help="also time the push's own work without gRPC, stage by stage, in this process "
+                        "(stage_encode, stage_encode_serialize, stage_verify, stage_verify_write, in s/GB: "
+                        "measure_stages)")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mib", type=int, help=argparse.SUPPRESS)
     return p.parse_args(argv)

@@ -13,6 +13,7 @@ from bench.kv_transfer_wire import (
     PoolReceiver,
     add_pool_receiver,
     make_pool,
+    measure_stages,
     push_pool,
     transfer_frames,
 )
@@ -47,3 +48,16 @@ def test_pool_receiver_fails_closed_on_a_missing_chunk():
     del frames[2]
     with pytest.raises(WireError, match="END says 16 blocks / 1048576 bytes, got 15 / 983040"):
         PoolReceiver(receiver, layout).receive(frames)
+
+
+def test_the_stage_timings_run_production_s_encode_and_receive_end_to_end():
+    """--stages times production's pieces: the last stage's receive leaves its pool equal to the
+    sender's, so a stage that skipped or broke a step would fail here, not report a fast time."""
+    sender, receiver = make_pool(1, "float16", layers=4), make_pool(1, "float16", layers=4, fill=False)
+    layout = KVLayout.of_cache(sender, FINGERPRINT)
+    block_ids = list(reversed(range(sender.shape[2])))
+    stages = measure_stages(sender, layout, block_ids, 100_000, 1, receiver)
+    names = ("encode", "encode_serialize", "verify", "verify_write")
+    assert set(stages) == {f"stage_{n}_s_per_gb" for n in names}
+    assert all(v > 0 for v in stages.values())
+    assert torch.equal(receiver.view(torch.uint8), sender.flip(2).view(torch.uint8))
