@@ -19,6 +19,8 @@ Reported per size, medians over reps after one warm-up each, the two peers alter
 rep: grpc_gbps and tcp_gbps (GB/s, 1e9 bytes), ratio = grpc / tcp, checksum_overhead =
 the time to checksum the same bytes twice (sender and receiver) / the gRPC transfer time, and
 {grpc,tcp}_{sender,receiver}_cpu_s_per_gb: CPU seconds each end spent per GB (CPUMeter).
+--floor adds gRPC alone (measure_floor); --stages the push's own work without gRPC, stage by
+stage, in s/GB (stage_*: measure_stages).
 The headline keys on the JSON's last line are those of the largest size.
 
 Codecs (same method, same protobuf bytes on the wire, so either end may use either):
