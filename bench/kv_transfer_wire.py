@@ -408,8 +408,8 @@ def measure_floor(target: str, pool: torch.Tensor, layout: KVLayout, block_ids: 
 
 def measure_stages(pool: torch.Tensor, layout: KVLayout, block_ids: Sequence[int], chunk_bytes: int,
                    reps: int, into: torch.Tensor) -> dict[str, float]:
-    """The push's own work without gRPC, in this process on one thread, seconds per GB (medians
-    of `reps` after a warm-up), through production's pieces:
+    """The push's own work without gRPC, in this process (on one torch thread under main()),
+    seconds per GB (medians of `reps` after a warm-up), through production's pieces:
 
       stage_encode            transfer_frames: encode_layer's gather and per-block checksums
       stage_encode_serialize  the same, each frame then made a KVChunk message (serialize_kv_chunk)

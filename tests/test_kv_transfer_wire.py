@@ -50,7 +50,7 @@ def test_pool_receiver_fails_closed_on_a_missing_chunk():
         PoolReceiver(receiver, layout).receive(frames)
 
 
-def test_the_stage_timings_run_production_s_encode_and_receive_end_to_end():
+def test_the_stage_timings_drive_production_encode_and_receive_end_to_end():
     """--stages times production's pieces: the last stage's receive leaves its pool equal to the
     sender's, so a stage that skipped or broke a step would fail here, not report a fast time."""
     sender, receiver = make_pool(1, "float16", layers=4), make_pool(1, "float16", layers=4, fill=False)
