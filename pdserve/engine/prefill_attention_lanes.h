@@ -448,6 +448,15 @@ inline LaneItem lane_item_rows(const Problem& p, const LaneSpan& span, float* q_
   return item;
 }
 
+// attend_lane_item for the item's own count of vectors, V or fewer.
+template <int V>
+inline void attend_lane_item_of(const Problem& p, const LaneItem& item, int64_t kv_head, float* o, float* out) {
+  if constexpr (V > 1) {
+    if (item.vectors < V) return attend_lane_item_of<V - 1>(p, item, kv_head, o, out);
+  }
+  attend_lane_item<V>(p, item, kv_head, o, out);
+}
+
 inline void attend_lanes(const Problem& p, float* out) {
   const std::vector<LaneSpan> spans = lane_spans(p, at::get_num_threads());
   const int64_t items = static_cast<int64_t>(spans.size());
@@ -456,20 +465,7 @@ inline void attend_lanes(const Problem& p, float* out) {
     std::vector<float> o(static_cast<size_t>(LV * W * p.head_dim)), q_by_dim(o.size());
     for (int64_t k = next++; k < items; k = next++) {
       const LaneItem item = lane_item_rows(p, spans[k], q_by_dim.data());
-      const int64_t kv_head = spans[k].kv_head;
-      if constexpr (LV >= 3) {
-        if (item.vectors == 3) {
-          attend_lane_item<3>(p, item, kv_head, o.data(), out);
-          continue;
-        }
-      }
-      if constexpr (LV >= 2) {
-        if (item.vectors == 2) {
-          attend_lane_item<2>(p, item, kv_head, o.data(), out);
-          continue;
-        }
-      }
-      attend_lane_item<1>(p, item, kv_head, o.data(), out);
+      attend_lane_item_of<LV>(p, item, spans[k].kv_head, o.data(), out);
     }
   });
 }
