@@ -3,14 +3,14 @@
     python -m bench.kv_transfer_wire [--json] [--sizes 64,512] [--dtype float16] [--reps 3]
                                      [--chunk-mib 4] [--codec raw|proto]
                                      [--chunk-sizes 64K,256K,1M,2M,4M,8M [--plot PNG]] [--floor]
-                                     [--stages]
+                                     [--stages] [--kv-blocks native,python]
 
 The sender is this process, holding a synthetic pool kv[layer, K|V, block, ...] of N MiB.
 The receiver is a subprocess (`--serve`) holding a zeroed pool of the same layout; it
 serves both peers on loopback:
 
   grpc  BEGIN, encode_layer chunks for every layer, END, streamed through Push; the receiver
-        runs decode_header / decode_layer (checksums) / write_layer into its pool and answers
+        runs decode_header / receive_layer (checksums, the write into its pool) and answers
         after END. Timed from the first frame to the reply.
   tcp   the same payload bytes, chunk by chunk, through one socket into a preallocated
         buffer: no codec, no checksum, no gather. Timed from the first byte to a 1-byte ack.
@@ -22,6 +22,13 @@ the time to checksum the same bytes twice (sender and receiver) / the gRPC trans
 --floor adds gRPC alone (measure_floor); --stages the push's own work without gRPC, stage by
 stage, in s/GB (stage_*: measure_stages).
 The headline keys on the JSON's last line are those of the largest size.
+
+KV blocks paths (--kv-blocks; each a case of its own, against its own TCP reps):
+  native  production's on a CPU pool where pdserve's CPU kernels build: kv_blocks.cpp makes each
+          frame's message in one pass (copy and hash a block while it is in cache) and the
+          receiver verifies and writes each block in one pass (pdserve/kvwire.py)
+  python  the fallback (a device pool, or no kernels): a gather into a staging buffer, xxhash
+          over it, a join into the message; on the receiver xxhash, then write_layer
 
 Codecs (same method, same protobuf bytes on the wire, so either end may use either):
   proto  the generated stubs: KVChunk messages, SerializeToString / FromString
@@ -65,7 +72,7 @@ from pdserve.kvwire import (
     decode_header,
     decode_layer,
     encode_layer,
-    write_layer,
+    receive_layer,
 )
 from pdserve.transfer.frames import DEFAULT_MAX_CHUNK_BYTES
 from pdserve.transfer.kvchunk import parse_kv_chunk, serialize_kv_chunk
@@ -152,6 +159,7 @@ class PoolReceiver:
 
     kv_cache: torch.Tensor
     layout: KVLayout
+    native: bool = True  # receive_layer's path: kv_blocks.cpp, or the Python one
 
     def receive(self, frames: Iterable[tuple[bytes | memoryview, bytes | memoryview]]) -> Received:
         it = iter(frames)
@@ -163,8 +171,7 @@ class PoolReceiver:
                 return self._end(begin, frame, written, received)
             if not isinstance(frame, LayerChunkHeader) or frame.transfer_id != begin.transfer_id:
                 raise WireError(f"transfer {begin.transfer_id}: unexpected frame {frame!r:.120}")
-            blocks = decode_layer(frame, payload, self.layout)
-            write_layer(self.kv_cache, frame.layer, frame.positions, blocks)
+            receive_layer(self.kv_cache, frame, payload, self.layout, frame.positions, self.native)
             written, received = written + len(frame.positions), received + len(payload)
         raise WireError(f"transfer {begin.transfer_id}: stream ended before END")
 
@@ -224,18 +231,18 @@ def add_discarding_receiver(server: grpc.Server) -> None:
 
 
 def transfer_frames(kv_cache: torch.Tensor, layout: KVLayout, transfer_id: str, block_ids: Sequence[int],
-                    positions: Sequence[int], max_chunk_bytes: int) -> Iterator[Frame]:
-    """BEGIN, every layer's blocks as encode_layer chunks, END."""
+                    positions: Sequence[int], max_chunk_bytes: int, native: bool = True) -> Iterator[Frame]:
+    """BEGIN, every layer's blocks as encode_layer chunks (on its native or Python path), END."""
     num_tokens = (max(positions, default=-1) + 1) * layout.block_size
     begin = TransferBegin(transfer_id, transfer_id, layout, tuple(range(num_tokens)), num_tokens, 0,
                           tuple(positions))
     yield begin.encode(), b""
     total = 0
     for layer in range(layout.num_layers):
-        chunks = encode_layer(kv_cache, layer, block_ids, positions, transfer_id, max_chunk_bytes)
-        for header, payload in chunks:
-            total += len(payload)
-            yield header, payload
+        for frame in encode_layer(kv_cache, layer, block_ids, positions, transfer_id, max_chunk_bytes,
+                                  native=native):
+            total += len(frame[1])
+            yield frame  # as it is: a PackedFrame is serialised without a copy
     yield TransferEnd(transfer_id, layout.num_layers * len(block_ids), total).encode(), b""
 
 
@@ -245,7 +252,7 @@ def push_pool(channel: grpc.Channel, frames: Iterator[Frame], codec: str = "raw"
                                     response_deserializer=pb.PushReply.FromString)
         return push(frames)
     stub = pb_grpc.KVTransferStub(channel)
-    return stub.Push(pb.KVChunk(header=h, payload=bytes(p)) for h, p in frames)  # it takes no views
+    return stub.Push(pb.KVChunk(header=bytes(h), payload=bytes(p)) for h, p in frames)  # it takes no views
 
 
 # -- raw TCP peer ---------------------------------------------------------------------------
@@ -304,7 +311,8 @@ def serve_main(args: argparse.Namespace) -> None:
     pool = make_pool(args.mib, args.dtype, fill=False)
     options = grpc_options(args.grpc_arg)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=options)
-    add_pool_receiver(server, PoolReceiver(pool, KVLayout.of_cache(pool, FINGERPRINT)), args.codec)
+    receiver = PoolReceiver(pool, KVLayout.of_cache(pool, FINGERPRINT), args.kv_blocks[0] == "native")
+    add_pool_receiver(server, receiver, args.codec)
     add_discarding_receiver(server)
     grpc_port = server.add_insecure_port("127.0.0.1:0")
     server.start()
@@ -322,9 +330,11 @@ class ReceiverProcess:
     tcp_port: int
 
     @classmethod
-    def start(cls, mib: int, kv_dtype: str, codec: str, grpc_args: Sequence[str] = ()) -> ReceiverProcess:
+    def start(cls, mib: int, kv_dtype: str, codec: str, grpc_args: Sequence[str] = (),
+              native: bool = True) -> ReceiverProcess:
         cmd = [sys.executable, "-m", "bench.kv_transfer_wire", "--serve", "--mib", str(mib),
-               "--dtype", kv_dtype, "--codec", codec, *(f"--grpc-arg={a}" for a in grpc_args)]
+               "--dtype", kv_dtype, "--codec", codec, *(f"--grpc-arg={a}" for a in grpc_args),
+               "--kv-blocks", "native" if native else "python"]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = proc.stdout.readline().split()
         if len(line) != 3 or line[0] != "ports":
@@ -354,6 +364,7 @@ class Case:
     grpc_args: tuple[str, ...] = ()
     floor: bool = False
     stages: bool = False
+    native: bool = True  # --kv-blocks: kv_blocks.cpp on both ends, or the Python path
 
 
 def measure(case: Case) -> dict[str, Any]:
@@ -362,11 +373,12 @@ def measure(case: Case) -> dict[str, Any]:
     num_blocks = pool.shape[2]
     block_ids = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
     chunks = payload_chunks(pool, max(1, case.chunk_bytes // layout.block_bytes) * layout.block_bytes)
-    receiver = ReceiverProcess.start(case.mib, case.kv_dtype, case.codec, case.grpc_args)
+    receiver = ReceiverProcess.start(case.mib, case.kv_dtype, case.codec, case.grpc_args, case.native)
     push = Pusher.open(f"127.0.0.1:{receiver.grpc_port}", case)
     try:
         def grpc_once() -> None:
-            frames = transfer_frames(pool, layout, "bench", block_ids, range(num_blocks), case.chunk_bytes)
+            frames = transfer_frames(pool, layout, "bench", block_ids, range(num_blocks), case.chunk_bytes,
+                                     case.native)
             written = push(frames)
             if written != layout.num_layers * num_blocks:
                 raise RuntimeError(f"receiver wrote {written} blocks of {layout.num_layers * num_blocks}")
@@ -382,10 +394,11 @@ def measure(case: Case) -> dict[str, Any]:
     checksum_s = median([timed(lambda: checksum_all(chunks, layout.block_bytes))[0]
                          for _ in range(case.reps)])
     stages = measure_stages(pool, layout, block_ids, case.chunk_bytes, case.reps,
-                            torch.zeros_like(pool)) if case.stages else {}
+                            torch.zeros_like(pool), case.native) if case.stages else {}
     nbytes = case.mib * MIB
     grpc_gbps, tcp_gbps = nbytes / grpc_s / 1e9, nbytes / tcp_s / 1e9
     return {"mib": case.mib, "kv_dtype": case.kv_dtype, "chunk_kib": case.chunk_bytes // 1024,
+            "kv_blocks": "native" if case.native else "python",
             "grpc_gbps": grpc_gbps, "tcp_gbps": tcp_gbps,
             "ratio": ratio(grpc_gbps, tcp_gbps), "checksum_overhead": 2 * checksum_s / grpc_s,
             "grpc_s": grpc_s, "tcp_s": tcp_s, "checksum_s": checksum_s, **floor, **stages,
@@ -397,7 +410,8 @@ def measure_floor(target: str, pool: torch.Tensor, layout: KVLayout, block_ids: 
     """gRPC Python's own cost: the same KVChunk messages, serialised before the clock starts,
     into a receiver that drops them (no gather, checksum, parse or write on either end)."""
     messages = [serialize_kv_chunk(f) for f in transfer_frames(pool, layout, "floor", block_ids,
-                                                               range(len(block_ids)), case.chunk_bytes)]
+                                                               range(len(block_ids)), case.chunk_bytes,
+                                                               case.native)]
     with grpc.insecure_channel(target, options=grpc_options(case.grpc_args)) as channel:
         push = channel.stream_unary(DISCARD_METHOD, response_deserializer=pb.PushReply.FromString)
         once = cpu.wrap("floor", lambda: push(iter(messages), timeout=PUSH_TIMEOUT_S))
@@ -407,18 +421,21 @@ def measure_floor(target: str, pool: torch.Tensor, layout: KVLayout, block_ids: 
 
 
 def measure_stages(pool: torch.Tensor, layout: KVLayout, block_ids: Sequence[int], chunk_bytes: int,
-                   reps: int, into: torch.Tensor) -> dict[str, float]:
+                   reps: int, into: torch.Tensor, native: bool = True) -> dict[str, float]:
     """The push's own work without gRPC, in this process (on one torch thread under main()),
-    seconds per GB (medians of `reps` after a warm-up), through production's pieces:
+    seconds per GB (medians of `reps` after a warm-up), through production's pieces, on the
+    native or the Python path of encode_layer and receive_layer:
 
-      stage_encode            transfer_frames: encode_layer's gather and per-block checksums
-      stage_encode_serialize  the same, each frame then made a KVChunk message (serialize_kv_chunk)
+      stage_encode            transfer_frames: encode_layer's frames (native: whole messages, the
+                              blocks hashed as they are copied; python: a gather and checksums)
+      stage_encode_serialize  the same, each frame then made a KVChunk message (serialize_kv_chunk:
+                              native, the message itself; python, a join)
       stage_verify            each message parsed (parse_kv_chunk, decode_header) and its blocks'
-                              checksums verified (decode_layer)
-      stage_verify_write      PoolReceiver.receive of the parsed messages: verify, then write_layer
-                              into `into` (a pool of the same layout, which ends equal to `pool`)"""
+                              checksums verified (decode_layer, xxhash on either path)
+      stage_verify_write      PoolReceiver.receive of the parsed messages: receive_layer into `into`
+                              (a pool of the same layout, which ends equal to `pool`)"""
     def frames() -> Iterator[Frame]:
-        return transfer_frames(pool, layout, "stages", block_ids, range(len(block_ids)), chunk_bytes)
+        return transfer_frames(pool, layout, "stages", block_ids, range(len(block_ids)), chunk_bytes, native)
 
     messages = [serialize_kv_chunk(f) for f in frames()]
 
@@ -428,7 +445,7 @@ def measure_stages(pool: torch.Tensor, layout: KVLayout, block_ids: Sequence[int
             if isinstance(frame, LayerChunkHeader):
                 decode_layer(frame, payload, layout)
 
-    receiver = PoolReceiver(into, layout)
+    receiver = PoolReceiver(into, layout, native)
     stages = {"encode": lambda: deque(frames(), maxlen=0),
               "encode_serialize": lambda: deque(map(serialize_kv_chunk, frames()), maxlen=0),
               "verify": verify,
@@ -529,21 +546,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     sweep = args.chunk_sizes or [default_chunk]
     sizes = [max(args.sizes)] if args.chunk_sizes else args.sizes
     cases = [Case(mib, args.dtype, args.reps, chunk, args.codec, tuple(args.grpc_arg), args.floor,
-                  args.stages) for mib in sizes for chunk in sweep]
+                  args.stages, path == "native")
+             for path in args.kv_blocks for mib in sizes for chunk in sweep]
     rows = []
     for case in cases:
         progress(f"{case.mib} MiB {case.kv_dtype}, chunk {case.chunk_bytes // 1024} KiB, {case.reps} reps, "
-                 f"codec {case.codec}")
+                 f"codec {case.codec}, kv blocks {'native' if case.native else 'python'}")
         rows.append(measure(case))
-    headline = next((r for r in rows if r["chunk_kib"] * 1024 == default_chunk and r["mib"] == max(sizes)),
-                    rows[-1])
-    keys = ("mib", "kv_dtype", "chunk_kib", "grpc_gbps", "tcp_gbps", "ratio", "checksum_overhead",
+    headline = next((r for r in rows if r["chunk_kib"] * 1024 == default_chunk and r["mib"] == max(sizes)
+                     and r["kv_blocks"] == args.kv_blocks[0]), rows[-1])
+    keys = ("mib", "kv_dtype", "chunk_kib", "kv_blocks", "grpc_gbps", "tcp_gbps", "ratio",
+            "checksum_overhead",
             *(["floor_gbps"] if args.floor else []),
             *(k for k in rows[0] if k.startswith("stage_")),
             *(k for k in rows[0] if k.endswith("_cpu_s_per_gb")))
     table = format_table(keys, [[r[k] for k in keys] for r in rows])
     result = {**{k: headline[k] for k in ("grpc_gbps", "tcp_gbps", "ratio", "checksum_overhead")},
-              "unit": "GB/s", "codec": args.codec, "chunk_mib": headline["chunk_kib"] / 1024, "cases": rows,
+              "unit": "GB/s", "codec": args.codec,
+              "kv_blocks": headline["kv_blocks"], "chunk_mib": headline["chunk_kib"] / 1024, "cases": rows,
               "environment": environment(torch.get_num_threads())}
     if args.chunk_sizes:
         result["chunk_curve_png"] = plot_chunk_curve(rows, args.plot)
@@ -581,6 +601,14 @@ def parse_bytes(text: str) -> int:
     return int(text)
 
 
+def parse_paths(text: str) -> list[str]:
+    paths = [p.strip() for p in text.split(",")]
+    unknown = [p for p in paths if p not in ("native", "python")]
+    if unknown or not paths:
+        raise argparse.ArgumentTypeError(f"--kv-blocks takes native and/or python, got {text!r}")
+    return paths
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = bench_parser("python -m bench.kv_transfer_wire", __doc__)
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[64, 512],
@@ -611,6 +639,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="also time the push's own work without gRPC, stage by stage, in this process "
                         "(stage_encode, stage_encode_serialize, stage_verify, stage_verify_write, in s/GB: "
                         "measure_stages)")
+    p.add_argument("--kv-blocks", type=parse_paths, default=["native"], metavar="native,python",
+                   help="how each end copies and checksums KV blocks, comma-separated, one case each; the "
+                        "headline is the first: native = kv_blocks.cpp, one pass a block (production's on a "
+                        "CPU pool where pdserve's CPU kernels build); python = the fallback's gather, "
+                        "xxhash and join passes (default: native)")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mib", type=int, help=argparse.SUPPRESS)
     return p.parse_args(argv)

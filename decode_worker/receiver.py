@@ -30,8 +30,7 @@ from pdserve.kvwire import (
     TransferEnd,
     WireError,
     decode_header,
-    decode_layer,
-    write_layer,
+    receive_layer,
 )
 from pdserve.transfer.channel import TransferState
 from pdserve.transfer.errors import FailureKind, TransferFailed
@@ -147,14 +146,13 @@ class _LayerWriter:
             raise TransferFailed(FailureKind.INVALID_ARGUMENT,
                                  f"layer {frame.layer} frame carries blocks {list(frame.positions)} "
                                  "that were not announced or were already received")
+        block_ids = [self.reservation.block_ids[p] for p in frame.positions]
         try:
-            blocks = decode_layer(frame, payload, self.layout)
+            receive_layer(self.engine.kv_cache, frame, payload, self.layout, block_ids)
         except ChecksumError as e:
             raise TransferFailed(FailureKind.DATA_LOSS, str(e)) from e
         except WireError as e:
             raise TransferFailed(FailureKind.INVALID_ARGUMENT, str(e)) from e
-        block_ids = [self.reservation.block_ids[p] for p in frame.positions]
-        write_layer(self.engine.kv_cache, frame.layer, block_ids, blocks)
         self.missing -= keys
         self.written += len(keys)
         self.nbytes += len(payload)

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import grpc
@@ -23,9 +24,11 @@ from decode_worker.kv_service import (
 from decode_worker.receiver import KVReceiver
 from decode_worker.service import DecodeServicer
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.kvwire import KVLayout
+from pdserve.kvwire import KVLayout, kv_blocks_path
 from pdserve.worker.service import WorkerParts
 from protos.pdserve.v1 import kv_transfer_pb2, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class DecodeRole:
     def attach(self, engine: LLMEngine, layout: KVLayout) -> None:
         c = self.config
         self.receiver = KVReceiver(engine, layout, c.parked_ttl_s)
+        log.info("KV frames are verified and written on the %s path", kv_blocks_path(engine.kv_cache))
         self.kv_servicer = KVTransferServicer(self.receiver, max_pushes_per_peer=c.max_pushes_per_peer,
                                               time_limit_s=c.push_time_limit_s)
 

@@ -17,6 +17,11 @@ own checksum:
              '------ block_bytes -----'
     checksums[i] = xxh3_64(bytes of block i)
 
+The checksums are the LAYER header's last field. pdserve packs each as a msgpack uint 64 (0xcf and
+8 bytes, big-endian) whatever its value, which msgpack allows and every reader accepts: the header's
+length is then known before any block is hashed, so kv_blocks.cpp can write a frame's whole message
+in one pass (encode_layer). The Python path packs the same values msgpack's own way.
+
 Fail closed: a receiver that sees a malformed header, a layout that differs from its own
 (`KVLayout.first_mismatch`), a short payload or a bad checksum (`WireError`, `ChecksumError`)
 writes nothing further, frees its reservation and fails the call; the caller recomputes the
@@ -37,15 +42,18 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 from enum import StrEnum
+from types import ModuleType
 from typing import Any
 
 import msgpack
 import torch
 import xxhash
 
+from pdserve.engine import cpu_kernels
 from pdserve.engine.config import KV_DTYPE_TABLE
 from pdserve.engine.kv_format import KV_FORMATS, TORCH_DTYPES
 from pdserve.transfer.frames import DEFAULT_MAX_CHUNK_BYTES
+from pdserve.transfer.kvchunk import PackedFrame, message_prefix
 from pdserve.units import ceil_div
 
 WIRE_VERSION = 2  # 2: BEGIN carries the request's cache_salt
@@ -288,16 +296,21 @@ def decode_header(data: bytes | memoryview) -> Frame:
 
 
 def encode_layer(kv_cache: torch.Tensor, layer: int, block_ids: Sequence[int], positions: Sequence[int],
-                 transfer_id: str, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-                 ) -> Iterator[tuple[bytes, memoryview]]:
+                 transfer_id: str, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, native: bool = True,
+                 ) -> Iterator[tuple[bytes | memoryview, memoryview]]:
     """Yield (header, payload) LAYER frames carrying pool blocks `block_ids` of `layer` as
     sequence blocks `positions`, as many whole blocks per frame as fit in max_chunk_bytes
     (at least one).
 
-    The payload is a read-only view of one staging buffer that the next frame's gather
-    overwrites: use or copy it (serialise it, write it) before pulling the next frame. A
-    payload kept past that no longer matches its header's checksums, so a receiver rejects
-    it (ChecksumError) rather than use it (tests/test_kvwire.py pins both)."""
+    Two paths, the same frames. On a CPU pool where pdserve's CPU kernels run (and `native`),
+    kv_blocks.cpp builds each frame's KVChunk message in one pass, blocks hashed as they are
+    copied, and the frame is a PackedFrame (pdserve/transfer/kvchunk.py) of views into it.
+    Otherwise (a device pool, no kernels, or native=False) the blocks are gathered into a
+    staging buffer and hashed there, and the payload is a read-only view of that buffer, which
+    the next frame's gather overwrites: use or copy it (serialise it, write it) before pulling
+    the next frame. On that path a payload kept past that no longer matches its header's
+    checksums, so a receiver rejects it (ChecksumError) rather than use it (tests/test_kvwire.py
+    pins both paths)."""
     if len(block_ids) != len(positions):
         raise ValueError(f"{len(block_ids)} block ids but {len(positions)} positions")
     by_block = kv_cache[layer].transpose(0, 1)  # view: [num_blocks, 2, block_size, kv_heads, row]
@@ -309,12 +322,46 @@ def encode_layer(kv_cache: torch.Tensor, layer: int, block_ids: Sequence[int], p
     # than the copy itself), and the payload is a view of it, not a copy: the channel's
     # serialiser copies it once, into the message (on 2 shared cores every pass over the bytes
     # costs throughput; `python -m bench.kv_transfer_wire` times it).
+    packer = _kv_blocks(kv_cache[layer]) if native else None
+    if packer is not None:
+        yield from _packed_frames(packer, kv_cache, layer, block_ids, positions, transfer_id, per_chunk)
+        return
     with torch.inference_mode():  # the engine may call this inside inference mode, or not
         staging = torch.empty((per_chunk, *by_block.shape[1:]), dtype=kv_cache.dtype)
     for start in range(0, len(block_ids), per_chunk):
         idx = ids[start:start + per_chunk]
         blocks = _gather(by_block, idx, staging[:len(idx)])
         yield _encode_chunk(blocks, layer, positions[start:start + per_chunk], transfer_id)
+
+
+def kv_blocks_path(kv_cache: torch.Tensor) -> str:
+    """The path encode_layer and receive_layer take for this pool, "native" (kv_blocks.cpp) or
+    "python". It loads pdserve's CPU kernels (on a fresh machine, builds them, about a minute), so
+    a worker calls it as it starts, not inside its first transfer's deadline."""
+    return "native" if _kv_blocks(kv_cache[0]) is not None else "python"
+
+
+def _kv_blocks(pool_layer: torch.Tensor) -> ModuleType | None:
+    """kv_blocks.cpp where it can serve this pool layer: on the CPU, contiguous, kernels built."""
+    if pool_layer.device.type != "cpu" or not pool_layer.is_contiguous():
+        return None
+    return cpu_kernels.kv_blocks()
+
+
+def _packed_frames(packer: ModuleType, kv_cache: torch.Tensor, layer: int, block_ids: Sequence[int],
+                   positions: Sequence[int], transfer_id: str, per_chunk: int) -> Iterator[PackedFrame]:
+    """The frames as whole KVChunk messages, each made by one pack_layer_frame call."""
+    pool = kv_cache[layer]  # [2, num_blocks, block_size, kv_heads, row]
+    block_shape, block_bytes = (2, *pool.shape[2:]), pool[:, 0].numel() * pool.element_size()
+    dtype = _DTYPE_NAMES[pool.dtype]
+    for start in range(0, len(block_ids), per_chunk):
+        ids, chunk = list(block_ids[start:start + per_chunk]), tuple(positions[start:start + per_chunk])
+        # NOTE: checksums are the header's last field; _U64 - 1 packs as msgpack uint 64 (0xcf and 8 bytes),
+        # the placeholder kv_blocks.cpp fills in as it hashes each block.
+        header = LayerChunkHeader(transfer_id, layer, chunk, dtype, (len(ids), *block_shape),
+                                  (_U64 - 1,) * len(ids)).encode()
+        prefix, header_end = message_prefix(header, len(ids) * block_bytes)
+        yield PackedFrame(packer.pack_layer_frame(pool, ids, prefix, header_end - 9 * len(ids) + 1))
 
 
 @torch.inference_mode()
@@ -334,27 +381,59 @@ def _encode_chunk(blocks: torch.Tensor, layer: int, positions: Sequence[int],
     return header.encode(), raw
 
 
+def receive_layer(kv_cache: torch.Tensor, header: LayerChunkHeader, payload: bytes | memoryview,
+                  layout: KVLayout, block_ids: Sequence[int], native: bool = True) -> None:
+    """Verify a LAYER frame and copy its blocks into pool blocks `block_ids` of its layer.
+
+    On a CPU pool where pdserve's CPU kernels run (and `native`), kv_blocks.cpp hashes each
+    block and copies it while it is in cache: a block that fails its checksum raises
+    ChecksumError and is not written, nor is any block after it, while the blocks before it
+    (verified) are. Otherwise decode_layer verifies them all, then write_layer copies them.
+    Either way a bad frame raises before its bad block reaches the pool, and the caller frees
+    the transfer's reservation (decode_worker/receiver.py), so no unverified byte is used."""
+    raw = _checked_payload(header, payload, layout)
+    packer = _kv_blocks(kv_cache[header.layer]) if native else None
+    if packer is None:
+        write_layer(kv_cache, header.layer, block_ids, decode_layer(header, raw, layout))
+        return
+    if len(block_ids) != len(header.positions) or len(set(block_ids)) != len(block_ids):
+        raise ValueError(f"need {len(header.positions)} distinct block ids, got {list(block_ids)}")
+    bad = packer.verify_write_layer(raw, list(header.checksums), kv_cache[header.layer], list(block_ids))
+    if bad >= 0:
+        raise _checksum_error(header, bad)
+
+
 def decode_layer(header: LayerChunkHeader, payload: bytes | memoryview, layout: KVLayout) -> torch.Tensor:
     """Verify a LAYER frame against the receiver's layout and its checksums; return its blocks
     as a zero-copy [n, 2, block_size, kv_heads, row] view of `payload` (read-only when
     payload is bytes: copy it out with write_layer, never write into it)."""
+    raw = _checked_payload(header, payload, layout)
+    bb = layout.block_bytes
+    for i, expected in enumerate(header.checksums):
+        if block_checksum(raw[i * bb:(i + 1) * bb]) != expected:
+            raise _checksum_error(header, i)
+    with warnings.catch_warnings():
+        # NOTE: torch warns (once) that a bytes buffer is not writable; the view is only read.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(raw, dtype=layout.torch_dtype)
+    return flat.view(header.shape)
+
+
+def _checked_payload(header: LayerChunkHeader, payload: bytes | memoryview, layout: KVLayout) -> memoryview:
     _check_against_layout(header, layout)
     raw = memoryview(payload).cast("B")
     if raw.nbytes != header.payload_nbytes:
         raise WireError(f"transfer {header.transfer_id} layer {header.layer}: payload has {raw.nbytes} "
                         f"bytes, shape {list(header.shape)} {header.dtype} needs {header.payload_nbytes} "
                         "(truncated or corrupt frame)")
-    bb = layout.block_bytes
-    for i, (position, expected) in enumerate(zip(header.positions, header.checksums)):
-        if block_checksum(raw[i * bb:(i + 1) * bb]) != expected:
-            raise ChecksumError(f"transfer {header.transfer_id}: checksum mismatch in layer {header.layer}, "
-                                f"block position {position}; the block is corrupt and must be recomputed",
-                                layer=header.layer, position=position)
-    with warnings.catch_warnings():
-        # NOTE: torch warns (once) that a bytes buffer is not writable; the view is only read.
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(raw, dtype=layout.torch_dtype)
-    return flat.view(header.shape)
+    return raw
+
+
+def _checksum_error(header: LayerChunkHeader, index: int) -> ChecksumError:
+    position = header.positions[index]
+    return ChecksumError(f"transfer {header.transfer_id}: checksum mismatch in layer {header.layer}, "
+                         f"block position {position}; the block is corrupt and must be recomputed",
+                         layer=header.layer, position=position)
 
 
 def _check_against_layout(header: LayerChunkHeader, layout: KVLayout) -> None:

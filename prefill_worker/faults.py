@@ -161,12 +161,14 @@ class FaultInjector:
               timeout_s: float) -> Iterator[Frame]:
         """`frames` with the rule's fault on its chosen LAYER frame."""
         layer_frames = 0
-        for header, payload in frames:
+        for frame in frames:
+            header, payload = frame
             if layer_frames <= rule.at_frame and isinstance(_decode(header), LayerChunkHeader):
                 if layer_frames == rule.at_frame:
-                    payload = self._inject(rule, request_id, payload, timeout_s)
+                    injected = self._inject(rule, request_id, payload, timeout_s)
+                    frame = frame if injected is payload else (header, injected)
                 layer_frames += 1
-            yield header, payload
+            yield frame  # untouched frames as they came: a PackedFrame keeps its message
 
     def _inject(self, rule: FaultRule, request_id: str, payload: bytes, timeout_s: float) -> bytes:
         with self._lock:

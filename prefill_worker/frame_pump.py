@@ -15,9 +15,10 @@ Lifecycle (PumpState): FILLING -> DRAINED (every frame queued, then the end of t
 | CALL_ENDED (the call ended first: the receiver failed it or its deadline passed).
 
 Why this keeps the sender's guarantees: the frames are pulled in the same order, with the
-same abort checks between gathers (prefill_worker/sender.py); a frame's payload (a view of
-the gather's staging buffer, pdserve/kvwire.py encode_layer) is serialised, i.e. copied, before
-the next frame is pulled. END is queued only after the frames have produced it.
+same abort checks between gathers (prefill_worker/sender.py); a frame's payload is serialised
+before the next frame is pulled: on encode_layer's Python path it is a view of the gather's
+staging buffer, copied into the message here; on its native path the frame is a PackedFrame,
+its message made already (pdserve/kvwire.py). END is queued only after the frames have produced it.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.kvwire import KVLayout
+from pdserve.kvwire import KVLayout, kv_blocks_path
 from pdserve.transfer.channel import KVChannel
 from pdserve.transfer.frames import KVFrames
 from pdserve.worker.service import WorkerParts
@@ -26,6 +27,8 @@ from prefill_worker.peers import AnyDecodeTarget, DecodeTargets
 from prefill_worker.sender import LayerwiseSender
 from prefill_worker.service import PrefillServicer
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class PrefillRole:
 
     def attach(self, engine: LLMEngine, layout: KVLayout) -> None:
         self.sender = self.observer = LayerwiseSender(engine, layout, self.config.frames.max_chunk_bytes)
+        log.info("KV frames are packed on the %s path", kv_blocks_path(engine.kv_cache))
 
     def serve(self, server: grpc.Server, parts: WorkerParts) -> None:
         assert self.sender is not None, "attach() the role to an engine first"

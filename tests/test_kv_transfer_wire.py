@@ -20,18 +20,19 @@ from bench.kv_transfer_wire import (
 from pdserve.kvwire import KVLayout, WireError
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
 @pytest.mark.parametrize("codec", ["raw", "proto"])
-def test_pool_receiver_over_grpc_is_bit_exact(codec):
+def test_pool_receiver_over_grpc_is_bit_exact(codec, native):
     sender, receiver = make_pool(1, "bfloat16", layers=4), make_pool(1, "bfloat16", layers=4, fill=False)
     layout = KVLayout.of_cache(sender, FINGERPRINT)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
-    add_pool_receiver(server, PoolReceiver(receiver, layout), codec)
+    add_pool_receiver(server, PoolReceiver(receiver, layout, native), codec)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
         block_ids = list(reversed(range(sender.shape[2])))
         with grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as channel:
-            frames = transfer_frames(sender, layout, "t1", block_ids, range(len(block_ids)), 100_000)
+            frames = transfer_frames(sender, layout, "t1", block_ids, range(len(block_ids)), 100_000, native)
             reply = push_pool(channel, frames, codec)
     finally:
         server.stop(grace=None)
@@ -50,13 +51,14 @@ def test_pool_receiver_fails_closed_on_a_missing_chunk():
         PoolReceiver(receiver, layout).receive(frames)
 
 
-def test_the_stage_timings_drive_production_encode_and_receive_end_to_end():
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_the_stage_timings_drive_production_encode_and_receive_end_to_end(native):
     """--stages times production's pieces: the last stage's receive leaves its pool equal to the
     sender's, so a stage that skipped or broke a step would fail here, not report a fast time."""
     sender, receiver = make_pool(1, "float16", layers=4), make_pool(1, "float16", layers=4, fill=False)
     layout = KVLayout.of_cache(sender, FINGERPRINT)
     block_ids = list(reversed(range(sender.shape[2])))
-    stages = measure_stages(sender, layout, block_ids, 100_000, 1, receiver)
+    stages = measure_stages(sender, layout, block_ids, 100_000, 1, receiver, native)
     names = ("encode", "encode_serialize", "verify", "verify_write")
     assert set(stages) == {f"stage_{n}_s_per_gb" for n in names}
     assert all(v > 0 for v in stages.values())

@@ -7,6 +7,7 @@ import msgpack
 import pytest
 import torch
 
+from pdserve.engine import cpu_kernels
 from pdserve.engine.kv_format import KV_FORMATS, TORCH_DTYPES
 from pdserve.kvwire import (
     WIRE_VERSION,
@@ -19,10 +20,18 @@ from pdserve.kvwire import (
     decode_header,
     decode_layer,
     encode_layer,
+    receive_layer,
     write_layer,
 )
+from pdserve.transfer.kvchunk import PackedFrame, parse_kv_chunk, serialize_kv_chunk
 
 DTYPES = ["float32", "float16", "bfloat16", "int8", "fp8"]
+# Both paths of encode_layer and receive_layer: kv_blocks.cpp (one pass a block) and the Python one
+# (a device pool's, or a CPU's without pdserve's kernels). They carry the same frames.
+needs_native = pytest.mark.skipif(cpu_kernels.kv_blocks() is None,
+                                  reason=f"pdserve's CPU kernels: {cpu_kernels.unavailable()}")
+NATIVE = pytest.param(True, id="native", marks=needs_native)
+PATHS = [NATIVE, pytest.param(False, id="python")]
 
 
 def make_pool(kv_dtype: str, num_blocks: int = 24, layers: int = 3, block_size: int = 4,
@@ -42,14 +51,16 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def layer_frames(pool, layer, block_ids, positions, max_chunk_bytes=2 << 20):
-    """Decoded frames with their payloads copied out (encode_layer's views are reused)."""
+def layer_frames(pool, layer, block_ids, positions, max_chunk_bytes=2 << 20, native=True):
+    """Decoded frames with their payloads copied out (the Python path's views are reused)."""
     return [(decode_header(h), bytes(p)) for h, p in encode_layer(pool, layer, block_ids, positions, "t1",
-                                                                  max_chunk_bytes)]
+                                                                  max_chunk_bytes, native=native)]
 
 
+@pytest.mark.parametrize("receive_native", PATHS)
+@pytest.mark.parametrize("send_native", PATHS)
 @pytest.mark.parametrize("kv_dtype", DTYPES)
-def test_round_trip_is_bit_exact_over_several_chunks(kv_dtype):
+def test_round_trip_is_bit_exact_over_several_chunks(kv_dtype, send_native, receive_native):
     sender = make_pool(kv_dtype, num_blocks=24)
     receiver = make_pool(kv_dtype, num_blocks=40, random=False)
     layout = KVLayout.of_cache(sender, "fp")
@@ -61,13 +72,13 @@ def test_round_trip_is_bit_exact_over_several_chunks(kv_dtype):
     max_chunk = 3 * layout.block_bytes + layout.block_bytes // 2  # 3 whole blocks a chunk
 
     for layer in range(layout.num_layers):
-        frames = layer_frames(sender, layer, send_ids, positions, max_chunk)
+        frames = layer_frames(sender, layer, send_ids, positions, max_chunk, native=send_native)
         assert [len(h.positions) for h, _ in frames] == [3, 3, 3, 2]
         for header, payload in frames:
             assert len(payload) == len(header.positions) * layout.block_bytes <= max_chunk
             assert header.layer == layer and header.transfer_id == "t1"
-            blocks = decode_layer(header, payload, layout)
-            write_layer(receiver, layer, [recv_id_of[p] for p in header.positions], blocks)
+            receive_layer(receiver, header, payload, layout, [recv_id_of[p] for p in header.positions],
+                          native=receive_native)
 
     for layer in range(layout.num_layers):
         for send_id, pos in zip(send_ids, positions):
@@ -97,24 +108,36 @@ def test_payload_is_k_then_v_per_block_and_decode_is_zero_copy():
     assert view[0, 0, 0, 0, 0].item() == 0.0  # the view reads the caller's buffer
 
 
-def test_flipped_byte_is_a_checksum_error_naming_the_block():
-    pool = make_pool("bfloat16")
+@pytest.mark.parametrize("native", PATHS)
+def test_flipped_byte_is_a_checksum_error_naming_the_block(native):
+    pool, receiver = make_pool("bfloat16"), make_pool("bfloat16", random=False)
     layout = KVLayout.of_cache(pool, "fp")
-    (header, payload), = layer_frames(pool, 2, [1, 5, 6], [4, 5, 6])
+    (header, payload), = layer_frames(pool, 2, [1, 5, 6], [4, 5, 6], native=native)
     corrupt = bytearray(payload)
     corrupt[layout.block_bytes + 17] ^= 0x01  # inside the second block, position 5
     with pytest.raises(ChecksumError, match=r"layer 2, block position 5") as info:
         decode_layer(header, bytes(corrupt), layout)
     assert (info.value.layer, info.value.position) == (2, 5)
+    with pytest.raises(ChecksumError, match=r"layer 2, block position 5") as info:
+        receive_layer(receiver, header, bytes(corrupt), layout, [10, 11, 12], native=native)
+    assert (info.value.layer, info.value.position) == (2, 5)
+    assert torch.count_nonzero(bits(receiver[:, :, 11:])) == 0  # the bad block and those after: never written
+    # the block before it verified: the native path has written it, the Python path writes none of a bad frame
+    before = bits(receiver[2, :, 10])
+    assert torch.equal(before, bits(pool[2, :, 1])) if native else torch.count_nonzero(before) == 0
 
 
-def test_truncated_payload_is_a_wire_error():
-    pool = make_pool("float16")
+@pytest.mark.parametrize("native", PATHS)
+def test_truncated_payload_is_a_wire_error(native):
+    pool, receiver = make_pool("float16"), make_pool("float16", random=False)
     layout = KVLayout.of_cache(pool, "fp")
-    (header, payload), = layer_frames(pool, 0, [1, 2], [0, 1])
+    (header, payload), = layer_frames(pool, 0, [1, 2], [0, 1], native=native)
     with pytest.raises(WireError, match="truncated") as info:
         decode_layer(header, payload[:-1], layout)
     assert not isinstance(info.value, ChecksumError)
+    with pytest.raises(WireError, match="truncated"):
+        receive_layer(receiver, header, payload[:-1], layout, [3, 4], native=native)
+    assert torch.count_nonzero(bits(receiver)) == 0
 
 
 @pytest.mark.parametrize("change, message", [
@@ -146,13 +169,36 @@ def test_codec_works_inside_and_outside_inference_mode(pool_in_inference_mode):
 
 
 def test_a_payload_kept_past_the_next_frame_is_rejected_not_used():
+    """The Python path's payloads are views of one staging buffer."""
     sender = make_pool("float16")
     layout = KVLayout.of_cache(sender, "fp")
-    frames = list(encode_layer(sender, 0, [1, 2], [0, 1], "t1", max_chunk_bytes=layout.block_bytes))
+    frames = list(encode_layer(sender, 0, [1, 2], [0, 1], "t1", max_chunk_bytes=layout.block_bytes,
+                               native=False))
     header = decode_header(frames[0][0])  # its payload view now holds block 2, sent as frame 1
     with pytest.raises(ChecksumError, match="block position 0"):
         decode_layer(header, frames[0][1], layout)
     assert frames[0][1].readonly  # and nobody can write into the sender's staging buffer through it
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+@needs_native
+def test_a_native_frame_is_its_own_message_with_the_python_paths_content(kv_dtype):
+    """kv_blocks.cpp's frames: each a whole KVChunk message that serialising hands over without a
+    copy, whose header and payload say what the Python path's say (its checksums fixed-width)."""
+    sender = make_pool(kv_dtype)
+    layout = KVLayout.of_cache(sender, "fp")
+    ids, positions = [5, 1, 9, 2, 7], [3, 4, 5, 6, 7]
+    native = list(encode_layer(sender, 1, ids, positions, "t1", 2 * layout.block_bytes))
+    python = [(bytes(h), bytes(p)) for h, p in encode_layer(sender, 1, ids, positions, "t1",
+                                                            2 * layout.block_bytes, native=False)]
+    assert all(isinstance(frame, PackedFrame) for frame in native) and len(native) == len(python) == 3
+    for frame, (header, payload) in zip(native, python):
+        assert serialize_kv_chunk(frame) is frame.message
+        assert [bytes(part) for part in parse_kv_chunk(frame.message)] == [bytes(frame[0]), bytes(frame[1])]
+        assert decode_header(frame[0]) == decode_header(header) and bytes(frame[1]) == payload
+    first = decode_header(native[0][0])  # kept past the next frames, it still verifies: nothing reuses it
+    expected = sender[1, :, [5, 1]].transpose(0, 1)
+    assert torch.equal(bits(decode_layer(first, native[0][1], layout)), bits(expected))
 
 
 def test_write_layer_refuses_wrong_shape_dtype_and_repeated_ids():

@@ -15,8 +15,11 @@ extension on first use.
     pointwise.cpp          torch.ops.pdserve.rms_norm, add_rms_norm_, silu_and_mul, rotary_: the work
                            between a layer's products, one pass each (the `avx2` pointwise kernel,
                            pdserve/engine/pointwise.py)
+    kv_blocks.cpp          pack_layer_frame, verify_write_layer, checksum (kv_blocks()): KV blocks to
+    (+ xxh3.h)             and from the wire, each block copied and hashed in one pass (pdserve/kvwire.py;
+                           not opt-in: every CPU pool takes it where the extension builds)
 
-    gemv(), panel_matmul(), paged_decode_attention(), paged_prefill_attention()
+    gemv(), panel_matmul(), paged_decode_attention(), paged_prefill_attention(), kv_blocks()
                                        the operators, or None where they cannot be built or run here
     paged_prefill_attention_on(path)   the prefill attention on its lanes or tiled path only
     prefill_attention_lane_rows()      the query rows a KV head up to which a chunk takes the lanes path
@@ -48,8 +51,8 @@ short chunk (a few queries after a long cached prefix) takes its lanes path inst
 transposed copy of the keys: the same bits, 2.0-2.5x faster for 14 queries after 1,920 rows.
 python -m bench.attention_kernels --only prefill times it against the gather + SDPA path.
 
-They sum in their own order, in 8 or 16 lanes, so none is bit-equal to torch's kernels: they serve
-opt-in settings only, run under the exactness suite (tests/engine/test_linear_kernels.py,
+The engine's operators sum in their own order, in 8 or 16 lanes, so none is bit-equal to torch's
+kernels: they serve opt-in settings only, run under the exactness suite (tests/engine/test_linear_kernels.py,
 tests/engine/test_attention_kernels.py).
 
 Built with torch's C++ extension tooling (g++ and ninja) into torch's extension cache, under a name
@@ -66,6 +69,7 @@ import shutil
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -73,9 +77,9 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemv.cpp", "decode_attention.cpp",
                                                             "prefill_attention.cpp", "pointwise.cpp",
-                                                            "panel_matmul.cpp"))
+                                                            "panel_matmul.cpp", "kv_blocks.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name)  # included by the sources: in the digest
-                for name in ("prefill_attention_lanes.h", "cephes_exp.h", "panel_matmul_lanes.h"))
+                for name in ("prefill_attention_lanes.h", "cephes_exp.h", "panel_matmul_lanes.h", "xxh3.h"))
 # NOTE: -fopenmp is what makes at::parallel_for parallel: without it the header's OpenMP pragma is
 # ignored and the kernels run on one thread at about half their bandwidth.
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
@@ -115,8 +119,8 @@ def _missing_tool() -> str | None:
 
 
 @cache
-def _build() -> str | None:
-    """None once the operators are registered; else why they cannot be."""
+def _load() -> ModuleType | str:
+    """The extension's module once the operators are registered; else why they cannot be."""
     if not _cpu_has_avx2():
         return f"this CPU has no AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
     tool = _missing_tool()
@@ -126,12 +130,24 @@ def _build() -> str | None:
     from torch.utils.cpp_extension import load
 
     try:
-        load(extension_name(), [str(source) for source in SOURCES], extra_cflags=list(FLAGS),
-             extra_ldflags=["-fopenmp"], verbose=False)
+        return load(extension_name(), [str(source) for source in SOURCES], extra_cflags=list(FLAGS),
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except (RuntimeError, OSError, ImportError) as e:  # a compiler error, or a broken cache entry
         log.warning("building pdserve's CPU kernels failed: %s", e)
         return f"building pdserve's CPU kernels failed ({e}); use the onednn/sdpa kernels"
-    return None
+
+
+def _build() -> str | None:
+    """None once the operators are registered; else why they cannot be."""
+    loaded = _load()
+    return loaded if isinstance(loaded, str) else None
+
+
+def kv_blocks() -> ModuleType | None:
+    """kv_blocks.cpp's functions (pack_layer_frame, verify_write_layer, checksum), or None where
+    the extension cannot be built or run here (pdserve/kvwire.py then takes its Python path)."""
+    loaded = _load()
+    return None if isinstance(loaded, str) else loaded
 
 
 def gemv() -> Gemv | None:

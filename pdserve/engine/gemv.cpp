@@ -197,5 +197,3 @@ TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
 TORCH_LIBRARY_IMPL(pdserve, CompositeExplicitAutograd, m) {
   m.impl("gemv_isa", &gemv_isa);
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}
