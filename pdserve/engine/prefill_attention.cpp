@@ -74,8 +74,26 @@ typedef float vf __attribute__((vector_size(W * 4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
 inline vf splat(float x) { return _mm512_set1_ps(x); }
 inline vi splat_int(int32_t x) { return (vi)_mm512_set1_epi32(x); }
-inline float max_of(vf v) { return _mm512_reduce_max_ps(v); }
-inline float sum_of(vf v) { return _mm512_reduce_add_ps(v); }
+// W rows' vectors in, one lane a row out, in order (the header's row_sums, row_maxes): four rounds that
+// each pair lanes i and i + h of every row, h = 8, 4, 2, 1, two rows a shuffle.
+template <typename Op>
+inline vf across_rows(const vf* v, Op op) {
+  __m512 half[8], quarter[4], eighth[2];
+  for (int k = 0; k < 8; ++k)
+    half[k] = op(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                 _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int k = 0; k < 4; ++k)
+    quarter[k] = op(_mm512_shuffle_f32x4(half[2 * k], half[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                    _mm512_shuffle_f32x4(half[2 * k], half[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int k = 0; k < 2; ++k)
+    eighth[k] = op(_mm512_shuffle_ps(quarter[2 * k], quarter[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                   _mm512_shuffle_ps(quarter[2 * k], quarter[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 rows = op(_mm512_shuffle_ps(eighth[0], eighth[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(eighth[0], eighth[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), rows);
+}
+inline vf row_sums(const vf* v) { return across_rows(v, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }); }
+inline vf row_maxes(const vf* v) { return across_rows(v, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); }); }
 #include "prefill_attention_lanes.h"
 }  // namespace lanes16
 #pragma GCC pop_options
@@ -91,16 +109,22 @@ typedef float vf __attribute__((vector_size(W * 4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
 inline vf splat(float x) { return _mm256_set1_ps(x); }
 inline vi splat_int(int32_t x) { return (vi)_mm256_set1_epi32(x); }
-inline float max_of(vf v) {
-  const __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 pair = _mm_max_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_max_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+// As lanes16's, in three rounds: h = 4, 2, 1.
+template <typename Op>
+inline vf across_rows(const vf* v, Op op) {
+  __m256 half[4], quarter[2];
+  for (int k = 0; k < 4; ++k)
+    half[k] = op(_mm256_permute2f128_ps(v[2 * k], v[2 * k + 1], 0x20),
+                 _mm256_permute2f128_ps(v[2 * k], v[2 * k + 1], 0x31));
+  for (int k = 0; k < 2; ++k)
+    quarter[k] = op(_mm256_shuffle_ps(half[2 * k], half[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                    _mm256_shuffle_ps(half[2 * k], half[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 rows = op(_mm256_shuffle_ps(quarter[0], quarter[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm256_shuffle_ps(quarter[0], quarter[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm256_permutevar8x32_ps(rows, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
-inline float sum_of(vf v) {
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
-}
+inline vf row_sums(const vf* v) { return across_rows(v, [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); }); }
+inline vf row_maxes(const vf* v) { return across_rows(v, [](__m256 a, __m256 b) { return _mm256_max_ps(a, b); }); }
 #include "prefill_attention_lanes.h"
 }  // namespace lanes8
 

@@ -8,7 +8,10 @@
 //     RP           rows whose output registers one pass over a tile's values keeps (PV below)
 //     vf, vi       GCC vectors of W floats and W int32s
 //     splat(float), splat_int(int32_t)   a value in every lane (an intrinsic: `vf{} + x` costs an add)
-//     max_of(vf), sum_of(vf)   the lanes' maximum and sum
+//     row_sums(v), row_maxes(v)   for W vectors v[0..W), one a row: a vector whose lane r is the sum
+//                  (the maximum) of v[r]'s lanes. A sum runs as a tree, lanes i and i + W/2 added
+//                  first, then i and i + W/4, and so on down to the last pair; the lanes path
+//                  re-creates that order for its rows (tile_sum below)
 //
 // The rest is written in GCC's vector extensions, not intrinsics, so the one text compiles to either
 // width.
@@ -213,22 +216,26 @@ inline void attend_item(const Problem& p, const Item& item, int64_t kv_head, con
     vf s[kRows][TV];
     score_tile(item, kts + (kv_head * tiles + key0 / W) * d * W, d, p.scale, s);
     if (key0 + T - 1 > first_position) mask_tile(item, key0, s);
-    for (int r = 0; r < kRows; ++r) {
-      vf top_lanes = s[r][0];
+    vf lanes[kRowsPadded];  // per row: the maxima over its tile's keys, then the probabilities' sums
+    for (int r = 0; r < kRowsPadded; ++r) {
+      lanes[r] = r < kRows ? s[r][0] : vf{};  // a padding row's maximum stays 0, as its top
 #pragma GCC unroll 2
-      for (int t = 1; t < TV; ++t) top_lanes = top_lanes > s[r][t] ? top_lanes : s[r][t];
-      next[r] = std::max(top[r], max_of(top_lanes));
+      for (int t = 1; t < TV && r < kRows; ++t) lanes[r] = lanes[r] > s[r][t] ? lanes[r] : s[r][t];
+    }
+    for (int r = 0; r < kRowsPadded; r += W) {
+      const vf tile_top = row_maxes(lanes + r), running = load(top + r);
+      store(next + r, running < tile_top ? tile_top : running);
     }
     for (int r = 0; r < kRows; ++r) {
-      vf lane_sums{};
+      lanes[r] = vf{};
 #pragma GCC unroll 2
       for (int t = 0; t < TV; ++t) {
         const vf probability = exp_negative(s[r][t] - next[r]);
-        lane_sums += probability;
+        lanes[r] += probability;
         store(probs + r * T + t * W, probability);
       }
-      sums[r] = sum_of(lane_sums);
     }
+    for (int r = 0; r < kRowsPadded; r += W) store(sums + r, row_sums(lanes + r));
     for (int r = 0; r < kRowsPadded; r += W) {  // 0 on the first tile, where top is -inf
       const vf rescaled = exp_negative(load(top + r) - load(next + r));
       store(rescale + r, rescaled);
@@ -276,7 +283,7 @@ inline Item item_rows(const Problem& p, int64_t k, int64_t row_tiles, float* q_b
 //     s[v][j] (a vector over rows) = scale * sum_d q_by_dim[d][v] * K[key0 + j][d]
 //
 // The same products, summed in the same order, and the same softmax as the tiled path's, per row:
-// the tile's probability sum below re-creates sum_of's order (the vector's halves added, then their
+// the tile's probability sum below re-creates row_sums' order (the vector's halves added, then their
 // halves, down to one lane), so a row gets the same bits on either path, and which path a chunk
 // takes never shows in its output (tests/engine/test_attention_kernels.py checks it bit for bit).
 // python -m bench.attention_kernels --only paths times the two: 14 queries after 1,920 rows 2.0-2.5x
@@ -345,7 +352,7 @@ inline void score_lanes(const Problem& p, const LaneItem& item, int64_t kv_head,
   }
 }
 
-// Each row's sum of a tile's probabilities, in sum_of's order for the tiled path's row: the TV
+// Each row's sum of a tile's probabilities, in row_sums' order for the tiled path's row: the TV
 // vectors of a row added lane by lane, then the lanes folded in halves down to one.
 inline vf tile_sum(const vf* probability) {
   vf lanes[W];
