@@ -60,6 +60,7 @@ WIRE_VERSION = 2  # 2: BEGIN carries the request's cache_salt
 
 _DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 _U64 = 1 << 64
+_CHECKSUM_SLOT_BYTES = 9  # a checksum packed as msgpack uint 64: 0xcf, then 8 bytes big-endian
 
 
 class WireError(ValueError):
@@ -316,16 +317,16 @@ def encode_layer(kv_cache: torch.Tensor, layer: int, block_ids: Sequence[int], p
     by_block = kv_cache[layer].transpose(0, 1)  # view: [num_blocks, 2, block_size, kv_heads, row]
     block_bytes = by_block[0].numel() * kv_cache.element_size()
     per_chunk = max(1, min(len(block_ids), max_chunk_bytes // block_bytes))
+    packer = _kv_blocks(kv_cache[layer]) if native else None
+    if packer is not None:
+        yield from _packed_frames(packer, kv_cache, layer, block_ids, positions, transfer_id, per_chunk)
+        return
     ids = torch.as_tensor(block_ids, dtype=torch.long, device=kv_cache.device)
     # NOTE: one host staging buffer per call, reused by every chunk: the gather writes into
     # memory that is already mapped (a fresh 2 MiB tensor per chunk costs more in page faults
     # than the copy itself), and the payload is a view of it, not a copy: the channel's
     # serialiser copies it once, into the message (on 2 shared cores every pass over the bytes
     # costs throughput; `python -m bench.kv_transfer_wire` times it).
-    packer = _kv_blocks(kv_cache[layer]) if native else None
-    if packer is not None:
-        yield from _packed_frames(packer, kv_cache, layer, block_ids, positions, transfer_id, per_chunk)
-        return
     with torch.inference_mode():  # the engine may call this inside inference mode, or not
         staging = torch.empty((per_chunk, *by_block.shape[1:]), dtype=kv_cache.dtype)
     for start in range(0, len(block_ids), per_chunk):
@@ -357,11 +358,12 @@ def _packed_frames(packer: ModuleType, kv_cache: torch.Tensor, layer: int, block
     for start in range(0, len(block_ids), per_chunk):
         ids, chunk = list(block_ids[start:start + per_chunk]), tuple(positions[start:start + per_chunk])
         # NOTE: checksums are the header's last field; _U64 - 1 packs as msgpack uint 64 (0xcf and 8 bytes),
-        # the placeholder kv_blocks.cpp fills in as it hashes each block.
+        # the placeholder kv_blocks.cpp fills in as it hashes each block (it refuses a slot without 0xcf).
         header = LayerChunkHeader(transfer_id, layer, chunk, dtype, (len(ids), *block_shape),
                                   (_U64 - 1,) * len(ids)).encode()
         prefix, header_end = message_prefix(header, len(ids) * block_bytes)
-        yield PackedFrame(packer.pack_layer_frame(pool, ids, prefix, header_end - 9 * len(ids) + 1))
+        first_slot = header_end - _CHECKSUM_SLOT_BYTES * len(ids) + 1  # each slot's 8 bytes, past its 0xcf
+        yield PackedFrame(packer.pack_layer_frame(pool, ids, prefix, first_slot))
 
 
 @torch.inference_mode()

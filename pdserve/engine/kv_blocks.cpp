@@ -31,6 +31,7 @@
 namespace {
 
 constexpr uint8_t kMsgpackUint64 = 0xcf;
+constexpr size_t kSlotBytes = 9;  // a checksum's placeholder in the header: 0xcf, then 8 bytes big-endian
 
 struct PoolLayer {
   uint8_t* base;
@@ -96,11 +97,11 @@ py::bytes pack_layer_frame(const at::Tensor& layer, const std::vector<int64_t>& 
   check_ids(block_ids, pool);
   const std::string_view head = prefix;
   const size_t n = block_ids.size(), block_bytes = 2 * pool.half_bytes;
-  TORCH_CHECK(first_checksum >= 1 && static_cast<size_t>(first_checksum) + 9 * n <= head.size() + 1,
+  TORCH_CHECK(first_checksum >= 1 && static_cast<size_t>(first_checksum) + kSlotBytes * n <= head.size() + 1,
               "kv_blocks: ", n, " checksum placeholders from byte ", first_checksum, " do not fit a prefix of ",
               head.size(), " bytes");
   for (size_t i = 0; i < n; ++i) {
-    TORCH_CHECK(static_cast<uint8_t>(head[first_checksum - 1 + 9 * i]) == kMsgpackUint64,
+    TORCH_CHECK(static_cast<uint8_t>(head[first_checksum - 1 + kSlotBytes * i]) == kMsgpackUint64,
                 "kv_blocks: checksum placeholder ", i, " is not a msgpack uint 64");
   }
   PyObject* message = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(head.size() + n * block_bytes));
@@ -113,7 +114,7 @@ py::bytes pack_layer_frame(const at::Tensor& layer, const std::vector<int64_t>& 
     for (size_t i = 0; i < n; ++i, block += block_bytes) {
       std::memcpy(block, pool.keys(block_ids[i]), pool.half_bytes);
       std::memcpy(block + pool.half_bytes, pool.values(block_ids[i]), pool.half_bytes);
-      put_be64(out + first_checksum + 9 * i, pdserve_xxh3::hash(block, block_bytes));
+      put_be64(out + first_checksum + kSlotBytes * i, pdserve_xxh3::hash(block, block_bytes));
     }
   }
   return py::reinterpret_steal<py::bytes>(message);
