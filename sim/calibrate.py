@@ -107,7 +107,8 @@ def fit_step_costs(samples: list[list[float]], times: list[float],
                    knots: tuple[int, ...] = CURVE_KNOTS) -> tuple[StepCosts, np.ndarray]:
     """sim/costs.py's step formula with a token curve, fitted to timed steps (SAMPLE_COLUMNS each):
     the curve's value at every knot, prefill_attn_s and decode_context_s, by least squares with
-    every coefficient >= 0. Returns the costs and each step's relative error.
+    every coefficient >= 0, and the spread (each step's time ÷ the fit's, sorted). Returns the costs
+    and each step's relative error.
 
     NOTE: weighted by 1/time, so the fit minimises relative error: a 40 ms decode step counts as
     much as a 5 s prefill, else the long prefills decide every coefficient and decode is lost.
@@ -119,9 +120,11 @@ def fit_step_costs(samples: list[list[float]], times: list[float],
     y = np.array(times)
     coef = nonnegative_lstsq(x / y[:, None], np.ones_like(y))
     curve = tuple((k, float(v)) for k, v in zip(knots, coef[:len(knots)]))
+    fitted = x @ coef
+    spread = tuple(round(float(r), 4) for r in sorted(y[fitted > 0] / fitted[fitted > 0]))
     step = StepCosts(0.0, 0.0, prefill_attn_s=float(coef[-2]), decode_context_s=float(coef[-1]),
-                     token_curve=curve)
-    return step, np.abs(x @ coef - y) / y
+                     token_curve=curve, spread=spread)
+    return step, np.abs(fitted - y) / y
 
 
 def curve_weights(rows: int, knots: tuple[int, ...]) -> list[float]:

@@ -104,8 +104,9 @@ class Cluster:
     def __init__(self, shape: ClusterShape, costs: CostModel, seed: int = 0) -> None:
         self.shape, self.costs = shape, costs
         self.block_size = costs.hardware.block_size
-        self.prefill = [SimWorker(f"prefill-{i}", Role.PREFILL, costs) for i in range(shape.num_prefill)]
-        self.decode = [SimWorker(f"decode-{i}", Role.DECODE, costs) for i in range(shape.num_decode)]
+        self.prefill = [SimWorker(f"prefill-{i}", Role.PREFILL, costs, seed)
+                        for i in range(shape.num_prefill)]
+        self.decode = [SimWorker(f"decode-{i}", Role.DECODE, costs, seed) for i in range(shape.num_decode)]
         self.workers = {w.worker_id: w for w in (*self.prefill, *self.decode)}
         per_machine = costs.hardware.workers_per_machine
         self.machine = {w: i // per_machine for i, w in enumerate(self.workers)}  # worker id -> machine

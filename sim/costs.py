@@ -29,6 +29,12 @@ it as two engine processes stepping together against one alone, less 1, and sets
 workers_per_machine to 2; 0 and 1 where each worker has its own GPU). The simulator puts workers on
 machines in order, workers_per_machine to a machine: prefill-0, prefill-1, ..., then decode-0, ...
 
+spread: how much steps of the same shape vary. A calibrated file keeps, for every step it timed, the
+measured time ÷ the formula's (sorted); the simulator multiplies each step's formula time by one of
+them, drawn by the worker's seeded generator (sim/worker.py), so ITL and TTFT get the tails the
+machine's own steps have (the jitter of one engine alone: the calibration runs one). Empty (the
+GPU file, and files calibrated before it): every step takes the formula's time.
+
     transfer_s = frames x frame_latency_s + bytes / bandwidth_bytes_per_s,   frames = layers
 
 The hardware block says how big the KV is (bytes per token, blocks per worker). Loaded from and
@@ -55,10 +61,11 @@ class StepCosts:
     decode_context_s: float = 0.0
     token_curve: tuple[tuple[int, float], ...] = ()  # (rows in the step, seconds), rows increasing from 1
     shared_machine_slowdown: float = 0.0  # a fraction, not seconds (the module's docstring)
+    spread: tuple[float, ...] = ()  # measured ÷ formula step times, sorted (the module's docstring)
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name != "token_curve" and not getattr(self, f.name) >= 0:
+            if f.name not in ("token_curve", "spread") and not getattr(self, f.name) >= 0:
                 raise ValueError(f"step cost {f.name} must be >= 0 seconds, got {getattr(self, f.name)}")
         knots = tuple((int(rows), float(s)) for rows, s in self.token_curve)  # JSON gives lists
         object.__setattr__(self, "token_curve", knots)
@@ -67,6 +74,14 @@ class StepCosts:
                       or not all(s >= 0 for _, s in knots)):
             raise ValueError(f"token_curve must be (rows, seconds) knots with rows increasing from >= 1 and "
                              f"seconds >= 0, got {list(knots)}")
+        spread = tuple(sorted(float(x) for x in self.spread))
+        object.__setattr__(self, "spread", spread)
+        if spread and not spread[0] > 0:
+            raise ValueError(f"spread must hold ratios > 0, got {spread[0]}")
+
+    def spread_factor(self, u: float) -> float:
+        """The step-time factor at quantile u in [0, 1) of the spread; 1 without one."""
+        return self.spread[min(int(u * len(self.spread)), len(self.spread) - 1)] if self.spread else 1.0
 
     def curve_s(self, rows: int) -> float:
         """token_curve at `rows` (0 without a curve or rows): linear between knots, and along the

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import itertools
+import random
 from dataclasses import dataclass
 
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError
@@ -51,9 +52,10 @@ class Emitted:
 
 
 class SimWorker:
-    def __init__(self, worker_id: str, role: Role, costs: CostModel) -> None:
+    def __init__(self, worker_id: str, role: Role, costs: CostModel, seed: int = 0) -> None:
         hw = costs.hardware
         self.worker_id, self.role, self.costs = worker_id, role, costs
+        self._spread = random.Random(f"{seed}/steps/{worker_id}")  # draws each step's spread factor
         self.pool = BlockPool(hw.num_blocks, hw.block_size)
         batching = SchedulerConfig(hw.max_num_batched_tokens, hw.max_num_seqs)
         self.scheduler = Scheduler(batching, self.pool, SALT)
@@ -127,7 +129,8 @@ class SimWorker:
                 decode_context += c.end
             else:
                 prefill.append((c.num_tokens, c.start))
-        return self.costs.step_s(prefill, decode_seqs, decode_context)
+        formula, step = self.costs.step_s(prefill, decode_seqs, decode_context), self.costs.step
+        return formula * step.spread_factor(self._spread.random()) if step.spread else formula
 
     def stretch(self, seconds: float) -> None:
         """The step in flight takes `seconds` longer (another worker's step shares the machine)."""

@@ -136,3 +136,19 @@ def test_a_transfer_into_a_full_decode_pool_falls_back_to_prefill_on_the_decode_
     shape = ClusterShape(1, 1, routing="least_load", min_remote_prefill_tokens=10)
     a, b = run([make_request(0, 8, 6), make_request(1, 12, 1, arrival_s=0.001)], shape, costs).records
     assert a.prefill_worker is None and b.ok and b.prefill_worker is None
+
+
+def test_each_step_takes_its_formula_time_times_a_spread_factor_drawn_by_the_workers_seed():
+    """A single request's steps with a spread of (0.5, 1.5): every step is its hand-computed time
+    (prefill 18 ms, decode 11 ms) times one of the two, and the draws repeat with the seed."""
+    from dataclasses import replace
+
+    costs = make_costs()
+    spread = replace(costs, step=replace(costs.step, spread=(1.5, 0.5)))
+    assert spread.step.spread == (0.5, 1.5)  # kept sorted: a quantile is an index
+    records = [run([make_request(0, 8, 40)], ClusterShape(0, 1), spread).records[0] for _ in range(2)]
+    assert records[0].token_times_s == records[1].token_times_s
+    assert ms(records[0].token_times_s[:1]) in ([9], [27])
+    assert {round(itl, 6) for itl in records[0].itl_ms} == {5.5, 16.5}  # both factors drawn in 39 steps
+    other_seed = simulate([make_request(0, 8, 40)], ClusterShape(0, 1), spread, seed=7).records[0]
+    assert other_seed.token_times_s != records[0].token_times_s

@@ -57,9 +57,12 @@ def test_a_trace_row_with_no_output_is_an_error_that_names_it(tmp_path):
 
 
 def test_a_cost_model_survives_its_json(tmp_path):
+    from dataclasses import replace
     costs = make_costs(slowdown=0.1, per_machine=2)
+    costs = replace(costs, step=replace(costs.step, spread=(0.9, 1.0, 1.2)))
     save_costs(costs, tmp_path / "c.json")
     assert load_costs(tmp_path / "c.json") == costs
+    assert load_costs(GPU_COSTS).step.spread == ()  # no key in the file: every step its formula's time
     assert load_costs(GPU_COSTS).step.shared_machine_slowdown == 0.0  # no key in the file: a GPU each
     # transfer_s: frames x latency + bytes / bandwidth
     assert costs.transfer_s(8) == pytest.approx(2 * 0.5e-3 + 8 * 1000 / 1e6)
@@ -108,3 +111,16 @@ def test_calibration_fits_the_curve_and_attention_terms_back_from_steps_they_tim
     for rows in (1, 4, 8, 32, 128):
         assert fitted.curve_s(rows) == pytest.approx(truth.curve_s(rows))
     assert fitted.prefill_attn_s == pytest.approx(0.002) and fitted.decode_context_s == pytest.approx(0.01)
+    assert fitted.spread == (1.0,) * len(samples)  # every step took exactly the formula's time
+
+
+def test_calibration_keeps_each_steps_time_over_the_fits_as_the_spread():
+    from sim.calibrate import fit_step_costs
+    samples = [[0, 0, 1, 0.0]] * 4 + [[0, 0, 4, 0.0]] * 4  # two shapes, four steps each
+    times = [0.040 * f for f in (0.9, 1.0, 1.0, 1.3)] + [0.100 * f for f in (1.0, 0.95, 1.05, 1.0)]
+    fitted, _ = fit_step_costs(samples, times, knots=(1, 4))
+    ratios = [t / fitted.curve_s(1 if i < 4 else 4) for i, t in enumerate(times)]
+    assert fitted.spread == tuple(sorted(round(r, 4) for r in ratios))
+    assert fitted.spread_factor(0.0) == fitted.spread[0] and fitted.spread_factor(0.999) == fitted.spread[-1]
+    with pytest.raises(ValueError, match="spread must hold ratios > 0"):
+        type(fitted)(0.0, 0.0, spread=(0.0, 1.0))
