@@ -1,6 +1,7 @@
 """The simulator against the real cluster: same workloads, seeds and arrival times, both reports.
 
     python -m bench.sim_validate [--json] [--requests N] [--reps N] [--costs sim/data/this_machine.json]
+    python -m bench.sim_validate --rescore SAVED.json --costs OTHER.json [--json]
 
 For each topology (1 prefill + 1 decode; 2 colocated) it starts the real cluster with
 `pdserve up`'s LocalCluster (deploy/launcher.py), runs `pdserve loadtest`'s runner on each workload
@@ -10,6 +11,9 @@ a simulated cluster of the same shape with the calibrated costs. Per run and met
 measured, simulated and the relative error |sim - real| / real; `within` says whether it is
 inside --tolerance (0.2 by default, the issue's target). The load average is recorded: the
 machine is shared, and the real numbers move with it.
+
+--rescore takes a saved --json result and simulates its runs again with --costs, against the same
+real measurements (no cluster starts): how another cost model would have scored on those runs.
 """
 
 from __future__ import annotations
@@ -46,17 +50,17 @@ def metric(report: dict[str, Any], name: str) -> float | None:
 
 
 def compare(real: dict[str, Any], simulated: dict[str, Any], tolerance: float) -> dict[str, Any]:
-    out = {}
-    for name in METRICS:
-        r, s = metric(real, name), metric(simulated, name)
-        err = None if r in (None, 0) or s is None else abs(s - r) / abs(r)
-        out[name] = {
-            "real": r,
-            "sim": s,
-            "rel_error": None if err is None else round(err, 3),
-            "within": err is not None and err <= tolerance,
-        }
-    return out
+    return {name: cell(metric(real, name), metric(simulated, name), tolerance) for name in METRICS}
+
+
+def cell(real: float | None, sim: float | None, tolerance: float) -> dict[str, Any]:
+    err = None if real in (None, 0) or sim is None else abs(sim - real) / abs(real)
+    return {
+        "real": real,
+        "sim": sim,
+        "rel_error": None if err is None else round(err, 3),
+        "within": err is not None and err <= tolerance,
+    }
 
 
 def simulate_like(
@@ -206,6 +210,21 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def rescore(saved: dict[str, Any], costs_path: str, tolerance: float) -> dict[str, Any]:
+    """A saved result's runs simulated again with another cost file, against their real measurements."""
+    runs = []
+    for row in saved["runs"]:
+        sim, sim_steps = simulate_like(row["workload"], WORKLOADS[row["workload"]], saved["requests_per_run"],
+                                       row["rate"], row["seed"], TOPOLOGIES[row["topology"]], costs_path)
+        metrics = {name: cell(c["real"], metric(sim, name), tolerance) for name, c in row["metrics"].items()}
+        steps = {"real": row["steps"]["real"], "sim": sim_steps} if row.get("steps") else None
+        runs.append({**row, "metrics": metrics, "steps": steps})
+    cells = [c for r in runs for c in r["metrics"].values()]
+    return {"tolerance": tolerance, "requests_per_run": saved["requests_per_run"], "costs": costs_path,
+            "rescored_from": saved["costs"], "within": sum(c["within"] for c in cells), "cells": len(cells),
+            "runs": runs}
+
+
 def summarize_repeats(reps: list[list[dict[str, Any]]], tolerance: float) -> dict[str, Any]:
     """What repeating the real runs says (reps: each rep's rows, in the same order).
 
@@ -304,6 +323,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "how often the real runs agree with each other within --tolerance, the ceiling their noise puts "
              "on the target, and the simulator against their mean (default: %(default)s)",
     )
+    p.add_argument(
+        "--rescore", metavar="SAVED_JSON", default=None,
+        help="start no cluster: simulate the runs of a saved --json result again with --costs and score them "
+             "against its real measurements",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     if args.reps < 1:
@@ -313,7 +337,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    result = validate(args)
+    if args.rescore:
+        saved = json.loads(open(args.rescore).read().strip().splitlines()[-1])
+        result = rescore(saved, args.costs, args.tolerance)
+    else:
+        result = validate(args)
     print(json.dumps(result) if args.json else table(result))
     sys.stdout.flush()
 

@@ -33,3 +33,31 @@ def test_the_table_gives_each_runs_mean_step_real_over_simulated_and_a_dash_for_
     lines = table(result).splitlines()
     assert lines[1].endswith(" 126/72") and lines[2].endswith(" -")
     assert steps_entry(0, 0.0)["step_ms_mean"] is None
+
+
+def test_rescore_simulates_a_saved_runs_cells_again_against_their_real_values(tmp_path):
+    """--rescore: a run whose real values are what one cost file simulates scores every cell within
+    under that file, and misses its latencies under a file whose steps take twice as long."""
+    from dataclasses import replace
+
+    from bench.sim_validate import METRICS, TOPOLOGIES, WORKLOADS, cell, metric, rescore, simulate_like
+    from sim.costs import save_costs
+    from tests.sim.test_mechanisms import make_costs
+
+    base, slow = make_costs(num_blocks=512), tmp_path / "slow.json"
+    save_costs(base, tmp_path / "base.json")
+    step = base.step
+    doubled = replace(step, base_s=2 * step.base_s, prefill_token_s=2 * step.prefill_token_s,
+                      decode_seq_s=2 * step.decode_seq_s)
+    save_costs(replace(base, step=doubled), slow)
+    report, _ = simulate_like("synthetic", WORKLOADS["synthetic"], 4, 0.5, 11, TOPOLOGIES["2 colocated"],
+                              str(tmp_path / "base.json"))
+    row = {"topology": "2 colocated", "workload": "synthetic", "rate": 0.5, "seed": 11,
+           "load_average_1m": 1.0, "steps": None,
+           "metrics": {m: cell(metric(report, m), None, 0.2) for m in METRICS}}
+    saved = {"requests_per_run": 4, "costs": "base.json", "runs": [row]}
+    same = rescore(saved, str(tmp_path / "base.json"), 0.2)
+    assert (same["within"], same["cells"]) == (6, 6)
+    slower = rescore(saved, str(slow), 0.2)["runs"][0]["metrics"]
+    assert not slower["ttft_p50_ms"]["within"] and not slower["itl_p50_ms"]["within"]
+    assert slower["prefix_hit_rate"]["within"]  # the cache does not care how long a step takes
