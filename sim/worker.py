@@ -129,8 +129,8 @@ class SimWorker:
                 decode_context += c.end
             else:
                 prefill.append((c.num_tokens, c.start))
-        formula, step = self.costs.step_s(prefill, decode_seqs, decode_context), self.costs.step
-        return formula * step.spread_factor(self._spread.random()) if step.spread else formula
+        return self.costs.step_s(prefill, decode_seqs, decode_context) * self.costs.step.spread_factor(
+            self._spread.random())
 
     def stretch(self, seconds: float) -> None:
         """The step in flight takes `seconds` longer (another worker's step shares the machine)."""
