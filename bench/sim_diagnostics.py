@@ -163,40 +163,18 @@ def measure_pair(threads: int, rounds: int = PAIR_ROUNDS, say: Any = progress) -
 
 
 def cpu(args: argparse.Namespace) -> dict[str, Any]:
-    import asyncio
-
     import ray
 
-    from bench.sim_validate import real_step_totals
-    from deploy.config import ClusterSpec
-    from deploy.launcher import LocalCluster
-    from loadtest.arrivals import Bounds, Poisson
-    from loadtest.runner import LoadTestConfig, RequestOptions, run_loadtest_async
-    from loadtest.workloads import make_workload
-    from pdserve.client import PdserveClient
+    from sim.real import Load, real_cluster, run_load, step_totals
 
-    spec = ClusterSpec(num_prefill=0, num_decode=2, port=0, http_port=0, metrics_port=None,
-                       namespace="simdiag-cpu")
-    cluster = LocalCluster(spec, say=lambda line: progress(f"cpu: {line}"))
-    try:
-        router = cluster.start()
+    with real_cluster("2 colocated", say=lambda line: progress(f"cpu: {line}")) as (cluster, router):
         workers = {ray.get(a.describe.remote(), timeout=60)["pid"] for a in cluster.actors.values()}
-        with PdserveClient(router, timeout_s=600) as client:  # warm each worker's kernels once
-            for _ in cluster.actors:
-                client.generate(token_ids=list(range(1000, 1100)), temperature=0, max_tokens=4)
-        workload = make_workload(args.workload, WORKLOADS[args.workload])
-        config = LoadTestConfig(router=router, workload=workload,
-                                arrivals=Poisson(args.rate), bounds=Bounds(args.requests, 900.0), seed=11,
-                                options=RequestOptions(temperature=0.0, ignore_eos=True, timeout_s=600),
-                                progress=False, label="cpu")
         progress(f"cpu: {args.workload} at {args.rate}/s, {args.requests} requests")
-        cpu_before, (steps_before, busy_before), start = _cpu_seconds(workers), real_step_totals(cluster), \
+        cpu_before, (steps_before, busy_before), start = _cpu_seconds(workers), step_totals(cluster), \
             time.perf_counter()
-        asyncio.run(run_loadtest_async(config))
+        run_load(router, Load(args.workload, WORKLOADS[args.workload], args.rate, args.requests, 11), "cpu")
         wall = time.perf_counter() - start
-        cpu_after, (steps_after, busy_after) = _cpu_seconds(workers), real_step_totals(cluster)
-    finally:
-        cluster.stop()
+        cpu_after, (steps_after, busy_after) = _cpu_seconds(workers), step_totals(cluster)
     by_group: dict[str, float] = {}
     for (group, pid), seconds in cpu_after.items():
         if (group, pid) in cpu_before:

@@ -19,15 +19,14 @@ real measurements (no cluster starts): how another cost model would have scored 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
 from typing import Any
 
 from bench.common import progress
+from sim.real import TOPOLOGIES
 
-TOPOLOGIES = {"1P+1D": (1, 1), "2 colocated": (0, 2)}
 WORKLOADS = {
     "synthetic": {"input_tokens": 128, "output_tokens": 24},
     "shared-prefix": {"system_prompt_tokens": 256, "question_tokens": 24, "output_tokens": 24},
@@ -90,66 +89,42 @@ def steps_entry(steps: int, seconds: float) -> dict[str, Any]:
     return {"steps": steps, "busy_s": round(seconds, 2), "step_ms_mean": mean_ms}
 
 
-def real_step_totals(cluster) -> tuple[int, float]:
-    """The real workers' steps with work and their wall time so far (WorkerStatus totals)."""
-    import ray
+def real_steps_entry(trace: list[list], costs_path: str) -> dict[str, Any]:
+    """The real workers' traced steps of a run (each [prefill chunks as (new, before), decode
+    sequences, their context, seconds]): steps_entry's figures, the trace itself, and what the cost
+    file's formula (without its spread) gives for those very steps. busy_over_formula near 1 says the
+    costs price the real steps right, so a miss elsewhere comes from how the steps were batched."""
+    from sim.costs import load_costs
 
-    from protos.pdserve.v1 import worker_pb2
-
-    replies = ray.get([actor.status.remote() for actor in cluster.actors.values()], timeout=60)
-    statuses = [worker_pb2.WorkerStatus.FromString(r) for r in replies]
-    return sum(s.steps_total for s in statuses), sum(s.step_seconds_total for s in statuses)
+    costs = load_costs(costs_path)
+    busy = sum(t[-1] for t in trace)
+    formula = sum(costs.step_s([tuple(c) for c in chunks], seqs, ctx) for chunks, seqs, ctx, _ in trace)
+    return {**steps_entry(len(trace), busy), "formula_s": round(formula, 2),
+            "busy_over_formula": round(busy / formula, 3) if formula else None, "trace": trace}
 
 
 def run_topology(
     name: str, runs: list[tuple[str, float, int]], args: argparse.Namespace
 ) -> list[dict[str, Any]]:
-    from deploy.config import ClusterSpec
-    from deploy.launcher import LocalCluster
-    from loadtest.arrivals import Bounds, Poisson
-    from loadtest.runner import LoadTestConfig, RequestOptions, run_loadtest_async
-    from loadtest.workloads import make_workload
-    from pdserve.client import PdserveClient
+    from sim.real import Load, real_cluster, run_load, traced_steps
 
-    num_prefill, num_decode = TOPOLOGIES[name]
-    spec = ClusterSpec(
-        num_prefill=num_prefill,
-        num_decode=num_decode,
-        port=0,
-        http_port=0,
-        metrics_port=None,
-        namespace=f"simval-{num_prefill}p{num_decode}d",
-    )
-    cluster = LocalCluster(spec, say=lambda line: progress(f"{name}: {line}"))
     rows = []
-    try:
-        router = cluster.start()
-        with PdserveClient(router, timeout_s=600) as client:  # warm every worker's kernels once
-            for _ in range(num_prefill + num_decode):
-                client.generate(token_ids=list(range(1000, 1100)), temperature=0, max_tokens=4)
+    with real_cluster(name, say=progress) as (cluster, router):
+        _, after = traced_steps(cluster, {})
         for workload, rate, seed in runs:
             progress(f"{name}: {workload} at {rate}/s, {args.requests} requests")
-            config = LoadTestConfig(
-                router=router,
-                workload=make_workload(workload, WORKLOADS[workload]),
-                arrivals=Poisson(rate),
-                bounds=Bounds(args.requests, 900.0),
-                seed=seed,
-                options=RequestOptions(temperature=0.0, ignore_eos=True, timeout_s=600),
-                progress=False,
-                label=name,
-            )
             load = os.getloadavg()
-            steps_before, seconds_before = real_step_totals(cluster)
-            real = asyncio.run(run_loadtest_async(config)).report
-            steps_after, seconds_after = real_step_totals(cluster)
+            real = run_load(router, Load(workload, WORKLOADS[workload], rate, args.requests, seed), name)
+            steps, after = traced_steps(cluster, after)
+            trace = [[[list(c) for c in shp.prefill], shp.decode_seqs, shp.decode_context, round(sec, 5)]
+                     for shp, sec in steps]
             sim, sim_steps = simulate_like(
                 workload,
                 WORKLOADS[workload],
                 args.requests,
                 rate,
                 seed,
-                (num_prefill, num_decode),
+                TOPOLOGIES[name],
                 args.costs,
             )
             rows.append(
@@ -161,12 +136,9 @@ def run_topology(
                     "load_average_1m": round(load[0], 2),
                     "metrics": compare(real, sim, args.tolerance),
                     # where a miss comes from: slower steps, or more of them (not counted in `within`)
-                    "steps": {"real": steps_entry(steps_after - steps_before, seconds_after - seconds_before),
-                              "sim": sim_steps},
+                    "steps": {"real": real_steps_entry(trace, args.costs), "sim": sim_steps},
                 }
             )
-    finally:
-        cluster.stop()
     return rows
 
 
@@ -217,7 +189,10 @@ def rescore(saved: dict[str, Any], costs_path: str, tolerance: float) -> dict[st
         sim, sim_steps = simulate_like(row["workload"], WORKLOADS[row["workload"]], saved["requests_per_run"],
                                        row["rate"], row["seed"], TOPOLOGIES[row["topology"]], costs_path)
         metrics = {name: cell(c["real"], metric(sim, name), tolerance) for name, c in row["metrics"].items()}
-        steps = {"real": row["steps"]["real"], "sim": sim_steps} if row.get("steps") else None
+        real = (row.get("steps") or {}).get("real")
+        if real and "trace" in real:  # the formula of the new costs on the same real steps
+            real = real_steps_entry(real["trace"], costs_path)
+        steps = {"real": real, "sim": sim_steps} if real else None
         runs.append({**row, "metrics": metrics, "steps": steps})
     cells = [c for r in runs for c in r["metrics"].values()]
     return {"tolerance": tolerance, "requests_per_run": saved["requests_per_run"], "costs": costs_path,
@@ -256,7 +231,7 @@ def summarize_repeats(reps: list[list[dict[str, Any]]], tolerance: float) -> dic
 def table(result: dict[str, Any]) -> str:
     lines = [
         f"{'topology':<12} {'workload':<14} {'rate':>5} {'load':>5}  "
-        + "  ".join(f"{m:>24}" for m in METRICS) + f"  {'step ms mean':>14}"
+        + "  ".join(f"{m:>24}" for m in METRICS) + f"  {'step ms mean, real/formula':>26}"
     ]
     for r in result["runs"]:
         cells = [
@@ -266,7 +241,7 @@ def table(result: dict[str, Any]) -> str:
         steps = _step_means(r.get("steps"))
         lines.append(
             f"{r['topology']:<12} {r['workload']:<14} {r['rate']:>5} {r['load_average_1m']:>5}  "
-            + "  ".join(f"{c:>24}" for c in cells) + f"  {steps:>14}"
+            + "  ".join(f"{c:>24}" for c in cells) + f"  {steps:>26}"
         )
     lines.append(
         f"{result['within']} of {result['cells']} metrics within {result['tolerance']:.0%} (real/sim)"
@@ -282,8 +257,13 @@ def table(result: dict[str, Any]) -> str:
 
 
 def _step_means(steps: dict[str, Any] | None) -> str:
-    """real/simulated mean step; "-" for results written before runs recorded their steps."""
-    return f"{_fmt(steps['real']['step_ms_mean'])}/{_fmt(steps['sim']['step_ms_mean'])}" if steps else "-"
+    """real/simulated mean step, and (for runs that traced their steps) the real steps' busy time over
+    the formula's for them; "-" for results written before runs recorded their steps."""
+    if not steps:
+        return "-"
+    real = steps["real"]
+    means = f"{_fmt(real['step_ms_mean'])}/{_fmt(steps['sim']['step_ms_mean'])}"
+    return f"{means} x{real['busy_over_formula']:.2f}" if real.get("busy_over_formula") else means
 
 
 def _fmt(x: float | None) -> str:

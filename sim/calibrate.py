@@ -29,6 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pdserve.engine.config import EngineConfig, SchedulerConfig
+from pdserve.engine.scheduler import StepShape
 from pdserve.engine.sequence import SamplingParams
 from sim.costs import CostModel, Hardware, StepCosts, TransferCosts
 
@@ -65,7 +66,7 @@ def calibrate(threads: int, quick: bool = False, progress: bool = True) -> CostM
         SchedulerConfig().max_num_seqs,
         workers_per_machine=1 if quick else 2,  # the pair measurement's two engines
     )
-    transfer = _measure_transfer(progress)
+    transfer = measure_transfer(progress)
     source = {
         "note": "measured on this machine by `pdserve sim calibrate`",
         "host": platform.node(),
@@ -88,18 +89,13 @@ SAMPLE_COLUMNS = ("prefill_tokens", "prefill_attn/1000", "decode_seqs", "decode_
 CURVE_KNOTS = (1, 2, 4, 8, 16, 32, 128, 384, 1024, 2048)
 
 
-def _features(chunks) -> list[float]:
-    """A step's SAMPLE_COLUMNS, from the chunks it ran."""
-    def is_decode(c) -> bool:
-        return c.num_tokens == 1 and c.start >= c.seq.num_prompt_tokens
-
-    prefill = [(c.num_tokens, c.start) for c in chunks if not is_decode(c)]
-    decode = [c.end for c in chunks if is_decode(c)]
+def features(shape: StepShape) -> list[float]:
+    """A step's SAMPLE_COLUMNS, from what it computed (LLMEngine.last_step, or a worker's step trace)."""
     return [
-        sum(n for n, _ in prefill),
-        sum(n * (c + n / 2) for n, c in prefill) / 1000,
-        len(decode),
-        sum(decode) / 1000,
+        sum(n for n, _ in shape.prefill),
+        sum(n * (c + n / 2) for n, c in shape.prefill) / 1000,
+        shape.decode_seqs,
+        shape.decode_context / 1000,
     ]
 
 
@@ -141,18 +137,10 @@ def curve_weights(rows: int, knots: tuple[int, ...]) -> list[float]:
 
 def _measure_steps(engine, decode_grid: list[tuple[int, int]], reps: int,
                    progress: bool) -> tuple[list[list[float]], list[float]]:
-    """Run the grids through engine.step(), timing each step with the chunks it ran."""
-    seen: list[Any] = []
-    run = engine.runner.run
-
-    def recording(chunks, hook=None):  # NOTE: wraps the model run only to read which chunks ran
-        seen.append(list(chunks))
-        return run(chunks, hook)
-
+    """Run the grids through engine.step(), timing each step with what it computed."""
     engine.generate(
         [list(range(1000, 1064))], SamplingParams(max_tokens=4, ignore_eos=True), detokenize=False
     )  # warm-up: the first steps pay for torch's lazy set-up
-    engine.runner.run = recording
     rows, times = [], []
     jobs = [("prefill", g) for g in PREFILL_GRID] + [("decode", g) for g in decode_grid]
     rng = np.random.default_rng(0)
@@ -172,14 +160,12 @@ def _measure_steps(engine, decode_grid: list[tuple[int, int]], reps: int,
         for p in prompts:
             engine.add_request(p, sampling, detokenize=False)
         while engine.has_unfinished():
-            seen.clear()
             t0 = time.perf_counter()
             engine.step()
             elapsed = time.perf_counter() - t0
-            if seen:
-                rows.append(_features(seen[0]))
+            if engine.last_step is not None:
+                rows.append(features(engine.last_step))
                 times.append(elapsed)
-    engine.runner.run = run
     return rows, times
 
 
@@ -196,7 +182,7 @@ def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
-def _measure_transfer(progress: bool) -> TransferCosts:
+def measure_transfer(progress: bool) -> TransferCosts:
     from bench.kv_transfer_wire import MIB, Case, measure
 
     results = {}

@@ -1,7 +1,7 @@
 """`pdserve sim`: run the simulator, calibrate its costs here, size a deployment.
 
     pdserve sim run       --workload NAME|--trace FILE --rate R --prefill P --decode D --costs FILE [--json]
-    pdserve sim calibrate [--out FILE] [--quick] [--threads N]
+    pdserve sim calibrate [--out FILE] [--quick] [--threads N] [--in-cluster]
     pdserve sim size      --workload NAME|--trace FILE --rate R --slo ttft_p90_ms=..,itl_p99_ms=..
                           --gpus N --costs FILE [--json] [--plot FILE]
 
@@ -105,6 +105,13 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
                    help="torch threads of the engine timed: those of the workers the costs stand for "
                         "(default: what each of two CPU workers on this machine gets, as in `pdserve up`'s "
                         "1 prefill + 1 decode)")
+    p.add_argument("--in-cluster", action="store_true",
+                   help="fit the costs to the steps of a running cluster instead of an engine alone: start "
+                        "`pdserve up`'s local cluster (1 prefill + 1 decode, then 2 colocated), send the "
+                        "calibration loads through its router and fit every step its workers trace "
+                        "(Worker.Steps). Steps there are longer than an engine's alone (the workers' gRPC "
+                        "threads, the router and the load tester share the cores); about 5 minutes here. "
+                        "--quick does not apply")
     p.add_argument("--no-progress", action="store_true", help="do not show progress bars")
     p.set_defaults(handler=_calibrate)
 
@@ -199,11 +206,32 @@ def _calibrate(args: argparse.Namespace) -> int:
     if threads < 1:
         print(f"pdserve sim calibrate: --threads must be >= 1, got {threads}", file=sys.stderr)
         return 2
-    model = calibrate(threads, quick=args.quick, progress=not args.no_progress)
+    if args.in_cluster:
+        model = _calibrate_in_cluster(args, threads)
+        if model is None:
+            return 2
+    else:
+        model = calibrate(threads, quick=args.quick, progress=not args.no_progress)
     save_costs(model, args.out)
     print(json.dumps(model.to_json(), indent=2))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def _calibrate_in_cluster(args: argparse.Namespace, threads: int):
+    """The cost model fitted in a running cluster; None (after saying why) for flags it cannot take."""
+    from pdserve.engine.config import cpu_threads_per_worker
+    from sim.calibrate_cluster import calibrate_in_cluster
+
+    if args.quick or threads != cpu_threads_per_worker(2):
+        print(f"pdserve sim calibrate: --in-cluster times the workers `pdserve up` starts here, "
+              f"{cpu_threads_per_worker(2)} torch threads each; drop --quick and --threads", file=sys.stderr)
+        return None
+    def say(line: str) -> None:
+        if not args.no_progress:
+            print(f"calibrate: {line}", file=sys.stderr, flush=True)
+
+    return calibrate_in_cluster(threads, say=say)
 
 
 def _size(args: argparse.Namespace) -> int:

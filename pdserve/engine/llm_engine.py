@@ -63,7 +63,7 @@ from pdserve.engine.model import LlamaModel, select_attention
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
 from pdserve.engine.pointwise import select_pointwise
 from pdserve.engine.sampler import sample, token_logprobs, uniform
-from pdserve.engine.scheduler import ScheduledChunk, Scheduler
+from pdserve.engine.scheduler import ScheduledChunk, Scheduler, StepShape
 from pdserve.engine.sequence import SamplingParams, Sequence, SequenceStatus, TokenLogprob, Usage
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.validation import EngineLimits, InvalidRequestError, check_cache_salt
@@ -156,6 +156,7 @@ class LLMEngine:
         self._sequences: dict[str, Sequence] = {}
         self._detokenize: dict[str, bool] = {}
         self._arrivals = itertools.count()
+        self.last_step: StepShape | None = None  # what the latest step computed; None: it had nothing to run
         self.lock = threading.RLock()
         self.handoff = KVHandoff(self.pool, self.salt, self.limits, self.lock, self._sequences,
                                  self._publish_events)
@@ -233,6 +234,7 @@ class LLMEngine:
             dropped: list[Sequence] = []
             out = self.scheduler.schedule(_on_preempt(observer, dropped))
             outputs = [self._drop_preempted(seq) for seq in dropped]
+            self.last_step = StepShape.of(out.chunks) if out.chunks else None
             if out.chunks:
                 outputs += self._run(out.chunks, observer)
             self._publish_events()

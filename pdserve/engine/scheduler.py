@@ -69,6 +69,27 @@ class SchedulerOutput:
         return sum(c.num_tokens for c in self.chunks)
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """What one step computed, in the terms of the simulator's cost model (sim/costs.py): each
+    prefill chunk as (new tokens, tokens before them), and the decoding sequences with their total
+    context (tokens each attends to, its new one included)."""
+
+    prefill: tuple[tuple[int, int], ...] = ()
+    decode_seqs: int = 0
+    decode_context: int = 0
+
+    @classmethod
+    def of(cls, chunks: list[ScheduledChunk]) -> StepShape:
+        """A chunk of one token past its prompt is a decode row; any other chunk is prefill
+        (a prompt's chunk, or a preempted sequence's recompute)."""
+        def decodes(c: ScheduledChunk) -> bool:
+            return c.num_tokens == 1 and c.start >= c.seq.num_prompt_tokens
+
+        decode = [c.end for c in chunks if decodes(c)]
+        return cls(tuple((c.num_tokens, c.start) for c in chunks if not decodes(c)), len(decode), sum(decode))
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool, salt: bytes,
                  enable_prefix_caching: bool = True) -> None:

@@ -142,6 +142,11 @@ class WorkerActor:
     def status(self) -> bytes:
         return self.server.status().SerializeToString()
 
+    def steps(self, after: int = 0) -> bytes:
+        """The traced engine steps numbered above `after` (a serialized worker_pb2.StepsReply)."""
+        assert self.server.servicer is not None, "the worker has not started"
+        return self.server.servicer.steps(after).SerializeToString()
+
     def drain(self, grace_s: float | None = None) -> bool:
         """Leave the registry (the router stops picking this worker within one refresh), refuse new
         requests, and wait for in-flight ones; True when they all finished within the grace."""

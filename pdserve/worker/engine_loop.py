@@ -2,8 +2,11 @@
 
     submit()/resume() --register a RequestStream--> engine.add_request / resume_transferred
     loop thread: while work: outputs = engine.step(observer); each output -> its stream's queue;
-                 the duration of each step that had work goes to observe_step (a metric) and
-                 to steps_total / step_seconds_total (WorkerStatus)
+                 the duration of each step that had work goes to observe_step (a metric), to
+                 steps_total / step_seconds_total (WorkerStatus), and with what the step computed
+                 (LLMEngine.last_step) to the step trace: the latest STEP_TRACE_LEN steps, numbered
+                 from 1, which the Worker service's Steps call reads (`pdserve sim calibrate
+                 --in-cluster` fits the simulator's costs to them)
     abort(): engine.abort (blocks freed now) and the stream ends with finish_reason "abort"
     a step that raises: every request in flight is aborted (blocks freed) and its stream ends
     with finish_reason "error"; the loop keeps serving new requests. After max_failed_steps
@@ -19,14 +22,25 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 from pdserve.engine.llm_engine import InvalidRequestError, LLMEngine, RequestOutput, StepObserver
+from pdserve.engine.scheduler import StepShape
 from pdserve.engine.sequence import SamplingParams, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05  # also the cadence at which expired parked transfers are swept
+STEP_TRACE_LEN = 8192  # steps the trace keeps: minutes of a busy worker, ~1 MB
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    number: int  # 1 for the worker's first step with work: steps_total when it ended
+    shape: StepShape
+    seconds: float  # wall time of engine.step()
 
 
 class RequestStream:
@@ -63,6 +77,7 @@ class EngineLoop:
         self._observe_step = observe_step  # seconds of each step that had work to do
         self.steps_total = 0  # steps that had work, and their wall time: read lock-free by Status
         self.step_seconds_total = 0.0
+        self._trace: deque[StepRecord] = deque(maxlen=STEP_TRACE_LEN)
         self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Condition()
         self._stopping = False
@@ -154,11 +169,21 @@ class EngineLoop:
                 continue
             self._failed_in_a_row = 0
             if busy:
-                self._count_step(time.perf_counter() - started)
+                self._count_step(time.perf_counter() - started, self.engine.last_step)
             for output in outputs:
                 self._deliver(output)
 
-    def _count_step(self, seconds: float) -> None:
+    def steps_after(self, number: int, up_to: int | None = None) -> list[StepRecord]:
+        """The traced steps numbered above `number` (and at most `up_to`), oldest first: those the
+        trace still holds."""
+        last = self.steps_total if up_to is None else up_to
+        trace = list(self._trace)  # one C call: atomic under the GIL
+        return [r for r in trace if number < r.number <= last]
+
+    def _count_step(self, seconds: float, shape: StepShape | None) -> None:
+        if shape is not None:  # None: the step only dropped preempted requests, it ran nothing
+            # NOTE: traced before it is counted, so a reader that saw steps_total = n finds step n
+            self._trace.append(StepRecord(self.steps_total + 1, shape, seconds))
         self.steps_total += 1
         self.step_seconds_total += seconds
         if self._observe_step is not None:

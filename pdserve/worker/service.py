@@ -131,6 +131,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         status.MergeFrom(self.identity)
         return status
 
+    def Steps(self, request, context):  # noqa: N802
+        return self.steps(request.after)
+
+    def steps(self, after: int) -> worker_pb2.StepsReply:
+        loop = self.parts.loop
+        reply = worker_pb2.StepsReply(steps_total=loop.steps_total)  # first: a later step is the next call's
+        for r in loop.steps_after(after, up_to=reply.steps_total):
+            shape = r.shape
+            reply.steps.add(number=r.number, seconds=r.seconds, prefill_tokens=[n for n, _ in shape.prefill],
+                            prefill_start=[c for _, c in shape.prefill], decode_seqs=shape.decode_seqs,
+                            decode_context=shape.decode_context)
+        return reply
+
     def ResyncIndex(self, request, context):  # noqa: N802
         """Ask the publisher to replace this worker's index entries with the pool's cached blocks
         (on its own thread; the reply does not wait for it)."""

@@ -2,7 +2,7 @@
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput, StepShape
 from pdserve.engine.sequence import SamplingParams, Sequence, SequenceStatus
 
 SALT = b"s" * 16
@@ -48,6 +48,19 @@ def test_chunked_prefill_spends_the_budget_fcfs():
     assert chunks_of(run_step(s)) == [("r0", 6, 4), ("r1", 0, 2)]
     assert chunks_of(run_step(s)) == [("r0", 10, 1), ("r1", 2, 1)]  # decode + rest of b's prefill
     assert a.block_ids == [0, 1, 2] and b.block_ids == [3]
+    finish_all(s)
+
+
+def test_step_shape_counts_a_prompts_last_token_as_prefill_and_a_generated_one_as_decode():
+    s = make_scheduler(budget=6)
+    a, b = make_request(0, 10), make_request(1, 3, first_token=100)
+    s.add(a)
+    s.add(b)
+    assert StepShape.of(run_step(s).chunks) == StepShape(((6, 0),), 0, 0)
+    assert StepShape.of(run_step(s).chunks) == StepShape(((4, 6), (2, 0)), 0, 0)
+    # a decodes its first generated token (context 11); b's one-token chunk is still its prompt's
+    assert StepShape.of(run_step(s).chunks) == StepShape(((1, 2),), 1, 11)
+    assert StepShape.of(run_step(s).chunks) == StepShape((), 2, 12 + 4)
     finish_all(s)
 
 

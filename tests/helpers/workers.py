@@ -35,12 +35,13 @@ def worker_server(config: WorkerConfig, loaded: LoadedModel | None = None, **kwa
 
 
 class WorkerStubs:
-    """Every service a worker may serve, over one channel: Worker's calls (Abort, Status, Audit),
+    """Every service a worker may serve, over one channel: Worker's calls (Abort, Status, Audit, Steps),
     Prefill (PrefillService: prefill workers) and Decode (DecodeService: decode workers)."""
 
     def __init__(self, channel: grpc.Channel) -> None:
         worker = worker_pb2_grpc.WorkerStub(channel)
         self.Abort, self.Status, self.Audit = worker.Abort, worker.Status, worker.Audit
+        self.Steps = worker.Steps
         self.Prefill = worker_pb2_grpc.PrefillServiceStub(channel).Prefill
         self.Decode = worker_pb2_grpc.DecodeServiceStub(channel).Decode
 

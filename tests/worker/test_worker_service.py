@@ -79,6 +79,30 @@ def test_status_counts_each_engine_step_with_work_and_its_time_as_the_histogram_
     assert seconds > 0 and seconds == pytest.approx(histogram_sum() - histogram_before)
 
 
+def test_steps_trace_what_each_step_computed_and_its_time_and_resume_after_a_number(workers):
+    _, decode = workers
+    steps = lambda after: stub(decode).Steps(worker_pb2.StepsRequest(after=after), timeout=10)  # noqa: E731
+    before = stub(decode).Status(worker_pb2.StatusRequest(), timeout=10)
+    assert steps(before.steps_total).steps == []
+    prompt = list(range(900, 947))  # 47 tokens no other test sends: none of them cached
+    decode_tokens(stub(decode).Decode(worker_pb2.DecodeRequest(
+        request_id="trace", prompt_token_ids=prompt, sampling=sampling_to_proto(GREEDY), prefill_here=True),
+        timeout=30))
+    wait_until_clean(decode, timeout_s=5)
+    after = stub(decode).Status(worker_pb2.StatusRequest(), timeout=10)
+    reply = steps(before.steps_total)
+    assert reply.steps_total == after.steps_total
+    assert [r.number for r in reply.steps] == list(range(before.steps_total + 1, after.steps_total + 1))
+    first, *rest = reply.steps
+    assert (list(first.prefill_tokens), list(first.prefill_start), first.decode_seqs) == ([47], [0], 0)
+    # then one token a step: the one sampled by the step before, attending to everything up to it
+    assert [(r.decode_seqs, r.decode_context) for r in rest] == [(1, 48 + i) for i in range(9)]
+    assert all(not r.prefill_tokens for r in rest)
+    busy = after.step_seconds_total - before.step_seconds_total
+    assert sum(r.seconds for r in reply.steps) == pytest.approx(busy)
+    assert steps(reply.steps_total).steps == []
+
+
 def test_bad_request_is_invalid_argument(workers):
     prefill, decode = workers
     with pytest.raises(grpc.RpcError) as err:

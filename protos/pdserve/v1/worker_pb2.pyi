@@ -201,6 +201,36 @@ class WorkerStatus(_message.Message):
     step_seconds_total: float
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., epoch: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., parked_transfers: _Optional[int] = ..., held_blocks: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., transfer_outcomes: _Optional[_Mapping[str, int]] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., metrics_address: _Optional[str] = ..., serving: _Optional[bool] = ..., send_outcomes: _Optional[_Mapping[str, int]] = ..., preemptions_total: _Optional[int] = ..., kv_audited_blocks_total: _Optional[int] = ..., kv_audit_mismatches_total: _Optional[int] = ..., kv_audit_evicted_total: _Optional[int] = ..., kv_audit_seconds_total: _Optional[float] = ..., host_blocks: _Optional[int] = ..., host_used_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., disk_used_blocks: _Optional[int] = ..., host_cached_tokens_total: _Optional[int] = ..., disk_cached_tokens_total: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_seconds_total: _Optional[float] = ...) -> None: ...
 
+class StepsRequest(_message.Message):
+    __slots__ = ("after",)
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    after: int
+    def __init__(self, after: _Optional[int] = ...) -> None: ...
+
+class StepRecord(_message.Message):
+    __slots__ = ("number", "seconds", "prefill_tokens", "prefill_start", "decode_seqs", "decode_context")
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_START_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SEQS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    number: int
+    seconds: float
+    prefill_tokens: _containers.RepeatedScalarFieldContainer[int]
+    prefill_start: _containers.RepeatedScalarFieldContainer[int]
+    decode_seqs: int
+    decode_context: int
+    def __init__(self, number: _Optional[int] = ..., seconds: _Optional[float] = ..., prefill_tokens: _Optional[_Iterable[int]] = ..., prefill_start: _Optional[_Iterable[int]] = ..., decode_seqs: _Optional[int] = ..., decode_context: _Optional[int] = ...) -> None: ...
+
+class StepsReply(_message.Message):
+    __slots__ = ("steps", "steps_total")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[StepRecord]
+    steps_total: int
+    def __init__(self, steps: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ..., steps_total: _Optional[int] = ...) -> None: ...
+
 class AuditRequest(_message.Message):
     __slots__ = ("sample",)
     SAMPLE_FIELD_NUMBER: _ClassVar[int]

@@ -55,6 +55,11 @@ class WorkerStub:
                 request_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.ResyncIndexRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.ResyncIndexReply.FromString,
                 _registered_method=True)
+        self.Steps = channel.unary_unary(
+                '/pdserve.v1.Worker/Steps',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.StepsRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.StepsReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -90,6 +95,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Steps(self, request, context):
+        """The engine steps this worker ran, from a trace of its latest ones (pdserve/worker/engine_loop.py):
+        what each computed and how long it took. `pdserve sim calibrate --in-cluster` fits the
+        simulator's step costs to them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +126,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ResyncIndex,
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.ResyncIndexRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.ResyncIndexReply.SerializeToString,
+            ),
+            'Steps': grpc.unary_unary_rpc_method_handler(
+                    servicer.Steps,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.StepsRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.StepsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +242,33 @@ class Worker:
             '/pdserve.v1.Worker/ResyncIndex',
             protos_dot_pdserve_dot_v1_dot_worker__pb2.ResyncIndexRequest.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_worker__pb2.ResyncIndexReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Steps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/Steps',
+            protos_dot_pdserve_dot_v1_dot_worker__pb2.StepsRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_worker__pb2.StepsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,110 @@
+"""`pdserve sim calibrate --in-cluster`: fit the step costs to the steps a running cluster takes.
+
+The engine-alone calibration (sim/calibrate.py) times LLMEngine.step in a process of its own. In a
+running cluster the same steps took 5-30% longer, more under load (docs/simulator.md, validation
+of 2026-12-06): each worker's gRPC threads stream tokens and KV frames beside its engine thread, and
+the router, the load tester, Ray and Redis share the cores. Those costs are what the simulator has to
+predict, and only a running cluster has them. So this calibration:
+
+    1. starts the real cluster (sim/real.py) in each of `topologies`: 1 prefill + 1 decode, and
+       2 colocated (the two shapes bench.sim_validate checks);
+    2. sends CALIBRATION_LOADS through its router: shapes that span the cost model's terms (short
+       prompts at a rate that batches decode rows, long prompts one at a time, prompts behind a
+       cached system prompt, a multi-turn chat), with seeds and sizes other than the validation's,
+       so the validation stays a test of the model, not of its fit;
+    3. reads every step each worker ran from its step trace (Worker.Steps: what the step computed
+       and its wall time) and fits sim/costs.py's formula to them (sim/calibrate.py
+       fit_step_costs), spread included.
+
+Two workers' contention is inside those times, so shared_machine_slowdown is 0 (it would count it
+twice). Transfer costs are measured as sim/calibrate.py measures them; blocks per worker are the
+workers' own (WorkerStatus.num_blocks).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from sim.calibrate import SAMPLE_COLUMNS, features, fit_step_costs, measure_transfer
+from sim.costs import CostModel, Hardware
+from sim.real import TOPOLOGIES, Load
+
+CALIBRATION_LOADS = (
+    Load("synthetic", {"input_tokens": 48, "output_tokens": 32}, rate=3.0, requests=24, seed=101),
+    Load("synthetic", {"input_tokens": 480, "output_tokens": 8}, rate=0.3, requests=6, seed=102),
+    Load("shared-prefix", {"system_prompt_tokens": 384, "question_tokens": 40, "output_tokens": 16},
+         rate=1.0, requests=12, seed=103),
+    Load("multi-turn", {"turns": 2, "turn_tokens": 64, "output_tokens": 16}, rate=1.0, requests=8, seed=104),
+)
+
+
+def calibrate_in_cluster(threads: int, topologies: tuple[str, ...] = tuple(TOPOLOGIES),
+                         loads: tuple[Load, ...] = CALIBRATION_LOADS,
+                         say: Callable[[str], None] = lambda _: None) -> CostModel:
+    """`threads`: the torch threads each worker gets (recorded; `pdserve up` gives each of two
+    workers half the cores, which is what the cluster started here does)."""
+    from pdserve.engine.config import CacheConfig, SchedulerConfig
+    from pdserve.engine.weights import load_model
+
+    rows: list[list[float]] = []
+    times: list[float] = []
+    per_topology: dict[str, int] = {}
+    blocks = []
+    for topology in topologies:
+        steps, blocks_here = _trace_topology(topology, loads, say)
+        per_topology[topology] = len(steps)
+        blocks.append(blocks_here)
+        rows += [features(shape) for shape, _ in steps]
+        times += [seconds for _, seconds in steps]
+    if not rows:
+        raise RuntimeError("the calibration loads ran no engine step on any worker")
+    step, relative = fit_step_costs(rows, times)
+    config = load_model(progress=False).config
+    hardware = Hardware(config.kv_bytes_per_token(CacheConfig().kv_dtype), config.num_layers, min(blocks),
+                        max_num_batched_tokens=SchedulerConfig().max_num_batched_tokens,
+                        max_num_seqs=SchedulerConfig().max_num_seqs, workers_per_machine=2)
+    say("KV transfer (gRPC)")
+    transfer = measure_transfer(progress=False)
+    source = {
+        "note": "measured on this machine by `pdserve sim calibrate --in-cluster`: the steps of a running "
+                "cluster's workers under the calibration loads (sim/calibrate_cluster.py)",
+        "calibrated_in": "cluster",
+        "host": platform.node(),
+        "cpu": platform.processor() or platform.machine(),
+        "torch_threads": threads,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "topologies": per_topology,
+        "loads": [asdict(load) for load in loads],
+        "steps": len(rows),
+        "fit_relative_error_median": round(float(np.median(relative)), 3),
+        "fit_relative_error_p90": round(float(np.percentile(relative, 90)), 3),
+        "samples": {"columns": list(SAMPLE_COLUMNS), "rows": rows, "step_s": times},
+        "load_average": list(os.getloadavg()),
+        "shared_machine": "in the traced steps (two workers on this machine): shared_machine_slowdown 0",
+    }
+    return CostModel(step, transfer, hardware, source)
+
+
+def _trace_topology(topology: str, loads: tuple[Load, ...],
+                    say: Callable[[str], None]) -> tuple[list[tuple[Any, float]], int]:
+    """Every step the workers of a fresh `topology` cluster ran under `loads` (not the warm-up's),
+    and the blocks of its smallest worker pool."""
+    from sim.real import real_cluster, run_load, traced_steps, worker_blocks
+
+    with real_cluster(topology, say) as (cluster, router):
+        _, after = traced_steps(cluster, {})  # the warm-up's steps pay for torch's lazy set-up: skip them
+        steps = []
+        for load in loads:
+            say(f"{topology}: {load.workload} at {load.rate}/s, {load.requests} requests")
+            run_load(router, load, label=f"calibrate {topology}")
+            new, after = traced_steps(cluster, after)
+            steps += new
+        return steps, worker_blocks(cluster)
+
