@@ -91,16 +91,19 @@ def steps_entry(steps: int, seconds: float) -> dict[str, Any]:
 
 def real_steps_entry(trace: list[list], costs_path: str) -> dict[str, Any]:
     """The real workers' traced steps of a run (each [prefill chunks as (new, before), decode
-    sequences, their context, seconds]): steps_entry's figures, the trace itself, and what the cost
-    file's formula (without its spread) gives for those very steps. busy_over_formula near 1 says the
-    costs price the real steps right, so a miss elsewhere comes from how the steps were batched."""
+    sequences, their context, seconds, the worker's time since the step before or None]):
+    steps_entry's figures, the trace itself, what the cost file's formula (without its spread) gives
+    for those very steps, and the summed gaps between steps. busy_over_formula near 1 says the costs
+    price the real steps right, so a miss elsewhere comes from how the steps were batched."""
     from sim.costs import load_costs
 
     costs = load_costs(costs_path)
-    busy = sum(t[-1] for t in trace)
-    formula = sum(costs.step_s([tuple(c) for c in chunks], seqs, ctx) for chunks, seqs, ctx, _ in trace)
+    busy = sum(t[3] for t in trace)
+    formula = sum(costs.step_s([tuple(c) for c in t[0]], t[1], t[2]) for t in trace)
+    gaps = [t[4] for t in trace if len(t) > 4 and t[4] is not None]  # results before 16:05 have none
     return {**steps_entry(len(trace), busy), "formula_s": round(formula, 2),
-            "busy_over_formula": round(busy / formula, 3) if formula else None, "trace": trace}
+            "busy_over_formula": round(busy / formula, 3) if formula else None,
+            "gap_s": round(sum(gaps), 4) if gaps else None, "trace": trace}
 
 
 def run_topology(
@@ -114,10 +117,11 @@ def run_topology(
         for workload, rate, seed in runs:
             progress(f"{name}: {workload} at {rate}/s, {args.requests} requests")
             load = os.getloadavg()
-            real = run_load(router, Load(workload, WORKLOADS[workload], rate, args.requests, seed), name)
+            run = Load(workload, WORKLOADS[workload], rate, args.requests, seed)
+            real = run_load(router, run, name).report
             steps, after = traced_steps(cluster, after)
-            trace = [[[list(c) for c in shp.prefill], shp.decode_seqs, shp.decode_context, round(sec, 5)]
-                     for shp, sec in steps]
+            trace = [[[list(c) for c in t.shape.prefill], t.shape.decode_seqs, t.shape.decode_context,
+                      round(t.seconds, 5), None if t.gap_s is None else round(t.gap_s, 6)] for t in steps]
             sim, sim_steps = simulate_like(
                 workload,
                 WORKLOADS[workload],
@@ -135,6 +139,8 @@ def run_topology(
                     "seed": seed,
                     "load_average_1m": round(load[0], 2),
                     "metrics": compare(real, sim, args.tolerance),
+                    # requests each worker served (the load tester's report): where placement differs
+                    "workers": {"real": real.get("workers"), "sim": sim.get("workers")},
                     # where a miss comes from: slower steps, or more of them (not counted in `within`)
                     "steps": {"real": real_steps_entry(trace, args.costs), "sim": sim_steps},
                 }

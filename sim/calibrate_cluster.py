@@ -17,8 +17,10 @@ predict, and only a running cluster has them. So this calibration:
        fit_step_costs), spread included.
 
 Two workers' contention is inside those times, so shared_machine_slowdown is 0 (it would count it
-twice). Transfer costs are measured as sim/calibrate.py measures them; blocks per worker are the
-workers' own (WorkerStatus.num_blocks).
+twice). The same runs give each request's time outside the workers: its TTFT at the client less
+the prefill and transfer time the router's timings report; the median is the file's
+request.overhead_s (sim/costs.py). Transfer costs are measured as sim/calibrate.py measures them;
+blocks per worker are the workers' own (WorkerStatus.num_blocks).
 """
 
 from __future__ import annotations
@@ -28,17 +30,18 @@ import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
 
 import numpy as np
 
 from sim.calibrate import SAMPLE_COLUMNS, features, fit_step_costs, measure_transfer
-from sim.costs import CostModel, Hardware
-from sim.real import TOPOLOGIES, Load
+from sim.costs import CostModel, Hardware, RequestCosts
+from sim.real import TOPOLOGIES, Load, TracedStep
 
 CALIBRATION_LOADS = (
     Load("synthetic", {"input_tokens": 48, "output_tokens": 32}, rate=3.0, requests=24, seed=101),
     Load("synthetic", {"input_tokens": 480, "output_tokens": 8}, rate=0.3, requests=6, seed=102),
+    # a few long prompts: without them the curve's 1,024-row knot rests on steps of 400-600 rows
+    Load("synthetic", {"input_tokens": 960, "output_tokens": 4}, rate=0.25, requests=3, seed=105),
     Load("shared-prefix", {"system_prompt_tokens": 384, "question_tokens": 40, "output_tokens": 16},
          rate=1.0, requests=12, seed=103),
     Load("multi-turn", {"turns": 2, "turn_tokens": 64, "output_tokens": 16}, rate=1.0, requests=8, seed=104),
@@ -55,14 +58,16 @@ def calibrate_in_cluster(threads: int, topologies: tuple[str, ...] = tuple(TOPOL
 
     rows: list[list[float]] = []
     times: list[float] = []
+    overheads: list[float] = []
     per_topology: dict[str, int] = {}
     blocks = []
     for topology in topologies:
-        steps, blocks_here = _trace_topology(topology, loads, say)
+        steps, outside, blocks_here = _trace_topology(topology, loads, say)
         per_topology[topology] = len(steps)
         blocks.append(blocks_here)
-        rows += [features(shape) for shape, _ in steps]
-        times += [seconds for _, seconds in steps]
+        rows += [features(step.shape) for step in steps]
+        times += [step.seconds for step in steps]
+        overheads += outside
     if not rows:
         raise RuntimeError("the calibration loads ran no engine step on any worker")
     step, relative = fit_step_costs(rows, times)
@@ -89,22 +94,37 @@ def calibrate_in_cluster(threads: int, topologies: tuple[str, ...] = tuple(TOPOL
         "load_average": list(os.getloadavg()),
         "shared_machine": "in the traced steps (two workers on this machine): shared_machine_slowdown 0",
     }
-    return CostModel(step, transfer, hardware, source)
+    request = RequestCosts(max(0.0, float(np.median(overheads)))) if overheads else RequestCosts()
+    source["request_overhead_s"] = {"requests": len(overheads), "median": request.overhead_s,
+                                    "p10_p90": [float(np.percentile(overheads, q)) for q in (10, 90)]
+                                    if overheads else None}
+    return CostModel(step, transfer, hardware, source, request)
+
+
+def outside_the_workers(record) -> float | None:
+    """Seconds of a request's TTFT the workers did not report as theirs (RequestCosts): the client's
+    TTFT less the prefill and transfer time in the router's timings (None without them)."""
+    timings = record.server_timings_ms
+    if not record.ok or not record.token_times_s or not timings:
+        return None
+    return record.ttft_ms / 1e3 - (timings.get("prefill_ms", 0.0) + timings.get("transfer_ms", 0.0)) / 1e3
 
 
 def _trace_topology(topology: str, loads: tuple[Load, ...],
-                    say: Callable[[str], None]) -> tuple[list[tuple[Any, float]], int]:
+                    say: Callable[[str], None]) -> tuple[list[TracedStep], list[float], int]:
     """Every step the workers of a fresh `topology` cluster ran under `loads` (not the warm-up's),
-    and the blocks of its smallest worker pool."""
+    each request's time outside the workers (outside_the_workers), and the blocks of its smallest
+    worker pool."""
     from sim.real import real_cluster, run_load, traced_steps, worker_blocks
 
     with real_cluster(topology, say) as (cluster, router):
         _, after = traced_steps(cluster, {})  # the warm-up's steps pay for torch's lazy set-up: skip them
-        steps = []
+        steps, outside = [], []
         for load in loads:
             say(f"{topology}: {load.workload} at {load.rate}/s, {load.requests} requests")
-            run_load(router, load, label=f"calibrate {topology}")
+            records = run_load(router, load, label=f"calibrate {topology}").records
+            outside += [s for s in map(outside_the_workers, records) if s is not None]
             new, after = traced_steps(cluster, after)
             steps += new
-        return steps, worker_blocks(cluster)
+        return steps, outside, worker_blocks(cluster)
 

@@ -49,6 +49,7 @@ class EventKind(enum.Enum):
     ARRIVAL = 0
     STEP_DONE = 1
     TRANSFER_DONE = 2
+    ROUTED = 3  # the request reaches the router's placement, request.overhead_s after its arrival
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,8 @@ class Cluster:
                 self._arrive(payload)
             elif kind is EventKind.STEP_DONE:
                 self._step_done(payload)
+            elif kind is EventKind.ROUTED:
+                self._route(payload)
             else:
                 self._transfer_done(payload)
         return self._result(events)
@@ -169,6 +172,15 @@ class Cluster:
             self._waiting_on.setdefault(req.after, []).append(req)  # sent when that reply is complete
             return
         t = self._tracks[_rid(req)] = _Track(req, send_s=self.now)
+        overhead = self.costs.request.overhead_s
+        if overhead:
+            self._push(self.now + overhead, EventKind.ROUTED, t)
+        else:
+            self._route(t)
+
+    def _route(self, t: _Track) -> None:
+        """Admission and placement; the prompt joins the computing worker's queue."""
+        req = t.req
         if not self._admit(req):
             t.state, t.end_s = RequestState.REFUSED, self.now
             self._finish(t)

@@ -37,6 +37,12 @@ GPU file, and files calibrated before it): every step takes the formula's time.
 
     transfer_s = frames x frame_latency_s + bytes / bandwidth_bytes_per_s,   frames = layers
 
+request.overhead_s: a request's time outside the workers' steps before its first token (the client's
+and the router's gRPC hops, tokenisation, placement, the first token's way back), added once, as a
+delay between its arrival and its placement. `pdserve sim calibrate --in-cluster` measures it: the
+median, over its loads' requests, of the client's TTFT less what the worker reported of it (its
+prefill_ms and transfer_ms); 0 in an engine-alone file, which sees no router.
+
 The hardware block says how big the KV is (bytes per token, blocks per worker). Loaded from and
 written as JSON (`pdserve sim calibrate` writes one; sim/data/h100_llama8b.json is the GPU one).
 """
@@ -109,6 +115,15 @@ class TransferCosts:
 
 
 @dataclass(frozen=True)
+class RequestCosts:
+    overhead_s: float = 0.0  # the module's docstring
+
+    def __post_init__(self) -> None:
+        if not self.overhead_s >= 0:
+            raise ValueError(f"request overhead_s must be >= 0 seconds, got {self.overhead_s}")
+
+
+@dataclass(frozen=True)
 class Hardware:
     """The model and memory a worker has: what the KV formula (docs/architecture.md) needs."""
 
@@ -132,6 +147,7 @@ class CostModel:
     transfer: TransferCosts
     hardware: Hardware
     source: dict[str, Any] = field(default_factory=dict, compare=False)  # where the numbers came from
+    request: RequestCosts = RequestCosts()
 
     def step_s(self, prefill: list[tuple[int, int]], decode_seqs: int, decode_context: int) -> float:
         """prefill: (new tokens, tokens before them) per chunk; decode_context: their total tokens."""
@@ -151,14 +167,15 @@ class CostModel:
 
     def to_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "source": self.source, "step": asdict(self.step),
-                "transfer": asdict(self.transfer), "hardware": asdict(self.hardware)}
+                "transfer": asdict(self.transfer), "hardware": asdict(self.hardware),
+                "request": asdict(self.request)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CostModel:
         if data.get("schema") != SCHEMA:
             raise ValueError(f"cost file schema is {data.get('schema')!r}; this simulator reads {SCHEMA!r}")
         return cls(StepCosts(**data["step"]), TransferCosts(**data["transfer"]), Hardware(**data["hardware"]),
-                   data.get("source", {}))
+                   data.get("source", {}), RequestCosts(**data.get("request", {})))  # files before it: none
 
 
 def load_costs(path: str | Path) -> CostModel:

@@ -2,9 +2,9 @@
 (deploy/launcher.py) in one of the simulator's topologies, driven by `pdserve loadtest`'s runner.
 
     real_cluster(topology)       a started cluster (each worker warmed by one request); stopped on exit
-    run_load(router, load)       one load-test run through the router; its report
+    run_load(router, load)       one load-test run through the router: its report and records
     step_totals(cluster)         every worker's steps with work and their wall time so far
-    traced_steps(cluster, after) every worker's traced steps since `after` (Worker.Steps)
+    traced_steps(cluster, after) every worker's traced steps since `after` (Worker.Steps): TracedStep
 
 bench/sim_validate.py compares the simulator with these runs; `pdserve sim calibrate --in-cluster`
 (sim/calibrate_cluster.py) fits the step costs to the steps they trace. Not pure: it starts Ray,
@@ -36,6 +36,16 @@ class Load:
     seed: int
 
 
+@dataclass(frozen=True)
+class TracedStep:
+    """One step a real worker ran (Worker.Steps): what it computed, its wall time, and the worker's
+    own time since the step before it (None: the worker waited for work in between)."""
+
+    shape: StepShape
+    seconds: float
+    gap_s: float | None
+
+
 @contextlib.contextmanager
 def real_cluster(topology: str, say: Callable[[str], None]) -> Iterator[tuple[Any, str]]:
     """(the LocalCluster, its router's address), every worker warmed by one request."""
@@ -57,8 +67,9 @@ def real_cluster(topology: str, say: Callable[[str], None]) -> Iterator[tuple[An
         cluster.stop()
 
 
-def run_load(router: str, load: Load, label: str = "") -> dict[str, Any]:
-    """The load tester's report of one run (greedy, ignore_eos: every request's length is exact)."""
+def run_load(router: str, load: Load, label: str = "") -> Any:
+    """One load-test run (greedy, ignore_eos: every request's length is exact): its RunResult, the
+    report and each request's record."""
     from loadtest.arrivals import Bounds, Poisson
     from loadtest.runner import LoadTestConfig, RequestOptions, run_loadtest_async
     from loadtest.workloads import make_workload
@@ -73,7 +84,7 @@ def run_load(router: str, load: Load, label: str = "") -> dict[str, Any]:
         progress=False,
         label=label,
     )
-    return asyncio.run(run_loadtest_async(config)).report
+    return asyncio.run(run_loadtest_async(config))
 
 
 def _statuses(cluster) -> list:
@@ -96,9 +107,9 @@ def worker_blocks(cluster) -> int:
     return min(s.num_blocks for s in _statuses(cluster))
 
 
-def traced_steps(cluster, after: dict[str, int]) -> tuple[list[tuple[StepShape, float]], dict[str, int]]:
-    """Every worker's traced steps numbered above after[its name] (0 when absent), as (what the step
-    computed, its seconds); and each worker's step count, the `after` of the next call."""
+def traced_steps(cluster, after: dict[str, int]) -> tuple[list[TracedStep], dict[str, int]]:
+    """Every worker's traced steps numbered above after[its name] (0 when absent); and each worker's
+    step count, the `after` of the next call."""
     import ray
 
     from protos.pdserve.v1 import worker_pb2
@@ -109,7 +120,8 @@ def traced_steps(cluster, after: dict[str, int]) -> tuple[list[tuple[StepShape, 
     for name, raw in zip(names, replies):
         reply = worker_pb2.StepsReply.FromString(raw)
         totals[name] = reply.steps_total
-        steps += [(shape_of(r), r.seconds) for r in reply.steps]
+        steps += [TracedStep(shape_of(r), r.seconds, r.gap_seconds if r.HasField("gap_seconds") else None)
+                  for r in reply.steps]
     return steps, totals
 
 

@@ -28,7 +28,7 @@ from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.handoff import KVHandoff, Reservation, TransferRejected
 from pdserve.engine.hashing import hash_blocks
-from pdserve.engine.scheduler import ScheduledChunk, Scheduler
+from pdserve.engine.scheduler import ScheduledChunk, Scheduler, StepShape
 from pdserve.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from pdserve.engine.validation import EngineLimits
 from sim.costs import CostModel
@@ -122,15 +122,9 @@ class SimWorker:
         return duration
 
     def step_duration(self, chunks: list[ScheduledChunk]) -> float:
-        prefill, decode_seqs, decode_context = [], 0, 0
-        for c in chunks:
-            if c.num_tokens == 1 and c.start >= c.seq.num_prompt_tokens:
-                decode_seqs += 1
-                decode_context += c.end
-            else:
-                prefill.append((c.num_tokens, c.start))
-        return self.costs.step_s(prefill, decode_seqs, decode_context) * self.costs.step.spread_factor(
-            self._spread.random())
+        shape = StepShape.of(chunks)  # what LLMEngine.last_step would say of the same chunks
+        formula = self.costs.step_s(list(shape.prefill), shape.decode_seqs, shape.decode_context)
+        return formula * self.costs.step.spread_factor(self._spread.random())
 
     def stretch(self, seconds: float) -> None:
         """The step in flight takes `seconds` longer (another worker's step shares the machine)."""

@@ -4,9 +4,9 @@
     loop thread: while work: outputs = engine.step(observer); each output -> its stream's queue;
                  the duration of each step that had work goes to observe_step (a metric), to
                  steps_total / step_seconds_total (WorkerStatus), and with what the step computed
-                 (LLMEngine.last_step) to the step trace: the latest STEP_TRACE_LEN steps, numbered
-                 from 1, which the Worker service's Steps call reads (`pdserve sim calibrate
-                 --in-cluster` fits the simulator's costs to them)
+                 (LLMEngine.last_step) and the loop's own time before it to the step trace: the
+                 latest STEP_TRACE_LEN steps, numbered from 1, which the Worker service's Steps
+                 call reads (`pdserve sim calibrate --in-cluster` fits the simulator's costs to them)
     abort(): engine.abort (blocks freed now) and the stream ends with finish_reason "abort"
     a step that raises: every request in flight is aborted (blocks freed) and its stream ends
     with finish_reason "error"; the loop keeps serving new requests. After max_failed_steps
@@ -41,6 +41,7 @@ class StepRecord:
     number: int  # 1 for the worker's first step with work: steps_total when it ended
     shape: StepShape
     seconds: float  # wall time of engine.step()
+    gap_s: float | None = None  # since the step before ended, if the loop had work all along; None: it waited
 
 
 class RequestStream:
@@ -78,6 +79,7 @@ class EngineLoop:
         self.steps_total = 0  # steps that had work, and their wall time: read lock-free by Status
         self.step_seconds_total = 0.0
         self._trace: deque[StepRecord] = deque(maxlen=STEP_TRACE_LEN)
+        self._last_end: float | None = None  # perf_counter() when the latest step with work returned
         self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Condition()
         self._stopping = False
@@ -155,10 +157,13 @@ class EngineLoop:
             with self._wake:
                 if self._stopping:
                     return
-                if not self.engine.has_unfinished():
+                waited = not self.engine.has_unfinished()
+                if waited:
                     self._wake.wait(timeout=_IDLE_WAIT_S)
                 busy = self.engine.has_unfinished()
             started = time.perf_counter()
+            # the loop's own time since the last step ended (delivering its outputs), if it had work all along
+            gap = None if waited or self._last_end is None else started - self._last_end
             try:
                 outputs = self.engine.step(self.observer)
             except Exception:  # NOTE: one bad step must not take the worker down with it
@@ -168,8 +173,10 @@ class EngineLoop:
                 self._count_failure()
                 continue
             self._failed_in_a_row = 0
+            ended = time.perf_counter()
+            self._last_end = ended if busy else None  # an idle turn is no step to measure a gap from
             if busy:
-                self._count_step(time.perf_counter() - started, self.engine.last_step)
+                self._count_step(ended - started, self.engine.last_step, gap)
             for output in outputs:
                 self._deliver(output)
 
@@ -180,10 +187,10 @@ class EngineLoop:
         trace = list(self._trace)  # one C call: atomic under the GIL
         return [r for r in trace if number < r.number <= last]
 
-    def _count_step(self, seconds: float, shape: StepShape | None) -> None:
+    def _count_step(self, seconds: float, shape: StepShape | None, gap: float | None) -> None:
         if shape is not None:  # None: the step only dropped preempted requests, it ran nothing
             # NOTE: traced before it is counted, so a reader that saw steps_total = n finds step n
-            self._trace.append(StepRecord(self.steps_total + 1, shape, seconds))
+            self._trace.append(StepRecord(self.steps_total + 1, shape, seconds, gap))
         self.steps_total += 1
         self.step_seconds_total += seconds
         if self._observe_step is not None:

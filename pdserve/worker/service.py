@@ -139,9 +139,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         reply = worker_pb2.StepsReply(steps_total=loop.steps_total)  # first: a later step is the next call's
         for r in loop.steps_after(after, up_to=reply.steps_total):
             shape = r.shape
-            reply.steps.add(number=r.number, seconds=r.seconds, prefill_tokens=[n for n, _ in shape.prefill],
-                            prefill_start=[c for _, c in shape.prefill], decode_seqs=shape.decode_seqs,
-                            decode_context=shape.decode_context)
+            step = reply.steps.add(number=r.number, seconds=r.seconds, decode_seqs=shape.decode_seqs,
+                                   decode_context=shape.decode_context)
+            step.prefill_tokens.extend(n for n, _ in shape.prefill)
+            step.prefill_start.extend(c for _, c in shape.prefill)
+            if r.gap_s is not None:
+                step.gap_seconds = r.gap_s
         return reply
 
     def ResyncIndex(self, request, context):  # noqa: N802

@@ -28,3 +28,5 @@ def test_the_in_cluster_calibration_fits_every_step_the_load_ran_and_no_other(ra
     assert len(step.spread) == len(rows) and step.token_curve[0][0] == 1
     assert source["fit_relative_error_median"] < 0.25
     assert model.hardware.num_blocks > 0 and model.transfer.bandwidth_bytes_per_s > 0
+    # every request's TTFT less the workers' part of it: the hops through the router, milliseconds here
+    assert source["request_overhead_s"]["requests"] == 6 and 0 < model.request.overhead_s < 0.1

@@ -11,7 +11,7 @@ import pytest
 
 from loadtest.stats import SLO, build_report
 from sim.cluster import ClusterShape, simulate
-from sim.costs import CostModel, Hardware, StepCosts, TransferCosts
+from sim.costs import CostModel, Hardware, RequestCosts, StepCosts, TransferCosts
 from sim.workload import SimRequest, reply_tokens
 
 MS = 1e-3
@@ -46,6 +46,17 @@ def test_a_single_request_colocated_prefills_in_one_step_then_decodes_one_token_
     # prefill 8 tokens: 10 + 8 = 18 ms; each decode step: 10 + 1 = 11 ms
     assert ms(r.token_times_s) == [18, 29, 40]
     assert r.ttft_ms == pytest.approx(18) and r.itl_ms == pytest.approx([11, 11])
+
+
+def test_a_requests_overhead_delays_its_placement_so_its_first_token_and_not_its_itl():
+    from dataclasses import replace
+    costs = replace(make_costs(), request=RequestCosts(overhead_s=4 * MS))
+    a, b = run([make_request(0, 8, 3), make_request(1, 8, 2, arrival_s=10 * MS)], ClusterShape(0, 1),
+               costs).records
+    # A reaches the worker at 4 ms: prefill 18 ms, then 11 ms a token. B reaches it at 14 ms, during
+    # A's prefill step, and shares the next step: A's decode + B's 8 tokens (10 + 1 + 8 = 19 ms)
+    assert ms(a.token_times_s) == [22, 41, 53] and ms(b.token_times_s) == [41, 53]
+    assert a.ttft_ms == pytest.approx(22) and b.ttft_ms == pytest.approx(31)
 
 
 def test_a_single_request_disaggregated_waits_for_its_transfer_before_the_first_token():

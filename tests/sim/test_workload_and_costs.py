@@ -9,7 +9,7 @@ import pytest
 
 from loadtest.workloads import make_workload
 from sim.cluster import ClusterShape, simulate
-from sim.costs import load_costs, save_costs
+from sim.costs import RequestCosts, load_costs, save_costs
 from sim.workload import from_trace, from_workload
 from tests.sim.test_mechanisms import make_costs
 
@@ -59,9 +59,10 @@ def test_a_trace_row_with_no_output_is_an_error_that_names_it(tmp_path):
 def test_a_cost_model_survives_its_json(tmp_path):
     from dataclasses import replace
     costs = make_costs(slowdown=0.1, per_machine=2)
-    costs = replace(costs, step=replace(costs.step, spread=(0.9, 1.0, 1.2)))
+    costs = replace(costs, step=replace(costs.step, spread=(0.9, 1.0, 1.2)), request=RequestCosts(0.008))
     save_costs(costs, tmp_path / "c.json")
     assert load_costs(tmp_path / "c.json") == costs
+    assert load_costs(GPU_COSTS).request.overhead_s == 0.0  # no key in the file: no time outside the steps
     assert load_costs(GPU_COSTS).step.spread == ()  # no key in the file: every step its formula's time
     assert load_costs(GPU_COSTS).step.shared_machine_slowdown == 0.0  # no key in the file: a GPU each
     # transfer_s: frames x latency + bytes / bandwidth

@@ -98,6 +98,9 @@ def test_steps_trace_what_each_step_computed_and_its_time_and_resume_after_a_num
     # then one token a step: the one sampled by the step before, attending to everything up to it
     assert [(r.decode_seqs, r.decode_context) for r in rest] == [(1, 48 + i) for i in range(9)]
     assert all(not r.prefill_tokens for r in rest)
+    # the loop waited for the request, then went from step to step: each gap is its own time between
+    assert not first.HasField("gap_seconds")
+    assert all(r.HasField("gap_seconds") and 0 <= r.gap_seconds < 1 for r in rest)
     busy = after.step_seconds_total - before.step_seconds_total
     assert sum(r.seconds for r in reply.steps) == pytest.approx(busy)
     assert steps(reply.steps_total).steps == []
