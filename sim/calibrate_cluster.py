@@ -29,7 +29,8 @@ import os
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -48,36 +49,54 @@ CALIBRATION_LOADS = (
 )
 
 
+@dataclass
+class _Traced:
+    """What the calibration loads left: each step's features and time, each request's time outside
+    the workers, steps per topology, and each topology's smallest worker pool."""
+
+    rows: list[list[float]] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    overheads: list[float] = field(default_factory=list)
+    per_topology: dict[str, int] = field(default_factory=dict)
+    blocks: list[int] = field(default_factory=list)
+
+
 def calibrate_in_cluster(threads: int, topologies: tuple[str, ...] = tuple(TOPOLOGIES),
                          loads: tuple[Load, ...] = CALIBRATION_LOADS,
                          say: Callable[[str], None] = lambda _: None) -> CostModel:
     """`threads`: the torch threads each worker gets (recorded; `pdserve up` gives each of two
     workers half the cores, which is what the cluster started here does)."""
+    traced = _Traced()
+    for topology in topologies:
+        steps, outside, blocks = _trace_topology(topology, loads, say)
+        traced.per_topology[topology] = len(steps)
+        traced.blocks.append(blocks)
+        traced.rows += [features(step.shape) for step in steps]
+        traced.times += [step.seconds for step in steps]
+        traced.overheads += outside
+    if not traced.rows:
+        raise RuntimeError("the calibration loads ran no engine step on any worker")
+    step, relative = fit_step_costs(traced.rows, traced.times)
+    say("KV transfer (gRPC)")
+    transfer = measure_transfer(progress=False)
+    overhead = max(0.0, float(np.median(traced.overheads))) if traced.overheads else 0.0
+    return CostModel(step, transfer, _hardware(min(traced.blocks)), _source(threads, loads, traced, relative),
+                     RequestCosts(overhead))
+
+
+def _hardware(num_blocks: int) -> Hardware:
     from pdserve.engine.config import CacheConfig, SchedulerConfig
     from pdserve.engine.weights import load_model
 
-    rows: list[list[float]] = []
-    times: list[float] = []
-    overheads: list[float] = []
-    per_topology: dict[str, int] = {}
-    blocks = []
-    for topology in topologies:
-        steps, outside, blocks_here = _trace_topology(topology, loads, say)
-        per_topology[topology] = len(steps)
-        blocks.append(blocks_here)
-        rows += [features(step.shape) for step in steps]
-        times += [step.seconds for step in steps]
-        overheads += outside
-    if not rows:
-        raise RuntimeError("the calibration loads ran no engine step on any worker")
-    step, relative = fit_step_costs(rows, times)
-    config = load_model(progress=False).config
-    hardware = Hardware(config.kv_bytes_per_token(CacheConfig().kv_dtype), config.num_layers, min(blocks),
-                        max_num_batched_tokens=SchedulerConfig().max_num_batched_tokens,
-                        max_num_seqs=SchedulerConfig().max_num_seqs, workers_per_machine=2)
-    say("KV transfer (gRPC)")
-    transfer = measure_transfer(progress=False)
-    source = {
+    config, cache, batching = load_model(progress=False).config, CacheConfig(), SchedulerConfig()
+    return Hardware(config.kv_bytes_per_token(cache.kv_dtype), config.num_layers, num_blocks,
+                    cache.block_size, batching.max_num_batched_tokens, batching.max_num_seqs,
+                    workers_per_machine=2)
+
+
+def _source(threads: int, loads: tuple[Load, ...], traced: _Traced, relative: np.ndarray) -> dict[str, Any]:
+    overheads = traced.overheads
+    return {
         "note": "measured on this machine by `pdserve sim calibrate --in-cluster`: the steps of a running "
                 "cluster's workers under the calibration loads (sim/calibrate_cluster.py)",
         "calibrated_in": "cluster",
@@ -85,20 +104,19 @@ def calibrate_in_cluster(threads: int, topologies: tuple[str, ...] = tuple(TOPOL
         "cpu": platform.processor() or platform.machine(),
         "torch_threads": threads,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "topologies": per_topology,
+        "topologies": traced.per_topology,
         "loads": [asdict(load) for load in loads],
-        "steps": len(rows),
+        "steps": len(traced.rows),
         "fit_relative_error_median": round(float(np.median(relative)), 3),
         "fit_relative_error_p90": round(float(np.percentile(relative, 90)), 3),
-        "samples": {"columns": list(SAMPLE_COLUMNS), "rows": rows, "step_s": times},
+        "samples": {"columns": list(SAMPLE_COLUMNS), "rows": traced.rows, "step_s": traced.times},
         "load_average": list(os.getloadavg()),
         "shared_machine": "in the traced steps (two workers on this machine): shared_machine_slowdown 0",
+        "request_overhead_s": {"requests": len(overheads),
+                               "median": float(np.median(overheads)) if overheads else None,
+                               "p10_p90": [float(np.percentile(overheads, q)) for q in (10, 90)]
+                               if overheads else None},
     }
-    request = RequestCosts(max(0.0, float(np.median(overheads)))) if overheads else RequestCosts()
-    source["request_overhead_s"] = {"requests": len(overheads), "median": request.overhead_s,
-                                    "p10_p90": [float(np.percentile(overheads, q)) for q in (10, 90)]
-                                    if overheads else None}
-    return CostModel(step, transfer, hardware, source, request)
 
 
 def outside_the_workers(record) -> float | None:
