@@ -145,4 +145,3 @@ def _trace_topology(topology: str, loads: tuple[Load, ...],
             new, after = traced_steps(cluster, after)
             steps += new
         return steps, outside, worker_blocks(cluster)
-

@@ -110,7 +110,7 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
                         "`pdserve up`'s local cluster (1 prefill + 1 decode, then 2 colocated), send the "
                         "calibration loads through its router and fit every step its workers trace "
                         "(Worker.Steps). Steps there are longer than an engine's alone (the workers' gRPC "
-                        "threads, the router and the load tester share the cores); about 5 minutes here. "
+                        "threads, the router and the load tester share the cores); about 3 minutes here. "
                         "--quick does not apply")
     p.add_argument("--no-progress", action="store_true", help="do not show progress bars")
     p.set_defaults(handler=_calibrate)

@@ -33,10 +33,10 @@ from pdserve.engine.sequence import SamplingParams, TokenLogprob, Usage
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05  # also the cadence at which expired parked transfers are swept
-STEP_TRACE_LEN = 8192  # steps the trace keeps: minutes of a busy worker, ~1 MB
+STEP_TRACE_LEN = 8192  # steps the trace keeps: minutes of a busy worker, a few MB
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepRecord:
     number: int  # 1 for the worker's first step with work: steps_total when it ended
     shape: StepShape
