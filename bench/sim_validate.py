@@ -98,9 +98,12 @@ def real_steps_entry(trace: list[list], costs_path: str) -> dict[str, Any]:
     from sim.costs import load_costs
 
     costs = load_costs(costs_path)
-    busy = sum(t[3] for t in trace)
-    formula = sum(costs.step_s([tuple(c) for c in t[0]], t[1], t[2]) for t in trace)
-    gaps = [t[4] for t in trace if len(t) > 4 and t[4] is not None]  # results before 16:05 have none
+    busy = formula = 0.0
+    gaps = []
+    for chunks, seqs, context, seconds, *gap in trace:  # no gap in results written before 2026-12-06 16:05
+        busy += seconds
+        formula += costs.step_s([tuple(c) for c in chunks], seqs, context)
+        gaps += [g for g in gap if g is not None]
     return {**steps_entry(len(trace), busy), "formula_s": round(formula, 2),
             "busy_over_formula": round(busy / formula, 3) if formula else None,
             "gap_s": round(sum(gaps), 4) if gaps else None, "trace": trace}

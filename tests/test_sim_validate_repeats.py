@@ -1,6 +1,6 @@
 """bench.sim_validate's summary of repeated real runs, and its table: hand-computed cases (no cluster)."""
 
-from bench.sim_validate import steps_entry, summarize_repeats, table
+from bench.sim_validate import real_steps_entry, steps_entry, summarize_repeats, table
 
 
 def rows(*cells: tuple[float, float, bool]) -> list[dict]:
@@ -61,3 +61,19 @@ def test_rescore_simulates_a_saved_runs_cells_again_against_their_real_values(tm
     slower = rescore(saved, str(slow), 0.2)["runs"][0]["metrics"]
     assert not slower["ttft_p50_ms"]["within"] and not slower["itl_p50_ms"]["within"]
     assert slower["prefix_hit_rate"]["within"]  # the cache does not care how long a step takes
+
+
+def test_the_real_steps_are_priced_by_the_cost_files_formula_and_their_gaps_summed(tmp_path):
+    """A run's traced steps against sim/costs.py's formula: 10 ms + 1 ms a prefill token + 1 ms a
+    decoding sequence (tests/sim/test_mechanisms.py's costs)."""
+    from sim.costs import save_costs
+    from tests.sim.test_mechanisms import make_costs
+
+    save_costs(make_costs(), tmp_path / "c.json")
+    # an 8-token prefill (18 ms by the formula) took 27 ms; two decode rows (12 ms) took 15 ms, 0.1 ms
+    # after the step before; a result written before gaps were traced has 4 fields a step
+    trace = [[[[8, 0]], 0, 0, 0.027, None], [[], 2, 40, 0.015, 0.0001], [[], 2, 42, 0.012]]
+    entry = real_steps_entry(trace, str(tmp_path / "c.json"))
+    assert (entry["steps"], entry["busy_s"], entry["formula_s"]) == (3, 0.05, 0.04)  # rounded to 10 ms
+    assert entry["busy_over_formula"] == round(0.054 / 0.042, 3) and entry["gap_s"] == 0.0001
+    assert real_steps_entry(trace[2:], str(tmp_path / "c.json"))["gap_s"] is None
