@@ -15,6 +15,7 @@ from bench.kv_quant import (
     agreement_figures,
     dtype_list,
     first_divergence,
+    standard_error,
     targets_met,
 )
 
@@ -26,8 +27,10 @@ def test_the_text_is_the_public_domain_chapter_its_readme_names_and_over_2000_to
     assert len(tiny_loaded.tokenizer.encode(data.decode("utf-8"))) == 3026  # SmolLM2's tokenizer
 
 
-def test_there_are_at_least_32_distinct_prompts():
-    assert len(set(PROMPTS)) == len(PROMPTS) >= 32
+def test_the_prompt_file_holds_160_distinct_prompts_one_a_line():
+    assert len(set(PROMPTS)) == len(PROMPTS) >= 160
+    assert all(p == p.strip() and "\n" not in p for p in PROMPTS)
+    assert PROMPTS[:2] == ("What is the capital of France?", "Explain photosynthesis in simple terms.")
 
 
 def test_agreement_counts_tokens_before_the_first_divergence():
@@ -56,3 +59,13 @@ def test_dtypes_flag_takes_the_kv_dtypes_but_float32():
     for bad in ("float32", "int4", ""):
         with pytest.raises(argparse.ArgumentTypeError, match="give KV dtypes other than float32"):
             dtype_list(bad)
+
+
+def test_agreement_carries_the_standard_error_of_its_mean_over_prompts():
+    ref = Reference(prompts=[[0]] * 4, tokens=[[1, 2]] * 4, logits=[], perplexity=1.0, capacity={})
+    figures = agreement_figures("int8", [[1, 2], [1, 9], [9, 9], [1, 2]], ref)
+    per_prompt = [1.0, 0.5, 0.0, 1.0]                                   # mean 0.625
+    variance = sum((a - 0.625) ** 2 for a in per_prompt) / 3            # 0.229166...
+    assert figures["int8_greedy_agreement"] == 0.625
+    assert figures["int8_greedy_agreement_stderr"] == pytest.approx((variance / 4) ** 0.5)   # 0.2394
+    assert standard_error([0.7]) == 0.0
