@@ -4,6 +4,8 @@ two workers' engines slow each other down on it, and where does the real cluster
     python -m bench.sim_diagnostics drift [--probes N] [--every S] [--threads T] [--json]
     python -m bench.sim_diagnostics pair [--threads T] [--json]
     python -m bench.sim_diagnostics cpu [--workload W] [--rate R] [--requests N] [--json]
+    python -m bench.sim_diagnostics outside [--topology T] [--workload W] [--rates R,R] [--requests N]
+                                            [--costs FILE] [--json]
 
 drift  one in-process engine (SmolLM2, the cluster's EngineConfig at --threads) times a 128-token
        prefill and the median batch-1 decode step of 10, --probes times, --every seconds apart, on
@@ -21,6 +23,14 @@ cpu    the real cluster of the validation (2 colocated workers, `pdserve up`'s L
        the run's wall time, the workers' busy seconds (the sum of their steps' wall time) and CPU
        seconds by group: the workers, this process (the router and the load tester run here), and
        every other process by name. Busy above the workers' CPU is time their steps spent off a core.
+outside
+       the real cluster of the validation (--topology) runs one bench.sim_validate workload at each
+       of --rates, --requests each, and splits every request's TTFT at the client into the workers'
+       part (the prefill_ms and transfer_ms in the router's timings: on a decode worker, from its
+       handler's start to its first reply) and the rest (sim/calibrate_cluster.py
+       outside_the_workers): the router, the hops, and a call's wait before a worker's handler runs.
+       The simulator gives every request the same rest: the cost file's request.overhead_s. Each rate
+       gets its own seed (20, 21, ...): the cluster keeps its prefix cache between runs.
 
 Each engine of drift and pair runs in a child process of its own (spawned), so the parent's torch
 threads and memory do not count. Ratios are together ÷ alone, and max ÷ min over the drift probes.
@@ -37,11 +47,12 @@ import time
 from typing import Any
 
 from bench.common import environment, progress
-from bench.sim_validate import WORKLOADS
+from bench.sim_validate import TOPOLOGIES, WORKLOADS
 
 PREFILL_TOKENS = 128
 DECODE_STEPS = 30
 PAIR_ROUNDS, PAIR_DECODE_STEPS = 4, 10
+OUTSIDE_SEED = 20  # the outside run's first rate; bench.sim_validate's runs use 10-15
 
 
 def _engine(threads: int) -> Any:
@@ -186,6 +197,32 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
                       if s >= 0.01}}
 
 
+def outside(args: argparse.Namespace) -> dict[str, Any]:
+    from sim.calibrate_cluster import outside_the_workers
+    from sim.costs import load_costs
+    from sim.real import Load, real_cluster, run_load
+
+    runs = []
+    with real_cluster(args.topology, say=lambda line: progress(f"outside: {line}")) as (_, router):
+        for i, rate in enumerate(args.rates):
+            progress(f"outside: {args.workload} at {rate}/s, {args.requests} requests")
+            load = Load(args.workload, WORKLOADS[args.workload], rate, args.requests, OUTSIDE_SEED + i)
+            records = run_load(router, load, "outside").records
+            seconds = [s for s in map(outside_the_workers, records) if s is not None]
+            runs.append({"rate": rate, "load_average_1m": round(os.getloadavg()[0], 2),
+                         "outside_ms": outside_summary(seconds)})
+    overhead = load_costs(args.costs).request.overhead_s
+    return {"topology": args.topology, "workload": args.workload, "requests": args.requests, "runs": runs,
+            "costs": args.costs, "simulated_overhead_ms": round(1000 * overhead, 2)}
+
+
+def outside_summary(seconds: list[float]) -> dict[str, float | int | None]:
+    """Milliseconds outside the workers, as loadtest's reports give latencies (p50, p90, p99, mean, max)."""
+    from loadtest.stats import summarize
+
+    return summarize([1000 * s for s in seconds])
+
+
 def _cpu_seconds(workers: set[int]) -> dict[tuple[str, int], float]:
     """(group, pid) -> user + system CPU seconds of every process on the machine."""
     import psutil
@@ -215,6 +252,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     c.add_argument("--rate", type=float, default=1.5, help="requests/s (default: %(default)s)")
     c.add_argument("--requests", type=int, default=16, help="requests in the run (default: %(default)s)")
     c.add_argument("--json", action="store_true", help="print one JSON object")
+    o = sub.add_parser("outside", help="each request's time outside the workers, by request rate")
+    o.add_argument("--topology", default="1P+1D", choices=list(TOPOLOGIES),
+                   help="the validation's cluster shape (default: %(default)s)")
+    o.add_argument("--workload", default="shared-prefix", choices=sorted(WORKLOADS),
+                   help="a bench.sim_validate workload (default: %(default)s)")
+    o.add_argument("--rates", type=lambda text: [float(r) for r in text.split(",")], default=[0.5, 2.0],
+                   help="requests/s, comma-separated, one run each (default: 0.5,2.0, the validation's)")
+    o.add_argument("--requests", type=int, default=40, help="requests a run (default: %(default)s)")
+    o.add_argument("--costs", default="sim/data/this_machine.json",
+                   help="the cost file whose request.overhead_s is reported beside (default: %(default)s)")
+    o.add_argument("--json", action="store_true", help="print one JSON object")
     for s in (d, q):
         s.add_argument("--threads", type=int, default=1,
                        help="torch threads of each engine, as each of two workers gets "
@@ -228,7 +276,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    measured = {"drift": drift, "pair": pair, "cpu": cpu}[args.command](args)
+    measured = {"drift": drift, "pair": pair, "cpu": cpu, "outside": outside}[args.command](args)
     result = {**measured, "environment": environment(getattr(args, "threads", 1))}
     if args.json:
         print(json.dumps(result))
