@@ -177,17 +177,25 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
         if args.reps > 1:
             progress(f"rep {rep + 1} of {args.reps}")
         reps.append([row for topo in args.topologies for row in run_topology(topo, runs, args)])
+    return assemble(reps, args.tolerance, args.requests, args.costs)
+
+
+def assemble(reps: list[list[dict[str, Any]]], tolerance: float, requests: int, costs: str) -> dict[str, Any]:
+    """The result of a validation: the first rep's rows and count as `runs` and `within` (what the
+    table and --rescore read), and with 2 reps or more every later rep's rows (`later_reps`) and
+    what repeating says (`repeats`)."""
     cells = [m for r in reps[0] for m in r["metrics"].values()]
     result = {
-        "tolerance": args.tolerance,
-        "requests_per_run": args.requests,
-        "costs": args.costs,
+        "tolerance": tolerance,
+        "requests_per_run": requests,
+        "costs": costs,
         "within": sum(c["within"] for c in cells),
         "cells": len(cells),
         "runs": reps[0],
     }
     if len(reps) > 1:
-        result["repeats"] = summarize_repeats(reps, args.tolerance)
+        result["later_reps"] = reps[1:]
+        result["repeats"] = summarize_repeats(reps, tolerance)
     return result
 
 
@@ -310,7 +318,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--reps", type=int, default=1,
         help="run the real clusters this many times (a fresh start each); with 2 or more, `repeats` reports "
              "how often the real runs agree with each other within --tolerance, the ceiling their noise puts "
-             "on the target, and the simulator against their mean (default: %(default)s)",
+             "on the target, and the simulator against their mean, and `later_reps` keeps the rows of "
+             "every rep after the first (default: %(default)s)",
     )
     p.add_argument(
         "--rescore", metavar="SAVED_JSON", default=None,

@@ -77,3 +77,14 @@ def test_the_real_steps_are_priced_by_the_cost_files_formula_and_their_gaps_summ
     assert (entry["steps"], entry["busy_s"], entry["formula_s"]) == (3, 0.05, 0.04)  # rounded to 10 ms
     assert entry["busy_over_formula"] == round(0.054 / 0.042, 3) and entry["gap_s"] == 0.0001
     assert real_steps_entry(trace[2:], str(tmp_path / "c.json"))["gap_s"] is None
+
+
+def test_a_repeated_validation_keeps_every_reps_rows_not_only_the_firsts():
+    from bench.sim_validate import assemble
+
+    rep1, rep2 = rows((100, 115, True), (200, 300, False)), rows((130, 115, True), (210, 300, False))
+    out = assemble([rep1, rep2], tolerance=0.2, requests=40, costs="c.json")
+    assert (out["runs"], out["later_reps"], out["within"], out["cells"]) == (rep1, [rep2], 1, 2)
+    assert out["repeats"]["within_per_rep"] == [1, 1]
+    single = assemble([rep1], 0.2, 40, "c.json")
+    assert "later_reps" not in single and "repeats" not in single
