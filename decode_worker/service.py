@@ -59,7 +59,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         except (InvalidRequestError, ValueError) as e:
             self.parts.engine.handoff.drop(rid)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        on_call_end(context, lambda: loop.abort(rid))
+        on_call_end(context, lambda: loop.abort_later(rid))
         yield from self._stream_replies(rid, stream, used_transfer, started, len(generated), context)
 
     def _resume(self, request, prompt: list[int], sampling: SamplingParams,

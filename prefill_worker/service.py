@@ -84,7 +84,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         """The Prefill call ended (cancelled, past its deadline, or answered). NOTE: the transfer
         first, so that no block is let go of while the sender could still send END after it."""
         transfer.abort(FailureKind.CANCELLED, "the Prefill call ended (cancelled, or past its deadline)")
-        self.parts.loop.abort(rid)
+        self.parts.loop.abort_later(rid)  # NOTE: this runs on gRPC's event thread: no wait for the step
 
     def _finish(self, rid: str, stream: RequestStream, transfer: OutgoingTransfer, started: float, context):
         last = next(o for o in stream if o.finished)

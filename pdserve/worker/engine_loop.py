@@ -82,6 +82,7 @@ class EngineLoop:
         self._last_end: float | None = None  # perf_counter() when the latest step with work returned
         self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Condition()
+        self._aborts: list[str] = []  # abort_later's requests, dropped at the loop's next turn
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -130,11 +131,25 @@ class EngineLoop:
         return stream
 
     def abort(self, request_id: str) -> bool:
+        """Drop a request now: waits for the step in flight (the engine's lock). False if unknown."""
         found = self.engine.abort(request_id)
+        return self._end_stream(request_id) or found
+
+    def abort_later(self, request_id: str) -> None:
+        """End the request's stream now and drop the request at the loop's next turn, without waiting
+        for the step in flight. For gRPC's call-end callbacks: they run on the server's one event
+        thread, and a wait there holds up every call of the worker, new ones included, until the
+        step ends."""
+        self._end_stream(request_id)
+        with self._wake:
+            self._aborts.append(request_id)
+            self._wake.notify_all()
+
+    def _end_stream(self, request_id: str) -> bool:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.put(RequestOutput(request_id, [], "", True, "abort", Usage()))
-        return found or stream is not None
+        return stream is not None
 
     def num_streams(self) -> int:
         return len(self._streams)
@@ -143,7 +158,7 @@ class EngineLoop:
     def _register(self, request_id: str) -> RequestStream:
         stream = RequestStream(request_id)
         with self._wake:
-            if request_id in self._streams:
+            if request_id in self._streams or request_id in self._aborts:  # (the latter: still being dropped)
                 raise InvalidRequestError(f"request_id {request_id!r} is already in flight on this worker")
             self._streams[request_id] = stream
         return stream
@@ -157,10 +172,13 @@ class EngineLoop:
             with self._wake:
                 if self._stopping:
                     return
-                waited = not self.engine.has_unfinished()
+                waited = not self.engine.has_unfinished() and not self._aborts
                 if waited:
                     self._wake.wait(timeout=_IDLE_WAIT_S)
-                busy = self.engine.has_unfinished()
+                aborts, self._aborts = self._aborts, []
+            for request_id in aborts:
+                self.engine.abort(request_id)
+            busy = self.engine.has_unfinished()
             started = time.perf_counter()
             # the loop's own time since the last step ended (delivering its outputs), if it had work all along
             gap = None if waited or self._last_end is None else started - self._last_end

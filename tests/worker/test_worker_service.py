@@ -11,6 +11,7 @@ from pdserve.worker.convert import sampling_to_proto
 from pdserve.worker.server import WorkerConfig, WorkerServer
 from protos.pdserve.v1 import kv_transfer_pb2_grpc, worker_pb2
 from tests.conftest import make_engine
+from tests.helpers.waiting import wait_for
 from tests.helpers.workers import WorkerStubs, wait_until_clean, worker_server
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -130,6 +131,47 @@ def test_cancelled_decode_frees_blocks(workers):
     next(call)
     call.cancel()
     wait_until_clean(decode)  # the abort reaches the engine loop a moment after the cancel
+
+
+def test_a_call_that_ends_during_a_step_does_not_hold_up_the_workers_other_calls(workers):
+    """gRPC runs a call's end callbacks on the server's one event thread. A callback that waited for
+    the step in flight (the engine's lock) held up every call of the worker, new ones included, until
+    the step ended: under load a request arriving then joined a step late (docs/simulator.md)."""
+    _, decode = workers
+    call = stub(decode).Decode(worker_pb2.DecodeRequest(
+        request_id="ends-mid-step", prompt_token_ids=PROMPT,
+        sampling=sampling_to_proto(SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)),
+        prefill_here=True), timeout=30)
+    next(call)
+    with decode.engine.lock:  # what a step holds while it runs
+        call.cancel()
+        assert wait_for(lambda: decode.loop.num_streams() == 0, timeout_s=5), "the call's end waited"
+        status = stub(decode).Status(worker_pb2.StatusRequest(), timeout=5)  # a new call, answered
+        assert status.worker_id == decode.config.worker_id
+    wait_until_clean(decode)  # the abort reaches the engine at the loop's next turn
+
+
+def test_an_id_whose_drop_is_pending_is_refused_until_the_loop_has_dropped_it(tiny_loaded):
+    """abort_later ends the stream at once and drops the request at the loop's next turn; a request
+    reusing the id before then would be dropped with it, so it is refused (the loop is not started
+    here, so the drop stays pending)."""
+    from pdserve.engine.llm_engine import InvalidRequestError
+    from pdserve.worker.engine_loop import EngineLoop
+
+    engine = make_engine(tiny_loaded)
+    loop = EngineLoop(engine)
+    stream = loop.submit(PROMPT, GREEDY, "reused", detokenize=False)
+    loop.abort_later("reused")
+    assert [o.finish_reason for o in stream] == ["abort"] and loop.num_streams() == 0
+    assert engine.has_unfinished()  # not dropped yet: no step ran, no lock was waited for
+    with pytest.raises(InvalidRequestError, match="already in flight"):
+        loop.submit(PROMPT, GREEDY, "reused", detokenize=False)
+    loop.start()
+    assert wait_for(lambda: not engine.has_unfinished(), timeout_s=5)
+    assert engine.pool.num_used_blocks == 0
+    outputs = list(loop.submit(PROMPT, GREEDY, "reused", detokenize=False))
+    assert outputs[-1].finished and outputs[-1].finish_reason == "length"
+    loop.stop()
 
 
 def test_a_worker_serves_only_its_own_roles_services(workers):
