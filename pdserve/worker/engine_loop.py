@@ -145,6 +145,12 @@ class EngineLoop:
             self._aborts.append(request_id)
             self._wake.notify_all()
 
+    def _drop(self, request_id: str) -> None:
+        try:
+            self.engine.abort(request_id)
+        except Exception:  # NOTE: one failed drop must not stop the loop for every other request
+            log.exception("dropping request %s after its call ended failed", request_id)
+
     def _end_stream(self, request_id: str) -> bool:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
@@ -177,7 +183,7 @@ class EngineLoop:
                     self._wake.wait(timeout=_IDLE_WAIT_S)
                 aborts, self._aborts = self._aborts, []
             for request_id in aborts:
-                self.engine.abort(request_id)
+                self._drop(request_id)
             busy = self.engine.has_unfinished()
             started = time.perf_counter()
             # the loop's own time since the last step ended (delivering its outputs), if it had work all along

@@ -14,6 +14,7 @@ from pdserve.worker.convert import sampling_to_proto
 from pdserve.worker.server import WorkerConfig
 from protos.pdserve.v1 import worker_pb2
 from tests.conftest import make_engine
+from tests.helpers.waiting import wait_for
 from tests.helpers.workers import WorkerStubs, worker_server
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -119,3 +120,28 @@ def test_a_worker_whose_steps_keep_failing_leaves_routing_and_the_others_serve(t
             assert cluster.workers[1].server.status().used_blocks == 0
         finally:
             cluster.stop()
+
+
+def test_a_drop_that_fails_after_a_call_ends_leaves_the_loop_serving(decode_worker, tiny_loaded, monkeypatch):
+    """A cancelled call's request is dropped by the engine loop (EngineLoop.abort_later); a drop that
+    raises is logged and the loop goes on serving exact tokens."""
+    real_abort, dropped = decode_worker.engine.abort, []
+
+    def fail_once(request_id):
+        dropped.append(request_id)
+        if len(dropped) == 1:
+            raise RuntimeError("injected failure to drop")
+        return real_abort(request_id)
+
+    monkeypatch.setattr(decode_worker.engine, "abort", fail_once)
+    stub = WorkerStubs(grpc.insecure_channel(decode_worker.address))
+    long = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    request = worker_pb2.DecodeRequest(request_id="cancelled", prompt_token_ids=list(range(300, 320)),
+                                       prefill_here=True, sampling=sampling_to_proto(long))
+    call = stub.Decode(request, timeout=30)
+    next(call)
+    call.cancel()
+    assert wait_for(lambda: "cancelled" in dropped, timeout_s=5)  # (the stream's own end may drop it again)
+    prompt = list(range(200, 230))
+    expected = make_engine(tiny_loaded).generate([prompt], GREEDY, detokenize=False)[0].token_ids
+    assert decode(decode_worker, "after", prompt) == expected
