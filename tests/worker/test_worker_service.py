@@ -122,14 +122,19 @@ def test_bad_request_is_invalid_argument(workers):
     wait_until_clean(prefill, decode, timeout_s=0)
 
 
-def test_cancelled_decode_frees_blocks(workers):
-    _, decode = workers
+def decoding(decode: WorkerServer, request_id: str):
+    """A Decode call of 400 tokens, prefilled on the worker, once its first reply is in."""
     call = stub(decode).Decode(worker_pb2.DecodeRequest(
-        request_id="e", prompt_token_ids=PROMPT,
+        request_id=request_id, prompt_token_ids=PROMPT,
         sampling=sampling_to_proto(SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)),
         prefill_here=True), timeout=30)
     next(call)
-    call.cancel()
+    return call
+
+
+def test_cancelled_decode_frees_blocks(workers):
+    _, decode = workers
+    decoding(decode, "e").cancel()
     wait_until_clean(decode)  # the abort reaches the engine loop a moment after the cancel
 
 
@@ -138,11 +143,7 @@ def test_a_call_that_ends_during_a_step_does_not_hold_up_the_workers_other_calls
     the step in flight (the engine's lock) held up every call of the worker, new ones included, until
     the step ended: under load a request arriving then joined a step late (docs/simulator.md)."""
     _, decode = workers
-    call = stub(decode).Decode(worker_pb2.DecodeRequest(
-        request_id="ends-mid-step", prompt_token_ids=PROMPT,
-        sampling=sampling_to_proto(SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)),
-        prefill_here=True), timeout=30)
-    next(call)
+    call = decoding(decode, "ends-mid-step")
     with decode.engine.lock:  # what a step holds while it runs
         call.cancel()
         assert wait_for(lambda: decode.loop.num_streams() == 0, timeout_s=5), "the call's end waited"
