@@ -207,12 +207,13 @@ class LLMEngine:
                 return text
         return ""
 
-    def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is; its blocks are released now. False if unknown."""
+    def abort(self, request_id: str, parked: bool = True) -> bool:
+        """Drop a request wherever it is; its blocks are released now. False if unknown. parked=False
+        leaves KV parked under the id alone: a newer call's, which a transfer brought meanwhile."""
         with self.lock:
             seq = self._sequences.pop(request_id, None)
             if seq is None:
-                return self.handoff.drop(request_id)
+                return parked and self.handoff.drop(request_id)
             self._detokenize.pop(request_id, None)
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
             self._publish_events()

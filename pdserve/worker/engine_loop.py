@@ -139,15 +139,15 @@ class EngineLoop:
         """End the request's stream now and drop the request at the loop's next turn, without waiting
         for the step in flight. For gRPC's call-end callbacks: they run on the server's one event
         thread, and a wait there holds up every call of the worker, new ones included, until the
-        step ends."""
+        step ends. A new call with the id before then (the router's retry) drops it first."""
         self._end_stream(request_id)
         with self._wake:
             self._aborts.append(request_id)
             self._wake.notify_all()
 
-    def _drop(self, request_id: str) -> None:
+    def _drop(self, request_id: str, parked: bool = True) -> None:
         try:
-            self.engine.abort(request_id)
+            self.engine.abort(request_id, parked)
         except Exception:  # NOTE: one failed drop must not stop the loop for every other request
             log.exception("dropping request %s after its call ended failed", request_id)
 
@@ -164,9 +164,13 @@ class EngineLoop:
     def _register(self, request_id: str) -> RequestStream:
         stream = RequestStream(request_id)
         with self._wake:
-            if request_id in self._streams or request_id in self._aborts:  # (the latter: still being dropped)
+            if request_id in self._streams:
                 raise InvalidRequestError(f"request_id {request_id!r} is already in flight on this worker")
+            superseded = request_id in self._aborts
+            self._aborts = [r for r in self._aborts if r != request_id]
             self._streams[request_id] = stream
+        if superseded:  # an earlier call with this id ended and its drop is pending (a retry): drop it first
+            self._drop(request_id, parked=False)
         return stream
 
     def _notify(self) -> None:

@@ -152,26 +152,26 @@ def test_a_call_that_ends_during_a_step_does_not_hold_up_the_workers_other_calls
     wait_until_clean(decode)  # the abort reaches the engine at the loop's next turn
 
 
-def test_an_id_whose_drop_is_pending_is_refused_until_the_loop_has_dropped_it(tiny_loaded):
-    """abort_later ends the stream at once and drops the request at the loop's next turn; a request
-    reusing the id before then would be dropped with it, so it is refused (the loop is not started
-    here, so the drop stays pending)."""
-    from pdserve.engine.llm_engine import InvalidRequestError
+def test_a_new_call_with_an_id_whose_drop_is_pending_drops_the_old_request_first(tiny_loaded):
+    """abort_later ends the stream at once and drops the request at the loop's next turn. A call that
+    reuses the id before then (the router retries under the same id) drops the old request itself and
+    goes on; the loop is not started until then here, so the drop is still pending."""
     from pdserve.worker.engine_loop import EngineLoop
 
     engine = make_engine(tiny_loaded)
+    expected = make_engine(tiny_loaded).generate([PROMPT], GREEDY, detokenize=False)[0].token_ids
     loop = EngineLoop(engine)
     stream = loop.submit(PROMPT, GREEDY, "reused", detokenize=False)
     loop.abort_later("reused")
     assert [o.finish_reason for o in stream] == ["abort"] and loop.num_streams() == 0
     assert engine.has_unfinished()  # not dropped yet: no step ran, no lock was waited for
-    with pytest.raises(InvalidRequestError, match="already in flight"):
-        loop.submit(PROMPT, GREEDY, "reused", detokenize=False)
+    again = loop.submit(PROMPT, GREEDY, "reused", detokenize=False)
     loop.start()
+    outputs = list(again)
+    assert outputs[-1].finish_reason == "length"
+    assert [t for o in outputs for t in o.new_token_ids] == expected
     assert wait_for(lambda: not engine.has_unfinished(), timeout_s=5)
     assert engine.pool.num_used_blocks == 0
-    outputs = list(loop.submit(PROMPT, GREEDY, "reused", detokenize=False))
-    assert outputs[-1].finished and outputs[-1].finish_reason == "length"
     loop.stop()
 
 
