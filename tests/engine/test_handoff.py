@@ -273,3 +273,13 @@ def test_abort_drops_parked_kv(tiny_loaded):
     engine.handoff.park(engine.handoff.reserve("t", PROMPT, 0))
     assert engine.abort("t") and not engine.abort("t")
     assert_no_leaks(engine)
+
+
+def test_abort_of_a_superseded_request_leaves_the_kv_a_newer_call_parked(tiny_loaded):
+    """parked=False: what the engine loop uses when a retry under the same id supersedes a pending
+    drop; the retry's transfer may already have parked KV under the id, which is the retry's."""
+    engine = make_engine(tiny_loaded, block_size=BS, num_blocks=32)
+    engine.handoff.park(engine.handoff.reserve("t", PROMPT, 0))
+    assert not engine.abort("t", parked=False) and engine.handoff.is_parked("t")
+    assert engine.abort("t") and not engine.handoff.is_parked("t")
+    assert_no_leaks(engine)
