@@ -54,7 +54,7 @@ define pytest_or_fail_on_none
 	exit $$rc
 endef
 
-test: setup ## run the whole test suite (12.3-18.0 minutes of pytest on 2 cores in twenty clean-clone runs on 2026-12-05 and 06, the slowest in a slow spell of the machine; the budget is 20)
+test: setup ## run the whole test suite (12.3-18.0 minutes of pytest on 2 cores in twenty-one clean-clone runs on 2026-12-05 and 06, the slowest in a slow spell of the machine; the budget is 20)
 	$(call pytest_or_fail_on_none,)
 
 # The tests marked slow (tests/conftest.py marks every test that loads SmolLM2 or starts Ray) are left out.

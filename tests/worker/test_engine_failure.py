@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -125,15 +126,15 @@ def test_a_worker_whose_steps_keep_failing_leaves_routing_and_the_others_serve(t
 def test_a_drop_that_fails_after_a_call_ends_leaves_the_loop_serving(decode_worker, tiny_loaded, monkeypatch):
     """A cancelled call's request is dropped by the engine loop (EngineLoop.abort_later); a drop that
     raises is logged and the loop goes on serving exact tokens."""
-    real_abort, dropped = decode_worker.engine.abort, []
+    real_abort, failed = decode_worker.engine.abort, []
 
-    def fail_once(request_id):
-        dropped.append(request_id)
-        if len(dropped) == 1:
+    def fail_once_in_the_loop(request_id, parked=True):  # (the stream's own end drops it too, elsewhere)
+        if threading.current_thread().name == "engine-loop" and not failed:
+            failed.append(request_id)
             raise RuntimeError("injected failure to drop")
-        return real_abort(request_id)
+        return real_abort(request_id, parked)
 
-    monkeypatch.setattr(decode_worker.engine, "abort", fail_once)
+    monkeypatch.setattr(decode_worker.engine, "abort", fail_once_in_the_loop)
     stub = WorkerStubs(grpc.insecure_channel(decode_worker.address))
     long = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     request = worker_pb2.DecodeRequest(request_id="cancelled", prompt_token_ids=list(range(300, 320)),
@@ -141,7 +142,7 @@ def test_a_drop_that_fails_after_a_call_ends_leaves_the_loop_serving(decode_work
     call = stub.Decode(request, timeout=30)
     next(call)
     call.cancel()
-    assert wait_for(lambda: "cancelled" in dropped, timeout_s=5)  # (the stream's own end may drop it again)
+    assert wait_for(lambda: failed == ["cancelled"], timeout_s=5)
     prompt = list(range(200, 230))
     expected = make_engine(tiny_loaded).generate([prompt], GREEDY, detokenize=False)[0].token_ids
     assert decode(decode_worker, "after", prompt) == expected
