@@ -25,6 +25,8 @@ Why the output stays exact whatever happens to the request meanwhile:
   before END, and a receiver that never sees END discards the whole transfer.
 - Preempting a request whose blocks are being sent aborts its transfer (and drops the
   request: the caller prefills elsewhere).
+- A Prefill call that ends early stop()s its transfer (the flag alone: gRPC's event thread must
+  not wait for the engine's lock), and the engine loop releases the blocks at its next turn.
 """
 
 from __future__ import annotations
@@ -107,15 +109,22 @@ class OutgoingTransfer:
 
     def abort(self, kind: FailureKind = FailureKind.CANCELLED,
               reason: str = "the prefill side aborted the transfer") -> TransferFailed:
-        """Stop the transfer before its next gather (no END will be sent) and let go of its blocks
-        at once. Idempotent; a transfer that already completed stays DONE. Returns why it ended."""
+        """stop() the transfer and let go of its blocks at once (this waits for the engine's lock)."""
+        failure = self.stop(kind, reason)
+        self.release()
+        return failure
+
+    def stop(self, kind: FailureKind = FailureKind.CANCELLED,
+             reason: str = "the prefill side aborted the transfer") -> TransferFailed:
+        """Stop the transfer before its next gather (no END will be sent); its blocks stay pinned until
+        release(). Waits for no engine lock. Idempotent; a transfer that already completed stays DONE.
+        Returns why it ended."""
         if self.state is TransferState.DONE:
             return TransferFailed(kind, f"{reason} (after it had completed)")
         with self._pin_lock:
             if self._aborted is None:
                 self._aborted = TransferFailed(kind, reason)
         self._queue.put(_WAKE)
-        self.release()
         return self._aborted
 
     def release(self) -> None:

@@ -81,10 +81,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         return timeout if self.transfer_timeout_s is None else min(timeout, self.transfer_timeout_s)
 
     def _cancel(self, transfer: OutgoingTransfer, rid: str) -> None:
-        """The Prefill call ended (cancelled, past its deadline, or answered). NOTE: the transfer
-        first, so that no block is let go of while the sender could still send END after it."""
-        transfer.abort(FailureKind.CANCELLED, "the Prefill call ended (cancelled, or past its deadline)")
-        self.parts.loop.abort_later(rid)  # NOTE: this runs on gRPC's event thread: no wait for the step
+        """The Prefill call ended (cancelled, past its deadline, or answered). NOTE: this runs on
+        gRPC's event thread, so nothing here waits for the step in flight: the transfer is stopped
+        now (first, so that no block is let go of while the sender could still send END after it),
+        and the loop drops the request and lets go of the transfer's blocks at its next turn."""
+        transfer.stop(FailureKind.CANCELLED, "the Prefill call ended (cancelled, or past its deadline)")
+        self.parts.loop.abort_later(rid, after_drop=transfer.release)
 
     def _finish(self, rid: str, stream: RequestStream, transfer: OutgoingTransfer, started: float, context):
         last = next(o for o in stream if o.finished)

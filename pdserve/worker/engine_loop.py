@@ -44,6 +44,14 @@ class StepRecord:
     gap_s: float | None = None  # since the step before ended, if the loop had work all along; None: it waited
 
 
+@dataclass(frozen=True, slots=True)
+class _PendingDrop:
+    """A request abort_later ends: dropped at the loop's next turn, then after_drop runs there."""
+
+    request_id: str
+    after_drop: Callable[[], None] | None = None
+
+
 class RequestStream:
     """Outputs of one request, in order; ends after the finished output."""
 
@@ -82,7 +90,7 @@ class EngineLoop:
         self._last_end: float | None = None  # perf_counter() when the latest step with work returned
         self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Condition()
-        self._aborts: list[str] = []  # abort_later's requests, dropped at the loop's next turn
+        self._aborts: list[_PendingDrop] = []  # abort_later's requests, dropped at the loop's next turn
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -135,21 +143,28 @@ class EngineLoop:
         found = self.engine.abort(request_id)
         return self._end_stream(request_id) or found
 
-    def abort_later(self, request_id: str) -> None:
+    def abort_later(self, request_id: str, after_drop: Callable[[], None] | None = None) -> None:
         """End the request's stream now and drop the request at the loop's next turn, without waiting
-        for the step in flight. For gRPC's call-end callbacks: they run on the server's one event
-        thread, and a wait there holds up every call of the worker, new ones included, until the
-        step ends. A new call with the id before then (the router's retry) drops it first."""
+        for the step in flight; then run after_drop there (what else needs the engine's lock: the
+        prefill worker lets go of the blocks its transfer pinned). For gRPC's call-end callbacks: they
+        run on the server's one event thread, and a wait there holds up every call of the worker, new
+        ones included, until the step ends. A new call with the id before then (the router's retry)
+        drops it first."""
         self._end_stream(request_id)
         with self._wake:
-            self._aborts.append(request_id)
+            self._aborts.append(_PendingDrop(request_id, after_drop))
             self._wake.notify_all()
 
-    def _drop(self, request_id: str, parked: bool = True) -> None:
+    def _drop(self, pending: _PendingDrop, parked: bool = True) -> None:
+        try:  # NOTE: one failed drop must not stop the loop for every other request
+            self.engine.abort(pending.request_id, parked)
+        except Exception:
+            log.exception("dropping request %s after its call ended failed", pending.request_id)
         try:
-            self.engine.abort(request_id, parked)
-        except Exception:  # NOTE: one failed drop must not stop the loop for every other request
-            log.exception("dropping request %s after its call ended failed", request_id)
+            if pending.after_drop is not None:
+                pending.after_drop()
+        except Exception:
+            log.exception("cleaning up after request %s's drop failed", pending.request_id)
 
     def _end_stream(self, request_id: str) -> bool:
         stream = self._streams.pop(request_id, None)
@@ -166,11 +181,12 @@ class EngineLoop:
         with self._wake:
             if request_id in self._streams:
                 raise InvalidRequestError(f"request_id {request_id!r} is already in flight on this worker")
-            superseded = request_id in self._aborts
-            self._aborts = [r for r in self._aborts if r != request_id]
+            superseded = [p for p in self._aborts if p.request_id == request_id]
+            if superseded:
+                self._aborts = [p for p in self._aborts if p.request_id != request_id]
             self._streams[request_id] = stream
-        if superseded:  # an earlier call with this id ended and its drop is pending (a retry): drop it first
-            self._drop(request_id, parked=False)
+        for pending in superseded:  # an earlier call with this id ended and its drop is pending (a retry)
+            self._drop(pending, parked=False)
         return stream
 
     def _notify(self) -> None:
@@ -186,8 +202,8 @@ class EngineLoop:
                 if waited:
                     self._wake.wait(timeout=_IDLE_WAIT_S)
                 aborts, self._aborts = self._aborts, []
-            for request_id in aborts:
-                self._drop(request_id)
+            for pending in aborts:
+                self._drop(pending)
             busy = self.engine.has_unfinished()
             started = time.perf_counter()
             # the loop's own time since the last step ended (delivering its outputs), if it had work all along

@@ -230,6 +230,23 @@ def test_cancel_while_the_prefill_worker_waits_on_the_transfer(held_rig, tiny_lo
     assert_victim_left_nothing_and_the_prompt_stays_exact(rig, tiny_loaded)
 
 
+def test_a_cancel_during_a_step_does_not_hold_up_the_prefill_workers_other_calls(held_rig, tiny_loaded):
+    """gRPC runs a call's end callbacks on the server's one event thread. Prefill's let go of its
+    transfer's pinned blocks there, which takes the engine's lock: while a step ran, every call of
+    the worker, new ones included, waited for it (the same defect as Decode's, docs/simulator.md)."""
+    rig = held_rig
+    call = rig.stub(rig.prefill).Prefill.future(rig.prefill_request("victim", PROMPT), timeout=60)
+    assert rig.gate.reached.wait(30), "the transfer never reached the gate"
+    eventually(lambda: not rig.prefill.engine.has_unfinished(), 10, "P computed the prompt")
+    assert rig.prefill.status().held_blocks > 0  # the held transfer still pins blocks it has to send
+    with rig.prefill.engine.lock:  # what a step holds while it runs
+        call.cancel()
+        status = rig.stub(rig.prefill).Status(worker_pb2.StatusRequest(), timeout=5)  # a new call, answered
+        assert status.worker_id == rig.prefill.config.worker_id
+    overwrite_freed_blocks_then_let_the_sender_go_on(rig)
+    assert_victim_left_nothing_and_the_prompt_stays_exact(rig, tiny_loaded)
+
+
 def test_deadline_while_the_prefill_worker_waits_on_the_transfer(held_rig, tiny_loaded):
     rig = held_rig
     call = rig.stub(rig.prefill).Prefill.future(rig.prefill_request("victim", PROMPT), timeout=3)
