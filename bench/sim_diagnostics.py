@@ -6,6 +6,8 @@ two workers' engines slow each other down on it, and where does the real cluster
     python -m bench.sim_diagnostics cpu [--workload W] [--rate R] [--requests N] [--json]
     python -m bench.sim_diagnostics outside [--topology T] [--workload W] [--rates R,R] [--requests N]
                                             [--costs FILE] [--json]
+    python -m bench.sim_diagnostics tail --result FILE --cell "TOPOLOGY WORKLOAD RATE" [--costs FILE]
+                                         [--draws N] [--json]
 
 drift  one in-process engine (SmolLM2, the cluster's EngineConfig at --threads) times a 128-token
        prefill and the median batch-1 decode step of 10, --probes times, --every seconds apart, on
@@ -31,6 +33,13 @@ outside
        outside_the_workers): the router, the hops, and a call's wait before a worker's handler runs.
        The simulator gives every request the same rest: the cost file's request.overhead_s. Each rate
        gets its own seed (20, 21, ...): the cluster keeps its prefix cache between runs.
+tail   what sets a cell's ITL tail, from a saved `bench.sim_validate --json` result (no cluster): for
+       each real rep of the cell (its `steps.real.trace`) and for --draws of the simulator on the
+       same requests (draw 0 is the validation's own; draw d uses seed + 1000 d for the step spread
+       and the router), the steps with a prefill chunk, those that prefill two prompts or more at
+       once, the share of ITL samples that fall in a step with a prefill (a step gives one sample
+       per decoding sequence), and the ITL p99 those samples give beside the one measured. An ITL
+       p99 is a prefill step when that share is above 1%, a decode-only step when below.
 
 Each engine of drift and pair runs in a child process of its own (spawned), so the parent's torch
 threads and memory do not count. Ratios are together ÷ alone, and max ÷ min over the drift probes.
@@ -47,7 +56,7 @@ import time
 from typing import Any
 
 from bench.common import environment, progress
-from bench.sim_validate import TOPOLOGIES, WORKLOADS
+from bench.sim_validate import TOPOLOGIES, WORKLOADS, trace_shape
 
 PREFILL_TOKENS = 128
 DECODE_STEPS = 30
@@ -223,6 +232,56 @@ def outside_summary(seconds: list[float]) -> dict[str, float | int | None]:
     return summarize([1000 * s for s in seconds])
 
 
+def tail(args: argparse.Namespace) -> dict[str, Any]:
+    saved = json.loads(open(args.result).read().strip().splitlines()[-1])
+    rows = [row for rep in [saved["runs"], *saved.get("later_reps", [])] for row in rep
+            if f"{row['topology']} {row['workload']} {row['rate']:g}" == args.cell]
+    if not rows:
+        raise SystemExit(f"{args.result} has no cell {args.cell!r}: give it as 'TOPOLOGY WORKLOAD RATE', "
+                         f"for example '1P+1D multi-turn 2' (its runs' topology, workload and rate)")
+    real = []
+    for row in rows:
+        trace = (row.get("steps") or {}).get("real", {}).get("trace")
+        if trace:
+            steps = [(trace_shape(t), t[3]) for t in trace]
+            real.append({**step_tail(steps), "itl_p99_ms": row["metrics"]["itl_p99_ms"]["real"]})
+    costs = args.costs or saved["costs"]
+    row = rows[0]
+    simulated = [_simulated_tail(row, saved["requests_per_run"], costs, draw) for draw in range(args.draws)]
+    return {"result": args.result, "cell": args.cell, "requests": saved["requests_per_run"], "costs": costs,
+            "real": real, "simulated": simulated}
+
+
+def _simulated_tail(row: dict[str, Any], requests: int, costs_path: str, draw: int) -> dict[str, Any]:
+    from loadtest.stats import SLO, build_report
+    from loadtest.workloads import make_workload
+    from sim.cluster import ClusterShape, simulate
+    from sim.costs import load_costs
+    from sim.workload import from_workload
+
+    reqs = from_workload(make_workload(row["workload"], WORKLOADS[row["workload"]]), requests, row["rate"],
+                         row["seed"])
+    shape = ClusterShape(*TOPOLOGIES[row["topology"]], routing="prefix")
+    result = simulate(reqs, shape, load_costs(costs_path), row["seed"] + 1000 * draw, trace_steps=True)
+    report = build_report(result.records, duration_s=result.duration_s, slo=SLO())
+    return {**step_tail([(s.shape, s.seconds) for s in result.steps_trace]),
+            "itl_p99_ms": report["itl_ms"]["p99"]}
+
+
+def step_tail(steps: list[tuple[Any, float]]) -> dict[str, Any]:
+    """(StepShape, seconds) of a run's steps -> what sets its ITL tail (the tail command above). The
+    ITL p99 from steps is the sample at rank ceil(0.99 n) of the n samples, sorted."""
+    samples = sorted((seconds, bool(shape.prefill))
+                     for shape, seconds in steps for _ in range(shape.decode_seqs))
+    in_prefill = sum(with_prefill for _, with_prefill in samples)
+    p99 = samples[max(0, -(-99 * len(samples) // 100) - 1)][0] if samples else None
+    return {"steps": len(steps), "steps_with_prefill": sum(bool(shape.prefill) for shape, _ in steps),
+            "steps_prefilling_two_or_more": sum(len(shape.prefill) >= 2 for shape, _ in steps),
+            "itl_samples": len(samples),
+            "share_of_itl_samples_in_prefill_steps": round(in_prefill / len(samples), 4) if samples else None,
+            "itl_p99_from_steps_ms": None if p99 is None else round(1000 * p99, 1)}
+
+
 def _cpu_seconds(workers: set[int]) -> dict[tuple[str, int], float]:
     """(group, pid) -> user + system CPU seconds of every process on the machine."""
     import psutil
@@ -263,6 +322,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--costs", default="sim/data/this_machine.json",
                    help="the cost file whose request.overhead_s is reported beside (default: %(default)s)")
     o.add_argument("--json", action="store_true", help="print one JSON object")
+    t = sub.add_parser("tail", help="what sets a cell's ITL tail: real steps, simulated draws (no cluster)")
+    t.add_argument("--result", required=True, help="a saved `python -m bench.sim_validate --json` result")
+    t.add_argument("--cell", required=True,
+                   help="'TOPOLOGY WORKLOAD RATE' as the result's runs give them, e.g. '1P+1D multi-turn 2'")
+    t.add_argument("--costs", default=None, help="cost file for the simulated draws (default: the result's)")
+    t.add_argument("--draws", type=int, default=9,
+                   help="simulated draws of the step spread; draw 0 is the validation's "
+                        "(default: %(default)s)")
+    t.add_argument("--json", action="store_true", help="print one JSON object")
     for s in (d, q):
         s.add_argument("--threads", type=int, default=1,
                        help="torch threads of each engine, as each of two workers gets "
@@ -271,12 +339,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if getattr(args, "threads", 1) < 1 or getattr(args, "probes", 1) < 1 or getattr(args, "every", 0) < 0:
         p.error("--threads and --probes must be >= 1 and --every >= 0")
+    if getattr(args, "draws", 1) < 1:
+        p.error(f"--draws must be >= 1, got {args.draws}")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    measured = {"drift": drift, "pair": pair, "cpu": cpu, "outside": outside}[args.command](args)
+    commands = {"drift": drift, "pair": pair, "cpu": cpu, "outside": outside, "tail": tail}
+    measured = commands[args.command](args)
     result = {**measured, "environment": environment(getattr(args, "threads", 1))}
     if args.json:
         print(json.dumps(result))

@@ -25,6 +25,7 @@ import sys
 from typing import Any
 
 from bench.common import progress
+from pdserve.engine.scheduler import StepShape
 from sim.real import TOPOLOGIES
 
 WORKLOADS = {
@@ -89,6 +90,13 @@ def steps_entry(steps: int, seconds: float) -> dict[str, Any]:
     return {"steps": steps, "busy_s": round(seconds, 2), "step_ms_mean": mean_ms}
 
 
+def trace_shape(row: list) -> StepShape:
+    """A real step of a result's trace ([prefill chunks as (new, before), decode sequences, their
+    context, seconds, gap]) as the engine's StepShape."""
+    chunks, seqs, context = row[:3]
+    return StepShape(tuple(tuple(c) for c in chunks), seqs, context)
+
+
 def real_steps_entry(trace: list[list], costs_path: str) -> dict[str, Any]:
     """The real workers' traced steps of a run (each [prefill chunks as (new, before), decode
     sequences, their context, seconds, the worker's time since the step before or None]):
@@ -100,9 +108,10 @@ def real_steps_entry(trace: list[list], costs_path: str) -> dict[str, Any]:
     costs = load_costs(costs_path)
     busy = formula = 0.0
     gaps = []
-    for chunks, seqs, context, seconds, *gap in trace:  # no gap in results written before 2026-12-06 16:05
+    for row in trace:  # NOTE: no gap (row[4]) in results written before 2026-12-06 16:05
+        shape, seconds, gap = trace_shape(row), row[3], row[4:]
         busy += seconds
-        formula += costs.step_s([tuple(c) for c in chunks], seqs, context)
+        formula += costs.step_s(list(shape.prefill), shape.decode_seqs, shape.decode_context)
         gaps += [g for g in gap if g is not None]
     return {**steps_entry(len(trace), busy), "formula_s": round(formula, 2),
             "busy_over_formula": round(busy / formula, 3) if formula else None,

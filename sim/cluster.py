@@ -29,7 +29,7 @@ from loadtest.stats import OK, RequestRecord
 from router.least_load import place_by_load
 from router.scoring import Candidate, ScoringWeights, choose
 from sim.costs import CostModel
-from sim.worker import Emitted, Role, SimWorker, prompt_hashes
+from sim.worker import Emitted, Role, SimStep, SimWorker, prompt_hashes
 from sim.workload import SimRequest
 
 ROUTING = ("prefix", "least_load", "round_robin")
@@ -99,15 +99,18 @@ class SimResult:
     step_seconds: float  # the sum of every worker's step durations
     preemptions: int
     leaked_blocks: int  # blocks still referenced at the end: 0 unless the simulator has a bug
+    steps_trace: tuple[SimStep, ...] = ()  # every worker's steps in start order, with trace_steps=True
 
 
 class Cluster:
-    def __init__(self, shape: ClusterShape, costs: CostModel, seed: int = 0) -> None:
+    def __init__(self, shape: ClusterShape, costs: CostModel, seed: int = 0,
+                 trace_steps: bool = False) -> None:
         self.shape, self.costs = shape, costs
         self.block_size = costs.hardware.block_size
-        self.prefill = [SimWorker(f"prefill-{i}", Role.PREFILL, costs, seed)
+        self.prefill = [SimWorker(f"prefill-{i}", Role.PREFILL, costs, seed, trace_steps)
                         for i in range(shape.num_prefill)]
-        self.decode = [SimWorker(f"decode-{i}", Role.DECODE, costs, seed) for i in range(shape.num_decode)]
+        self.decode = [SimWorker(f"decode-{i}", Role.DECODE, costs, seed, trace_steps)
+                       for i in range(shape.num_decode)]
         self.workers = {w.worker_id: w for w in (*self.prefill, *self.decode)}
         per_machine = costs.hardware.workers_per_machine
         self.machine = {w: i // per_machine for i, w in enumerate(self.workers)}  # worker id -> machine
@@ -145,9 +148,8 @@ class Cluster:
 
     def _kick(self, w: SimWorker) -> None:
         if not w.busy:
-            duration = w.start_step()
+            duration = w.start_step(self.now)
             if duration is not None:
-                w.step_end = self.now + duration
                 self._share_the_machine(w)
                 self._push(w.step_end, EventKind.STEP_DONE, w)
 
@@ -278,9 +280,10 @@ class Cluster:
         start = min((r.send_s for r in records), default=0.0)
         end = max((r.end_s for r in records), default=0.0)
         workers = self.workers.values()
+        trace = sorted((s for w in workers for s in w.trace or ()), key=lambda s: s.start_s)
         return SimResult(records, end - start, events, sum(w.steps for w in workers),
                          sum(w.step_seconds for w in workers), sum(w.preemptions for w in workers),
-                         sum(len(w.leaked_blocks()) for w in workers))
+                         sum(len(w.leaked_blocks()) for w in workers), tuple(trace))
 
 
 def _rid(req: SimRequest) -> str:
@@ -301,5 +304,5 @@ def _record(t: _Track) -> RequestRecord:
 
 
 def simulate(requests: Sequence[SimRequest], shape: ClusterShape, costs: CostModel,
-             seed: int = 0) -> SimResult:
-    return Cluster(shape, costs, seed).run(requests)
+             seed: int = 0, trace_steps: bool = False) -> SimResult:
+    return Cluster(shape, costs, seed, trace_steps).run(requests)

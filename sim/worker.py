@@ -10,6 +10,10 @@ Lifecycle of one step (the cluster calls these):
     start_step(now) -> duration or None (nothing to run)   the scheduler picks the chunks
     finish_step()   -> [Emitted]                            after_step; sampled chunks get a token
 
+With trace=True a worker keeps every step it ran as a SimStep (what it computed, when it started,
+how long it took), as a real worker's step trace does (Worker.Steps): bench.sim_diagnostics compares
+the two.
+
 A prefill worker's sequences ask for one token (the first token, which goes to the decode worker
 with the KV); a decode worker's ask for their max_tokens. Generated tokens are the request's own
 `reply` ids, so a multi-turn conversation's next prompt (which carries the reply) hits the cache
@@ -42,6 +46,16 @@ class Role(enum.Enum):
     DECODE = "decode"  # also prefills what the router leaves on it (and all of it when colocated)
 
 
+@dataclass(frozen=True, slots=True)
+class SimStep:
+    """One step a simulated worker ran: what it computed, its start and its duration (stretches included)."""
+
+    worker_id: str
+    start_s: float
+    shape: StepShape
+    seconds: float
+
+
 @dataclass(frozen=True)
 class Emitted:
     """A token a step produced for request_id; finished: the sequence ended with it."""
@@ -52,7 +66,8 @@ class Emitted:
 
 
 class SimWorker:
-    def __init__(self, worker_id: str, role: Role, costs: CostModel, seed: int = 0) -> None:
+    def __init__(self, worker_id: str, role: Role, costs: CostModel, seed: int = 0,
+                 trace: bool = False) -> None:
         hw = costs.hardware
         self.worker_id, self.role, self.costs = worker_id, role, costs
         self._spread = random.Random(f"{seed}/steps/{worker_id}")  # draws each step's spread factor
@@ -66,7 +81,10 @@ class SimWorker:
         self.busy = False
         self.steps = 0
         self.step_seconds = 0.0  # the sum of its steps' durations
+        self.step_start = 0.0  # when the step in flight started
         self.step_end = 0.0  # when the step in flight ends (the cluster moves it: stretch())
+        self.trace: list[SimStep] | None = [] if trace else None  # every step run, with trace=True
+        self._shape = StepShape()
         self.preemptions = 0
         self._chunks: list[ScheduledChunk] = []
         self._arrival = itertools.count()
@@ -110,19 +128,20 @@ class SimWorker:
         return self._append(seq)
 
     # --- steps ----------------------------------------------------------------------------------
-    def start_step(self) -> float | None:
+    def start_step(self, now: float) -> float | None:
         out = self.scheduler.schedule()
         self.preemptions += len(out.preempted)
         if not out.chunks:
             return None
         self._chunks, self.busy = out.chunks, True
+        self._shape = StepShape.of(out.chunks)  # what LLMEngine.last_step would say of the same chunks
         self.steps += 1
-        duration = self.step_duration(out.chunks)
+        duration = self.step_duration(self._shape)
         self.step_seconds += duration
+        self.step_start, self.step_end = now, now + duration
         return duration
 
-    def step_duration(self, chunks: list[ScheduledChunk]) -> float:
-        shape = StepShape.of(chunks)  # what LLMEngine.last_step would say of the same chunks
+    def step_duration(self, shape: StepShape) -> float:
         formula = self.costs.step_s(list(shape.prefill), shape.decode_seqs, shape.decode_context)
         return formula * self.costs.step.spread_factor(self._spread.random())
 
@@ -132,6 +151,9 @@ class SimWorker:
         self.step_seconds += seconds
 
     def finish_step(self) -> list[Emitted]:
+        if self.trace is not None:
+            self.trace.append(SimStep(self.worker_id, self.step_start, self._shape,
+                                      self.step_end - self.step_start))
         chunks, self._chunks, self.busy = self._chunks, [], False
         self.scheduler.after_step(chunks)
         return [self._append(c.seq) for c in chunks if c.samples]

@@ -40,3 +40,47 @@ def test_time_outside_the_workers_is_summarized_in_milliseconds_like_a_loadtest_
     out = outside_summary([0.005 + 0.01 * i for i in range(10)])
     assert (out["p50"], out["p90"], out["max"], out["count"]) == (50.0, 86.0, 95.0, 10)
     assert outside_summary([])["p50"] is None
+
+
+def test_an_itl_p99_is_a_prefill_step_when_more_than_one_sample_in_a_hundred_falls_in_one():
+    from bench.sim_diagnostics import step_tail
+    from pdserve.engine.scheduler import StepShape
+
+    decode, prefill = StepShape((), 2, 40), StepShape(((8, 0),), 2, 40)
+    two_prompts = StepShape(((8, 0), (8, 0)), 0, 0)  # a step with no decoding sequence gives no ITL sample
+    # 49 decode-only steps of 50 ms and one 500 ms step that also prefills, 2 sequences decoding in each:
+    # 100 samples, 2 in the prefill step; the 99th sorted sample is a 500 ms one
+    out = step_tail([(decode, 0.05)] * 49 + [(prefill, 0.5), (two_prompts, 0.6)])
+    assert out == {"steps": 51, "steps_with_prefill": 2, "steps_prefilling_two_or_more": 1,
+                   "itl_samples": 100, "share_of_itl_samples_in_prefill_steps": 0.02,
+                   "itl_p99_from_steps_ms": 500.0}
+    # one sample in 100 in the prefill step (and one more decode-only sample): the 99th is a decode step's
+    one = StepShape((), 1, 20), StepShape(((8, 0),), 1, 20)
+    out = step_tail([(decode, 0.05)] * 49 + [(one[0], 0.05), (one[1], 0.5)])
+    assert (out["itl_samples"], out["share_of_itl_samples_in_prefill_steps"], out["itl_p99_from_steps_ms"]) \
+        == (100, 0.01, 50.0)
+    assert step_tail([])["itl_p99_from_steps_ms"] is None
+
+
+def test_the_tail_command_needs_a_result_and_a_cell_and_at_least_one_draw(capsys):
+    import pytest
+
+    args = parse_args(["tail", "--result", "r.json", "--cell", "1P+1D multi-turn 2"])
+    assert (args.result, args.cell, args.costs, args.draws) == ("r.json", "1P+1D multi-turn 2", None, 9)
+    with pytest.raises(SystemExit):
+        parse_args(["tail", "--result", "r.json", "--cell", "x", "--draws", "0"])
+    assert "--draws must be >= 1" in capsys.readouterr().err
+
+
+def test_the_tail_command_names_the_cells_form_when_the_result_has_no_such_cell(tmp_path):
+    import json
+
+    import pytest
+
+    from bench.sim_diagnostics import tail
+
+    result = tmp_path / "result.json"
+    result.write_text(json.dumps({"runs": [{"topology": "1P+1D", "workload": "synthetic", "rate": 0.5}],
+                                  "requests_per_run": 4, "costs": "sim/data/this_machine.json"}))
+    with pytest.raises(SystemExit, match="has no cell '2 colocated synthetic 0.5'.*TOPOLOGY WORKLOAD RATE"):
+        tail(parse_args(["tail", "--result", str(result), "--cell", "2 colocated synthetic 0.5"]))

@@ -89,6 +89,24 @@ def test_two_workers_stepping_at_once_on_one_machine_slow_each_other_over_their_
     assert ms([result.step_seconds]) == [2 * (27 + 16.5)]
 
 
+def test_a_traced_run_keeps_each_step_its_shape_start_and_duration_stretches_included():
+    from pdserve.engine.scheduler import StepShape
+
+    requests = [make_request(0, 8, 2), make_request(1, 8, 2)]
+    one = simulate(requests, ClusterShape(0, 1), make_costs(), trace_steps=True)
+    # the contending pair above: A's prefill; A's decode (its 9th position) with B's 8 tokens; B's decode
+    assert [(s.worker_id, ms([s.start_s, s.seconds]), s.shape) for s in one.steps_trace] == [
+        ("decode-0", [0, 18], StepShape(((8, 0),))),
+        ("decode-0", [18, 19], StepShape(((8, 0),), 1, 9)),
+        ("decode-0", [37, 11], StepShape((), 1, 9)),
+    ]
+    assert simulate(requests, ClusterShape(0, 1), make_costs()).steps_trace == ()  # off by default
+    shared = simulate(requests, ClusterShape(0, 2, routing="least_load"),
+                      make_costs(slowdown=0.5, per_machine=2), trace_steps=True)
+    # the shared machine above: each prefill stretched from 18 to 27 ms, and the decodes to 16.5
+    assert sorted(ms([s.seconds])[0] for s in shared.steps_trace) == [16.5, 16.5, 27, 27]
+
+
 def test_a_small_token_budget_chunks_the_second_prefill_behind_the_first_decode():
     rs = run([make_request(0, 8, 2), make_request(1, 8, 1)], ClusterShape(0, 1), make_costs(budget=8)).records
     # step 1: A's 8 tokens (18 ms). step 2: A decodes 1 + B's first 7 tokens (10 + 1 + 7 = 18 ms).
