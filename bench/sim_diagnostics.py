@@ -8,6 +8,7 @@ two workers' engines slow each other down on it, and where does the real cluster
                                             [--costs FILE] [--json]
     python -m bench.sim_diagnostics tail --result FILE --cell "TOPOLOGY WORKLOAD RATE" [--costs FILE]
                                          [--draws N] [--json]
+    python -m bench.sim_diagnostics fit --result FILE --out COSTS [--costs FILE] [--json]
 
 drift  one in-process engine (SmolLM2, the cluster's EngineConfig at --threads) times a 128-token
        prefill and the median batch-1 decode step of 10, --probes times, --every seconds apart, on
@@ -40,6 +41,12 @@ tail   what sets a cell's ITL tail, from a saved `bench.sim_validate --json` res
        once, the share of ITL samples that fall in a step with a prefill (a step gives one sample
        per decoding sequence), and the ITL p99 those samples give beside the one measured. An ITL
        p99 is a prefill step when that share is above 1%, a decode-only step when below.
+fit    the step formula fitted to a saved result's own real steps (every rep's `steps.real.trace`),
+       written to --out with the rest (transfer, hardware, request overhead) of --costs (default:
+       the result's): the best any price per step shape can do on those very runs. Rescore the
+       result with it (`bench.sim_validate --rescore FILE --costs COSTS`) to see how many misses a
+       better calibration could remove; the fit's own relative error says how much of a step's time
+       its shape does not explain.
 
 Each engine of drift and pair runs in a child process of its own (spawned), so the parent's torch
 threads and memory do not count. Ratios are together ÷ alone, and max ÷ min over the drift probes.
@@ -268,6 +275,32 @@ def _simulated_tail(row: dict[str, Any], requests: int, costs_path: str, draw: i
             "itl_p99_ms": report["itl_ms"]["p99"]}
 
 
+def fit(args: argparse.Namespace) -> dict[str, Any]:
+    from dataclasses import replace
+
+    import numpy as np
+
+    from sim.calibrate import features, fit_step_costs
+    from sim.costs import load_costs, save_costs
+
+    saved = json.loads(open(args.result).read().strip().splitlines()[-1])
+    trace = [t for rep in [saved["runs"], *saved.get("later_reps", [])] for row in rep
+             for t in (row.get("steps") or {}).get("real", {}).get("trace") or ()]
+    if not trace:
+        raise SystemExit(f"{args.result} keeps no real step trace (results written before 2026-12-06 15:13 "
+                         "have none): run bench.sim_validate again")
+    step, relative = fit_step_costs([features(trace_shape(t)) for t in trace], [t[3] for t in trace])
+    costs = args.costs or saved["costs"]
+    base = load_costs(costs)
+    source = {**{k: v for k, v in base.source.items() if k != "samples"},  # the calibration's, not these
+              "note": f"step costs fitted to the real steps of {args.result} (bench.sim_diagnostics fit): "
+                      "in-sample, not a calibration"}
+    save_costs(replace(base, step=step, source=source), args.out)
+    return {"result": args.result, "costs": costs, "out": args.out, "steps": len(trace),
+            "fit_relative_error_median": round(float(np.median(relative)), 3),
+            "fit_relative_error_p90": round(float(np.percentile(relative, 90)), 3)}
+
+
 def step_tail(steps: list[tuple[Any, float]]) -> dict[str, Any]:
     """(StepShape, seconds) of a run's steps -> what sets its ITL tail (the tail command above). The
     ITL p99 from steps is the sample at rank ceil(0.99 n) of the n samples, sorted."""
@@ -331,6 +364,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="simulated draws of the step spread; draw 0 is the validation's "
                         "(default: %(default)s)")
     t.add_argument("--json", action="store_true", help="print one JSON object")
+    f = sub.add_parser("fit", help="the step formula fitted to a saved result's own real steps (no cluster)")
+    f.add_argument("--result", required=True, help="a saved `python -m bench.sim_validate --json` result")
+    f.add_argument("--out", required=True, help="where to write the fitted cost file")
+    f.add_argument("--costs", default=None,
+                   help="cost file whose transfer, hardware and request costs the fitted file keeps "
+                        "(default: the result's)")
+    f.add_argument("--json", action="store_true", help="print one JSON object")
     for s in (d, q):
         s.add_argument("--threads", type=int, default=1,
                        help="torch threads of each engine, as each of two workers gets "
@@ -346,7 +386,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    commands = {"drift": drift, "pair": pair, "cpu": cpu, "outside": outside, "tail": tail}
+    commands = {"drift": drift, "pair": pair, "cpu": cpu, "outside": outside, "tail": tail, "fit": fit}
     measured = commands[args.command](args)
     result = {**measured, "environment": environment(getattr(args, "threads", 1))}
     if args.json:

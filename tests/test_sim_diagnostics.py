@@ -84,3 +84,28 @@ def test_the_tail_command_names_the_cells_form_when_the_result_has_no_such_cell(
                                   "requests_per_run": 4, "costs": "sim/data/this_machine.json"}))
     with pytest.raises(SystemExit, match="has no cell '2 colocated synthetic 0.5'.*TOPOLOGY WORKLOAD RATE"):
         tail(parse_args(["tail", "--result", str(result), "--cell", "2 colocated synthetic 0.5"]))
+
+
+def test_fit_recovers_the_step_costs_that_priced_a_results_real_steps_and_keeps_the_rest(tmp_path):
+    import json
+
+    from bench.sim_diagnostics import fit
+    from sim.costs import load_costs
+
+    base = load_costs("sim/data/this_machine.json")
+    shapes = [((), seqs, 40 * seqs) for seqs in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)]
+    shapes += [(((n, c),), seqs, 50 * seqs)
+               for n in (40, 100, 300, 600, 1000) for c in (0, 200) for seqs in (0, 4)]
+    trace = [[[list(c) for c in chunks], seqs, ctx, base.step_s(list(chunks), seqs, ctx), None]
+             for chunks, seqs, ctx in shapes]
+    rows = [{"steps": {"real": {"trace": trace[:20]}}}, {"steps": {"real": {"trace": trace[20:]}}}]
+    result = tmp_path / "result.json"
+    result.write_text(json.dumps({"runs": rows[:1], "later_reps": [rows[1:]], "requests_per_run": 4,
+                                  "costs": "sim/data/this_machine.json"}))
+    out = fit(parse_args(["fit", "--result", str(result), "--out", str(tmp_path / "fitted.json")]))
+    assert out["steps"] == len(shapes) and out["fit_relative_error_p90"] < 1e-6
+    fitted = load_costs(tmp_path / "fitted.json")
+    for chunks, seqs, ctx in shapes:
+        assert abs(fitted.step_s(list(chunks), seqs, ctx) / base.step_s(list(chunks), seqs, ctx) - 1) < 1e-6
+    assert (fitted.transfer, fitted.hardware, fitted.request) == (base.transfer, base.hardware, base.request)
+    assert "samples" not in fitted.source and "in-sample" in fitted.source["note"]
