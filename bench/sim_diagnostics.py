@@ -9,6 +9,7 @@ two workers' engines slow each other down on it, and where does the real cluster
     python -m bench.sim_diagnostics tail --result FILE --cell "TOPOLOGY WORKLOAD RATE" [--costs FILE]
                                          [--draws N] [--json]
     python -m bench.sim_diagnostics fit --result FILE --out COSTS [--costs FILE] [--json]
+    python -m bench.sim_diagnostics overlap --result FILE [--costs FILE] [--json]
 
 drift  one in-process engine (SmolLM2, the cluster's EngineConfig at --threads) times a 128-token
        prefill and the median batch-1 decode step of 10, --probes times, --every seconds apart, on
@@ -47,6 +48,14 @@ fit    the step formula fitted to a saved result's own real steps (every rep's `
        result with it (`bench.sim_validate --rescore FILE --costs COSTS`) to see how many misses a
        better calibration could remove; the fit's own relative error says how much of a step's time
        its shape does not explain.
+overlap
+       do two workers' steps slow each other down in a running cluster? For a saved result whose
+       step traces carry each step's worker and start (results from 2026-12-06 22:30 on), each real
+       step's time over the cost file's formula for it, against the share of it during which another
+       worker was stepping too: the median ratio by that share, and the line ratio = a (1 + s share)
+       fitted to all steps. s is the slowdown an overlap costs (the cost model's
+       shared_machine_slowdown); an --in-cluster cost file has it at 0 and the average overlap of its
+       calibration loads inside its prices.
 
 Each engine of drift and pair runs in a child process of its own (spawned), so the parent's torch
 threads and memory do not count. Ratios are together ÷ alone, and max ÷ min over the drift probes.
@@ -55,6 +64,7 @@ threads and memory do not count. Ratios are together ÷ alone, and max ÷ min ov
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import multiprocessing
 import os
@@ -301,6 +311,80 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
             "fit_relative_error_p90": round(float(np.percentile(relative, 90)), 3)}
 
 
+OVERLAP_BINS = ((0.0, 0.05), (0.05, 0.5), (0.5, 0.95), (0.95, 1.01))  # [low, high) shares of a step
+
+
+def overlap(args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+
+    from sim.costs import load_costs
+
+    saved = json.loads(open(args.result).read().strip().splitlines()[-1])
+    costs = load_costs(args.costs or saved["costs"])
+    runs, shares, ratios = [], [], []
+    for row in (r for rep in [saved["runs"], *saved.get("later_reps", [])] for r in rep):
+        trace = [t for t in (row.get("steps") or {}).get("real", {}).get("trace") or () if len(t) >= 7]
+        if not trace:
+            continue
+        share = overlap_shares([(t[5], t[6], t[3]) for t in trace])
+        ratio = [t[3] / costs.step_s(list(trace_shape(t).prefill), t[1], t[2]) for t in trace]
+        shares += share
+        ratios += ratio
+        cell = f"{row['topology']} {row['workload']} {row['rate']:g}"
+        runs.append({"cell": cell, **overlap_summary(share, ratio)})
+    if not runs:
+        raise SystemExit(f"{args.result} keeps no step starts (results from 2026-12-06 22:30 on have them): "
+                         "run bench.sim_validate again")
+    a, b = np.polyfit(np.array(shares), np.array(ratios), 1)[::-1]
+    return {"result": args.result, "costs": args.costs or saved["costs"], "runs": runs,
+            "all": {**overlap_summary(shares, ratios), "fitted_a": round(float(a), 3),
+                    "fitted_slowdown": round(float(b / a), 3)}}
+
+
+def overlap_shares(steps: list[tuple[str, float, float]]) -> list[float]:
+    """(worker, start, seconds) of steps -> for each, the share of its time during which another
+    worker was running a step (0..1; with several others, the time any one of them was)."""
+    by_worker: dict[str, list[tuple[float, float]]] = {}
+    for worker, start, seconds in steps:
+        by_worker.setdefault(worker, []).append((start, start + seconds))
+    for spans in by_worker.values():
+        spans.sort()
+    out = []
+    for worker, start, seconds in steps:
+        end, covered = start + seconds, []
+        for other, spans in by_worker.items():
+            if other == worker:
+                continue
+            i = max(0, bisect.bisect_left(spans, (start, start)) - 1)
+            while i < len(spans) and spans[i][0] < end:
+                lo, hi = max(start, spans[i][0]), min(end, spans[i][1])
+                if hi > lo:
+                    covered.append((lo, hi))
+                i += 1
+        out.append(_covered_seconds(covered) / seconds if seconds > 0 else 0.0)
+    return out
+
+
+def _covered_seconds(spans: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, float("-inf")
+    for lo, hi in sorted(spans):
+        if hi > reach:
+            total += hi - max(lo, reach)
+            reach = hi
+    return total
+
+
+def overlap_summary(shares: list[float], ratios: list[float]) -> dict[str, Any]:
+    """Steps, their mean share overlapped, and the median time ÷ formula in each OVERLAP_BINS bin."""
+    bins = {}
+    for low, high in OVERLAP_BINS:
+        inside = [r for s, r in zip(shares, ratios) if low <= s < high]
+        median = round(statistics.median(inside), 3) if inside else None
+        bins[f"{low:g}-{min(high, 1):g}"] = {"steps": len(inside), "median_ratio": median}
+    return {"steps": len(shares), "mean_share": round(statistics.fmean(shares), 3) if shares else None,
+            "by_share": bins}
+
+
 def step_tail(steps: list[tuple[Any, float]]) -> dict[str, Any]:
     """(StepShape, seconds) of a run's steps -> what sets its ITL tail (the tail command above). The
     ITL p99 from steps is the sample at rank ceil(0.99 n) of the n samples, sorted."""
@@ -371,6 +455,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cost file whose transfer, hardware and request costs the fitted file keeps "
                         "(default: the result's)")
     f.add_argument("--json", action="store_true", help="print one JSON object")
+    v = sub.add_parser("overlap", help="do two workers' steps slow each other down in a running cluster?")
+    v.add_argument("--result", required=True, help="a saved `python -m bench.sim_validate --json` result")
+    v.add_argument("--costs", default=None,
+                   help="cost file whose formula prices the steps (default: the result's)")
+    v.add_argument("--json", action="store_true", help="print one JSON object")
     for s in (d, q):
         s.add_argument("--threads", type=int, default=1,
                        help="torch threads of each engine, as each of two workers gets "
@@ -386,7 +475,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    commands = {"drift": drift, "pair": pair, "cpu": cpu, "outside": outside, "tail": tail, "fit": fit}
+    commands = {"drift": drift, "pair": pair, "cpu": cpu, "outside": outside, "tail": tail, "fit": fit,
+                "overlap": overlap}
     measured = commands[args.command](args)
     result = {**measured, "environment": environment(getattr(args, "threads", 1))}
     if args.json:

@@ -99,7 +99,8 @@ def trace_shape(row: list) -> StepShape:
 
 def real_steps_entry(trace: list[list], costs_path: str) -> dict[str, Any]:
     """The real workers' traced steps of a run (each [prefill chunks as (new, before), decode
-    sequences, their context, seconds, the worker's time since the step before or None]):
+    sequences, their context, seconds, the worker's time since the step before or None, the worker,
+    its start on the machine's monotonic clock]; results before 2026-12-06 22:30 end at the gap):
     steps_entry's figures, the trace itself, what the cost file's formula (without its spread) gives
     for those very steps, and the summed gaps between steps. busy_over_formula near 1 says the costs
     price the real steps right, so a miss elsewhere comes from how the steps were batched."""
@@ -109,7 +110,7 @@ def real_steps_entry(trace: list[list], costs_path: str) -> dict[str, Any]:
     busy = formula = 0.0
     gaps = []
     for row in trace:  # NOTE: no gap (row[4]) in results written before 2026-12-06 16:05
-        shape, seconds, gap = trace_shape(row), row[3], row[4:]
+        shape, seconds, gap = trace_shape(row), row[3], row[4:5]
         busy += seconds
         formula += costs.step_s(list(shape.prefill), shape.decode_seqs, shape.decode_context)
         gaps += [g for g in gap if g is not None]
@@ -133,7 +134,8 @@ def run_topology(
             real = run_load(router, run, name).report
             steps, after = traced_steps(cluster, after)
             trace = [[[list(c) for c in t.shape.prefill], t.shape.decode_seqs, t.shape.decode_context,
-                      round(t.seconds, 5), None if t.gap_s is None else round(t.gap_s, 6)] for t in steps]
+                      round(t.seconds, 5), None if t.gap_s is None else round(t.gap_s, 6), t.worker,
+                      round(t.started_at, 6)] for t in steps]
             sim, sim_steps = simulate_like(
                 workload,
                 WORKLOADS[workload],

@@ -38,12 +38,15 @@ class Load:
 
 @dataclass(frozen=True)
 class TracedStep:
-    """One step a real worker ran (Worker.Steps): what it computed, its wall time, and the worker's
-    own time since the step before it (None: the worker waited for work in between)."""
+    """One step a real worker ran (Worker.Steps): what it computed, its wall time, the worker's own
+    time since the step before it (None: the worker waited for work in between), which worker ran
+    it, and when it started (time.perf_counter() in that worker: one clock for the whole machine)."""
 
     shape: StepShape
     seconds: float
     gap_s: float | None
+    worker: str = ""
+    started_at: float = 0.0
 
 
 @contextlib.contextmanager
@@ -120,7 +123,8 @@ def traced_steps(cluster, after: dict[str, int]) -> tuple[list[TracedStep], dict
     for name, raw in zip(names, replies):
         reply = worker_pb2.StepsReply.FromString(raw)
         totals[name] = reply.steps_total
-        steps += [TracedStep(shape_of(r), r.seconds, r.gap_seconds if r.HasField("gap_seconds") else None)
+        steps += [TracedStep(shape_of(r), r.seconds, r.gap_seconds if r.HasField("gap_seconds") else None,
+                             name, r.started_at)
                   for r in reply.steps]
     return steps, totals
 

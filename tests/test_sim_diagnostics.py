@@ -109,3 +109,19 @@ def test_fit_recovers_the_step_costs_that_priced_a_results_real_steps_and_keeps_
         assert abs(fitted.step_s(list(chunks), seqs, ctx) / base.step_s(list(chunks), seqs, ctx) - 1) < 1e-6
     assert (fitted.transfer, fitted.hardware, fitted.request) == (base.transfer, base.hardware, base.request)
     assert "samples" not in fitted.source and "in-sample" in fitted.source["note"]
+
+
+def test_a_steps_overlap_share_is_the_time_another_worker_was_stepping_too():
+    from bench.sim_diagnostics import overlap_shares, overlap_summary
+
+    steps = [("a", 0.0, 1.0), ("a", 1.0, 1.0),  # a: [0, 1], [1, 2]
+             ("b", 0.5, 1.0),                   # b: [0.5, 1.5]: half of each of a's steps, all of its own
+             ("c", 1.75, 1.0)]                  # c: [1.75, 2.75]: a's last quarter second (b is done by then)
+    assert overlap_shares(steps) == [0.5, 0.75, 1.0, 0.25]
+    assert overlap_shares([("a", 0.0, 1.0), ("a", 1.0, 1.0)]) == [0.0, 0.0]  # alone: its own steps don't count
+    summary = overlap_summary([0.0, 0.5, 0.75, 1.0], [1.0, 1.1, 1.2, 1.3])
+    assert summary["by_share"] == {"0-0.05": {"steps": 1, "median_ratio": 1.0},
+                                   "0.05-0.5": {"steps": 0, "median_ratio": None},
+                                   "0.5-0.95": {"steps": 2, "median_ratio": 1.15},
+                                   "0.95-1": {"steps": 1, "median_ratio": 1.3}}
+    assert (summary["steps"], summary["mean_share"]) == (4, 0.562)

@@ -42,6 +42,7 @@ class StepRecord:
     shape: StepShape
     seconds: float  # wall time of engine.step()
     gap_s: float | None = None  # since the step before ended, if the loop had work all along; None: it waited
+    started_at: float = 0.0  # time.perf_counter() at its start (WorkerService.Steps: StepRecord.started_at)
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +221,7 @@ class EngineLoop:
             ended = time.perf_counter()
             self._last_end = ended if busy else None  # an idle turn is no step to measure a gap from
             if busy:
-                self._count_step(ended - started, self.engine.last_step, gap)
+                self._count_step(started, ended - started, self.engine.last_step, gap)
             for output in outputs:
                 self._deliver(output)
 
@@ -231,10 +232,10 @@ class EngineLoop:
         trace = list(self._trace)  # one C call: atomic under the GIL
         return [r for r in trace if number < r.number <= last]
 
-    def _count_step(self, seconds: float, shape: StepShape | None, gap: float | None) -> None:
+    def _count_step(self, started: float, seconds: float, shape: StepShape | None, gap: float | None) -> None:
         if shape is not None:  # None: the step only dropped preempted requests, it ran nothing
             # NOTE: traced before it is counted, so a reader that saw steps_total = n finds step n
-            self._trace.append(StepRecord(self.steps_total + 1, shape, seconds, gap))
+            self._trace.append(StepRecord(self.steps_total + 1, shape, seconds, gap, started))
         self.steps_total += 1
         self.step_seconds_total += seconds
         if self._observe_step is not None:

@@ -140,7 +140,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         for r in loop.steps_after(after, up_to=reply.steps_total):
             shape = r.shape
             step = reply.steps.add(number=r.number, seconds=r.seconds, decode_seqs=shape.decode_seqs,
-                                   decode_context=shape.decode_context)
+                                   decode_context=shape.decode_context, started_at=r.started_at)
             step.prefill_tokens.extend(n for n, _ in shape.prefill)
             step.prefill_start.extend(c for _, c in shape.prefill)
             if r.gap_s is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
@@ -102,6 +104,11 @@ def test_steps_trace_what_each_step_computed_and_its_time_and_resume_after_a_num
     # the loop waited for the request, then went from step to step: each gap is its own time between
     assert not first.HasField("gap_seconds")
     assert all(r.HasField("gap_seconds") and 0 <= r.gap_seconds < 1 for r in rest)
+    # each step starts where the one before ended plus the gap, on the machine's monotonic clock
+    for before_it, step in zip(reply.steps, rest):
+        assert step.started_at == pytest.approx(before_it.started_at + before_it.seconds + step.gap_seconds,
+                                                abs=1e-3)
+    assert first.started_at <= time.perf_counter()
     busy = after.step_seconds_total - before.step_seconds_total
     assert sum(r.seconds for r in reply.steps) == pytest.approx(busy)
     assert steps(reply.steps_total).steps == []

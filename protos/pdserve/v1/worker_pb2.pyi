@@ -208,7 +208,7 @@ class StepsRequest(_message.Message):
     def __init__(self, after: _Optional[int] = ...) -> None: ...
 
 class StepRecord(_message.Message):
-    __slots__ = ("number", "seconds", "prefill_tokens", "prefill_start", "decode_seqs", "decode_context", "gap_seconds")
+    __slots__ = ("number", "seconds", "prefill_tokens", "prefill_start", "decode_seqs", "decode_context", "gap_seconds", "started_at")
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,7 @@ class StepRecord(_message.Message):
     DECODE_SEQS_FIELD_NUMBER: _ClassVar[int]
     DECODE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     GAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     number: int
     seconds: float
     prefill_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -223,7 +224,8 @@ class StepRecord(_message.Message):
     decode_seqs: int
     decode_context: int
     gap_seconds: float
-    def __init__(self, number: _Optional[int] = ..., seconds: _Optional[float] = ..., prefill_tokens: _Optional[_Iterable[int]] = ..., prefill_start: _Optional[_Iterable[int]] = ..., decode_seqs: _Optional[int] = ..., decode_context: _Optional[int] = ..., gap_seconds: _Optional[float] = ...) -> None: ...
+    started_at: float
+    def __init__(self, number: _Optional[int] = ..., seconds: _Optional[float] = ..., prefill_tokens: _Optional[_Iterable[int]] = ..., prefill_start: _Optional[_Iterable[int]] = ..., decode_seqs: _Optional[int] = ..., decode_context: _Optional[int] = ..., gap_seconds: _Optional[float] = ..., started_at: _Optional[float] = ...) -> None: ...
 
 class StepsReply(_message.Message):
     __slots__ = ("steps", "steps_total")
