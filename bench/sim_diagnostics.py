@@ -8,7 +8,7 @@ two workers' engines slow each other down on it, and where does the real cluster
                                             [--costs FILE] [--json]
     python -m bench.sim_diagnostics tail --result FILE --cell "TOPOLOGY WORKLOAD RATE" [--costs FILE]
                                          [--draws N] [--json]
-    python -m bench.sim_diagnostics fit --result FILE --out COSTS [--costs FILE] [--json]
+    python -m bench.sim_diagnostics fit --result FILE --out COSTS [--costs FILE] [--slowdown S] [--json]
     python -m bench.sim_diagnostics overlap --result FILE [--costs FILE] [--json]
 
 drift  one in-process engine (SmolLM2, the cluster's EngineConfig at --threads) times a 128-token
@@ -47,7 +47,9 @@ fit    the step formula fitted to a saved result's own real steps (every rep's `
        the result's): the best any price per step shape can do on those very runs. Rescore the
        result with it (`bench.sim_validate --rescore FILE --costs COSTS`) to see how many misses a
        better calibration could remove; the fit's own relative error says how much of a step's time
-       its shape does not explain.
+       its shape does not explain. With --slowdown S each step's time is first divided by 1 + S x
+       the share of it another worker was stepping too (overlap, below), and the file keeps S as
+       its shared_machine_slowdown: the simulator then stretches overlapping steps itself.
 overlap
        do two workers' steps slow each other down in a running cluster? For a saved result whose
        step traces carry each step's worker and start (results from 2026-12-06 22:30 on), each real
@@ -294,20 +296,32 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
     from sim.costs import load_costs, save_costs
 
     saved = json.loads(open(args.result).read().strip().splitlines()[-1])
-    trace = [t for rep in [saved["runs"], *saved.get("later_reps", [])] for row in rep
-             for t in (row.get("steps") or {}).get("real", {}).get("trace") or ()]
+    traces = [(row.get("steps") or {}).get("real", {}).get("trace") or ()
+              for rep in [saved["runs"], *saved.get("later_reps", [])] for row in rep]
+    trace = [t for run in traces for t in run]
     if not trace:
         raise SystemExit(f"{args.result} keeps no real step trace (results written before 2026-12-06 15:13 "
                          "have none): run bench.sim_validate again")
-    step, relative = fit_step_costs([features(trace_shape(t)) for t in trace], [t[3] for t in trace])
+    if args.slowdown and any(len(t) < 7 for t in trace):
+        raise SystemExit(f"--slowdown needs each step's worker and start, which {args.result} does not keep "
+                         "(results from 2026-12-06 22:30 on do): run bench.sim_validate again")
+    shares = [s for run in traces for s in overlap_shares([(t[5], t[6], t[3]) for t in run])] \
+        if args.slowdown else [0.0] * len(trace)
+    stretch = 1 + args.slowdown * np.array(shares)  # the time another worker's steps added (the model's)
+    shapes, times = [trace_shape(t) for t in trace], np.array([t[3] for t in trace])
+    step, _ = fit_step_costs([features(shape) for shape in shapes], list(times / stretch))
     costs = args.costs or saved["costs"]
     base = load_costs(costs)
     source = {**{k: v for k, v in base.source.items() if k != "samples"},  # the calibration's, not these
-              "note": f"step costs fitted to the real steps of {args.result} (bench.sim_diagnostics fit): "
-                      "in-sample, not a calibration"}
-    save_costs(replace(base, step=step, source=source), args.out)
+              "note": f"step costs fitted to the real steps of {args.result} (bench.sim_diagnostics fit, "
+                      f"slowdown {args.slowdown:g}): in-sample, not a calibration"}
+    model = replace(base, step=replace(step, shared_machine_slowdown=args.slowdown), source=source)
+    save_costs(model, args.out)
+    formula = [model.step_s(list(s.prefill), s.decode_seqs, s.decode_context) for s in shapes]
+    fitted = np.array(formula) * stretch
+    relative = np.abs(fitted - times) / times
     return {"result": args.result, "costs": costs, "out": args.out, "steps": len(trace),
-            "fit_relative_error_median": round(float(np.median(relative)), 3),
+            "slowdown": args.slowdown, "fit_relative_error_median": round(float(np.median(relative)), 3),
             "fit_relative_error_p90": round(float(np.percentile(relative, 90)), 3)}
 
 
@@ -454,6 +468,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     f.add_argument("--costs", default=None,
                    help="cost file whose transfer, hardware and request costs the fitted file keeps "
                         "(default: the result's)")
+    f.add_argument("--slowdown", type=float, default=0.0,
+                   help="fit with this shared_machine_slowdown: each step's time over 1 + slowdown x the "
+                        "share of it another worker was stepping too (needs a result with step starts; "
+                        "default: %(default)s, the prices keep the contention averaged in)")
     f.add_argument("--json", action="store_true", help="print one JSON object")
     v = sub.add_parser("overlap", help="do two workers' steps slow each other down in a running cluster?")
     v.add_argument("--result", required=True, help="a saved `python -m bench.sim_validate --json` result")
@@ -470,6 +488,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--threads and --probes must be >= 1 and --every >= 0")
     if getattr(args, "draws", 1) < 1:
         p.error(f"--draws must be >= 1, got {args.draws}")
+    if getattr(args, "slowdown", 0.0) < 0:
+        p.error(f"--slowdown must be >= 0, got {args.slowdown}")
     return args
 
 

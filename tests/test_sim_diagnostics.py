@@ -118,10 +118,43 @@ def test_a_steps_overlap_share_is_the_time_another_worker_was_stepping_too():
              ("b", 0.5, 1.0),                   # b: [0.5, 1.5]: half of each of a's steps, all of its own
              ("c", 1.75, 1.0)]                  # c: [1.75, 2.75]: a's last quarter second (b is done by then)
     assert overlap_shares(steps) == [0.5, 0.75, 1.0, 0.25]
-    assert overlap_shares([("a", 0.0, 1.0), ("a", 1.0, 1.0)]) == [0.0, 0.0]  # alone: its own steps don't count
+    alone = [("a", 0.0, 1.0), ("a", 1.0, 1.0)]
+    assert overlap_shares(alone) == [0.0, 0.0]  # its own steps do not count
     summary = overlap_summary([0.0, 0.5, 0.75, 1.0], [1.0, 1.1, 1.2, 1.3])
     assert summary["by_share"] == {"0-0.05": {"steps": 1, "median_ratio": 1.0},
                                    "0.05-0.5": {"steps": 0, "median_ratio": None},
                                    "0.5-0.95": {"steps": 2, "median_ratio": 1.15},
                                    "0.95-1": {"steps": 1, "median_ratio": 1.3}}
     assert (summary["steps"], summary["mean_share"]) == (4, 0.562)
+
+
+def test_fit_with_a_slowdown_takes_the_other_workers_overlap_out_of_the_prices(tmp_path):
+    import json
+
+    from bench.sim_diagnostics import fit
+    from sim.costs import load_costs
+
+    base = load_costs("sim/data/this_machine.json")
+    shapes = [((), seqs, 40 * seqs) for seqs in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)]
+    shapes += [(((n, 0),), seqs, 50 * seqs) for n in (40, 100, 300, 600, 1000) for seqs in (0, 4)]
+    trace = []
+    for i, (chunks, seqs, ctx) in enumerate(shapes):  # each shape alone, then on both workers at once
+        alone = base.step_s(list(chunks), seqs, ctx)
+        row = [[list(c) for c in chunks], seqs, ctx]
+        trace.append([*row, alone, None, "a", 100.0 * i])
+        trace += [[*row, 1.25 * alone, None, w, 100.0 * i + 50] for w in ("a", "b")]  # slowdown 0.25
+    result = tmp_path / "result.json"
+    result.write_text(json.dumps({"runs": [{"steps": {"real": {"trace": trace}}}], "requests_per_run": 4,
+                                  "costs": "sim/data/this_machine.json"}))
+
+    def fitted(slowdown: float) -> dict:
+        out = str(tmp_path / "f.json")
+        return fit(parse_args(["fit", "--result", str(result), "--out", out, "--slowdown", str(slowdown)]))
+
+    assert fitted(0.0)["fit_relative_error_median"] > 0.05  # one price per shape cannot be both
+    out = fitted(0.25)
+    assert out["fit_relative_error_p90"] < 1e-6
+    costs = load_costs(tmp_path / "f.json")
+    assert costs.step.shared_machine_slowdown == 0.25
+    for chunks, seqs, ctx in shapes:  # the prices are those of a step alone
+        assert abs(costs.step_s(list(chunks), seqs, ctx) / base.step_s(list(chunks), seqs, ctx) - 1) < 1e-6
