@@ -75,7 +75,7 @@ import time
 from typing import Any
 
 from bench.common import environment, progress
-from bench.sim_validate import TOPOLOGIES, WORKLOADS, trace_shape
+from bench.sim_validate import TOPOLOGIES, WORKLOADS, every_rep, load_result, trace_shape
 
 PREFILL_TOKENS = 128
 DECODE_STEPS = 30
@@ -252,8 +252,8 @@ def outside_summary(seconds: list[float]) -> dict[str, float | int | None]:
 
 
 def tail(args: argparse.Namespace) -> dict[str, Any]:
-    saved = json.loads(open(args.result).read().strip().splitlines()[-1])
-    rows = [row for rep in [saved["runs"], *saved.get("later_reps", [])] for row in rep
+    saved = load_result(args.result)
+    rows = [row for row in every_rep(saved)
             if f"{row['topology']} {row['workload']} {row['rate']:g}" == args.cell]
     if not rows:
         raise SystemExit(f"{args.result} has no cell {args.cell!r}: give it as 'TOPOLOGY WORKLOAD RATE', "
@@ -295,9 +295,8 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
     from sim.calibrate import features, fit_step_costs
     from sim.costs import load_costs, save_costs
 
-    saved = json.loads(open(args.result).read().strip().splitlines()[-1])
-    traces = [(row.get("steps") or {}).get("real", {}).get("trace") or ()
-              for rep in [saved["runs"], *saved.get("later_reps", [])] for row in rep]
+    saved = load_result(args.result)
+    traces = [(row.get("steps") or {}).get("real", {}).get("trace") or () for row in every_rep(saved)]
     trace = [t for run in traces for t in run]
     if not trace:
         raise SystemExit(f"{args.result} keeps no real step trace (results written before 2026-12-06 15:13 "
@@ -333,10 +332,10 @@ def overlap(args: argparse.Namespace) -> dict[str, Any]:
 
     from sim.costs import load_costs
 
-    saved = json.loads(open(args.result).read().strip().splitlines()[-1])
+    saved = load_result(args.result)
     costs = load_costs(args.costs or saved["costs"])
     runs, shares, ratios = [], [], []
-    for row in (r for rep in [saved["runs"], *saved.get("later_reps", [])] for r in rep):
+    for row in every_rep(saved):
         trace = [t for t in (row.get("steps") or {}).get("real", {}).get("trace") or () if len(t) >= 7]
         if not trace:
             continue

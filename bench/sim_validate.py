@@ -90,6 +90,17 @@ def steps_entry(steps: int, seconds: float) -> dict[str, Any]:
     return {"steps": steps, "busy_s": round(seconds, 2), "step_ms_mean": mean_ms}
 
 
+def load_result(path: str) -> dict[str, Any]:
+    """A saved `--json` result (its last line: progress may precede it)."""
+    with open(path) as f:
+        return json.loads(f.read().strip().splitlines()[-1])
+
+
+def every_rep(saved: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of every rep of a saved result, the first rep's first."""
+    return [row for rep in [saved["runs"], *saved.get("later_reps", [])] for row in rep]
+
+
 def trace_shape(row: list) -> StepShape:
     """A real step of a result's trace ([prefill chunks as (new, before), decode sequences, their
     context, seconds, gap]) as the engine's StepShape."""
@@ -347,7 +358,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.rescore:
-        saved = json.loads(open(args.rescore).read().strip().splitlines()[-1])
+        saved = load_result(args.rescore)
         result = rescore(saved, args.costs, args.tolerance)
     else:
         result = validate(args)
