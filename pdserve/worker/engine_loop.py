@@ -4,10 +4,12 @@
     loop thread: while work: outputs = engine.step(observer); each output -> its stream's queue;
                  the duration of each step that had work goes to observe_step (a metric), to
                  steps_total / step_seconds_total (WorkerStatus), and with what the step computed
-                 (LLMEngine.last_step) and the loop's own time before it to the step trace: the
+                 (LLMEngine.last_step), its start and the loop's own time before it to the step trace: the
                  latest STEP_TRACE_LEN steps, numbered from 1, which the Worker service's Steps
                  call reads (`pdserve sim calibrate --in-cluster` fits the simulator's costs to them)
     abort(): engine.abort (blocks freed now) and the stream ends with finish_reason "abort"
+    abort_later(): the stream ends now; the loop drops the request, then runs after_drop, at its
+    next turn (gRPC's call-end callbacks: they must not wait for the step in flight)
     a step that raises: every request in flight is aborted (blocks freed) and its stream ends
     with finish_reason "error"; the loop keeps serving new requests. After max_failed_steps
     failures in a row it calls on_failing once (the worker then takes itself out of routing:
