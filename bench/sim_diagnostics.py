@@ -44,7 +44,7 @@ tail   what sets a cell's ITL tail, from a saved `bench.sim_validate --json` res
        p99 is a prefill step when that share is above 1%, a decode-only step when below.
 fit    the step formula fitted to a saved result's own real steps (every rep's `steps.real.trace`),
        written to --out with the rest (transfer, hardware, request overhead) of --costs (default:
-       the result's): the best any price per step shape can do on those very runs. Rescore the
+       the result's): the best the model's step formula can do on those very runs. Rescore the
        result with it (`bench.sim_validate --rescore FILE --costs COSTS`) to see how many misses a
        better calibration could remove; the fit's own relative error says how much of a step's time
        its shape does not explain. With --slowdown S each step's time is first divided by 1 + S x
@@ -75,7 +75,15 @@ import time
 from typing import Any
 
 from bench.common import environment, progress
-from bench.sim_validate import TOPOLOGIES, WORKLOADS, every_rep, load_result, trace_shape
+from bench.sim_validate import (
+    TOPOLOGIES,
+    WORKLOADS,
+    every_rep,
+    load_result,
+    real_trace,
+    trace_shape,
+    trace_span,
+)
 
 PREFILL_TOKENS = 128
 DECODE_STEPS = 30
@@ -260,7 +268,7 @@ def tail(args: argparse.Namespace) -> dict[str, Any]:
                          f"for example '1P+1D multi-turn 2' (its runs' topology, workload and rate)")
     real = []
     for row in rows:
-        trace = (row.get("steps") or {}).get("real", {}).get("trace")
+        trace = real_trace(row)
         if trace:
             steps = [(trace_shape(t), t[3]) for t in trace]
             real.append({**step_tail(steps), "itl_p99_ms": row["metrics"]["itl_p99_ms"]["real"]})
@@ -296,15 +304,15 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
     from sim.costs import load_costs, save_costs
 
     saved = load_result(args.result)
-    traces = [(row.get("steps") or {}).get("real", {}).get("trace") or () for row in every_rep(saved)]
+    traces = [real_trace(row) for row in every_rep(saved)]
     trace = [t for run in traces for t in run]
     if not trace:
         raise SystemExit(f"{args.result} keeps no real step trace (results written before 2026-12-06 15:13 "
                          "have none): run bench.sim_validate again")
-    if args.slowdown and any(len(t) < 7 for t in trace):
+    if args.slowdown and any(trace_span(t) is None for t in trace):
         raise SystemExit(f"--slowdown needs each step's worker and start, which {args.result} does not keep "
                          "(results from 2026-12-06 22:30 on do): run bench.sim_validate again")
-    shares = [s for run in traces for s in overlap_shares([(t[5], t[6], t[3]) for t in run])] \
+    shares = [s for run in traces for s in overlap_shares([trace_span(t) for t in run])] \
         if args.slowdown else [0.0] * len(trace)
     stretch = 1 + args.slowdown * np.array(shares)  # the time another worker's steps added (the model's)
     shapes, times = [trace_shape(t) for t in trace], np.array([t[3] for t in trace])
@@ -336,11 +344,12 @@ def overlap(args: argparse.Namespace) -> dict[str, Any]:
     costs = load_costs(args.costs or saved["costs"])
     runs, shares, ratios = [], [], []
     for row in every_rep(saved):
-        trace = [t for t in (row.get("steps") or {}).get("real", {}).get("trace") or () if len(t) >= 7]
+        trace = [t for t in real_trace(row) if trace_span(t) is not None]
         if not trace:
             continue
-        share = overlap_shares([(t[5], t[6], t[3]) for t in trace])
-        ratio = [t[3] / costs.step_s(list(trace_shape(t).prefill), t[1], t[2]) for t in trace]
+        share = overlap_shares([trace_span(t) for t in trace])
+        ratio = [span[2] / costs.step_s(list(s.prefill), s.decode_seqs, s.decode_context)
+                 for span, s in zip(map(trace_span, trace), map(trace_shape, trace))]
         shares += share
         ratios += ratio
         cell = f"{row['topology']} {row['workload']} {row['rate']:g}"

@@ -101,6 +101,17 @@ def every_rep(saved: dict[str, Any]) -> list[dict[str, Any]]:
     return [row for rep in [saved["runs"], *saved.get("later_reps", [])] for row in rep]
 
 
+def real_trace(row: dict[str, Any]) -> list[list]:
+    """A saved run's real step trace (real_steps_entry's rows); empty for runs that kept none."""
+    return ((row.get("steps") or {}).get("real") or {}).get("trace") or []
+
+
+def trace_span(step: list) -> tuple[str, float, float] | None:
+    """(worker, start, seconds) of a trace row; None for rows written before 2026-12-06 22:30, which
+    end at the gap."""
+    return (step[5], step[6], step[3]) if len(step) >= 7 else None
+
+
 def trace_shape(row: list) -> StepShape:
     """A real step of a result's trace ([prefill chunks as (new, before), decode sequences, their
     context, seconds, gap]) as the engine's StepShape."""
