@@ -35,8 +35,8 @@ $(STAMP): pyproject.toml | $(PY)
 
 setup: $(STAMP) ## create .venv and install pdserve with dev tools and the SmolLM2 model (idempotent)
 	@$(MAKE) --no-print-directory protos
-	@# pdserve's AVX2 kernels (the avx2 GEMV and decode attention), built once into torch's extension
-	@# cache (says why not, never fails)
+	@# pdserve's native CPU kernels (matmul, attention, pointwise), built once into torch's extension
+	@# cache; `auto` kernels use them where they built (says why not, never fails)
 	@$(PY) -m pdserve.engine.cpu_kernels
 
 # -I. keeps the folder path in the generated imports (`from protos.pdserve.v1 import x_pb2`).
@@ -54,7 +54,7 @@ define pytest_or_fail_on_none
 	exit $$rc
 endef
 
-test: setup ## run the whole test suite (12.3-18.0 minutes of pytest on 2 cores in twenty-one clean-clone runs on 2026-12-05 and 06, the slowest in a slow spell of the machine; the budget is 20)
+test: setup ## run the whole test suite (under 20 minutes on 2 cores; docs/benchmarks.md gives the last clean-clone run)
 	$(call pytest_or_fail_on_none,)
 
 # The tests marked slow (tests/conftest.py marks every test that loads SmolLM2 or starts Ray) are left out.
