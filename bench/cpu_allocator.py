@@ -6,8 +6,8 @@
 glibc's thresholds are process-wide and cannot be set back, so each side runs in a process of its
 own: per rep, one child process with retain_freed_memory True and one with False, in alternating
 order, so a drifting machine hits both alike. A child loads SmolLM2, builds bench.engine's Ours,
-runs bench.prefill_ttft's workloads once untimed (the first touch of every buffer, which both sides
-pay), then twice timed: cold (2,048 tokens, nothing cached), warm128 (128 new tokens after 1,920
+runs the workloads below once untimed (the first touch of every buffer, which both sides pay), then
+twice timed (one_rep): cold (2,048 tokens, nothing cached), warm128 (128 new tokens after 1,920
 cached) and suffix14 (14 after 1,920). It reports each workload's faster rep, the minor page faults of
 its timed reps (getrusage) and its resident memory at the end. Reported: medians over --reps of each
 side, and off ÷ on per workload (above 1: keeping freed memory is faster).
@@ -39,6 +39,25 @@ from bench.common import (
 
 SIDES = ("on", "off")
 WORKLOADS = ("cold", "warm128", "suffix14")
+PROMPT, CACHED, SUFFIX = 2048, 1920, 14  # bench.engine's cold, warm and suffix TTFT prompts
+
+
+def one_rep(ours: Any, prompt: list[int], cached: int, suffix: int, other: list[int]) -> dict[str, float]:
+    """Each workload's TTFT on this side, the cache emptied before each; `other` tokens end the
+    request that caches the prompt's first `cached` (whole blocks) before the warm workloads."""
+    def timed(ids: list[int], hit: int) -> float:
+        seconds, usage = ours.ttft(ids)
+        assert usage.cached_tokens == hit, f"{len(ids)} tokens found {usage.cached_tokens} cached, not {hit}"
+        return seconds
+
+    def after_cached(ids: list[int]) -> float:
+        ours.reset()
+        ours.ttft(prompt[:cached] + other)
+        return timed(ids, cached)
+
+    ours.reset()
+    return {"cold": timed(prompt, 0), "warm128": after_cached(prompt),
+            "suffix14": after_cached(prompt[:cached + suffix])}
 
 
 def resident_mib() -> float:
@@ -50,7 +69,6 @@ def resident_mib() -> float:
 def child(side: str, threads: int, kernels: dict[str, str], seed: int) -> dict[str, Any]:
     """One side in this process: its workloads' times, page faults and resident memory."""
     from bench.engine import Ours, random_prompt
-    from bench.prefill_ttft import CACHED, PROMPT, SUFFIX, one_rep
     from pdserve.engine.weights import load_model
 
     set_threads(threads)
