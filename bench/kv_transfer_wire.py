@@ -35,14 +35,13 @@ Codecs (same method, same protobuf bytes on the wire, so either end may use eith
   raw    pdserve/transfer/kvchunk.py, what production uses: KVChunk's two length-delimited
          fields written and read by hand, one copy on the sender, zero-copy on the receiver
 
-Pieces for bench/kv_transfer.py: GRPC_OPTIONS, make_pool, PoolReceiver, add_pool_receiver,
-transfer_frames, push_pool.
+The pool, its receiver and the frames are sim/wire.py's, which `pdserve sim calibrate` times alone;
+bench/kv_transfer.py calls measure as it is.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import socket
 import struct
@@ -50,7 +49,7 @@ import subprocess
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,40 +59,37 @@ import grpc
 import torch
 
 from bench.common import bench_parser, environment, format_table, median, progress, publish, ratio, timed
-from pdserve.engine.kv_format import KV_FORMATS, TORCH_DTYPES
+from pdserve.engine.kv_format import KV_FORMATS
 from pdserve.kvwire import (
-    ChecksumError,
     KVLayout,
     LayerChunkHeader,
-    TransferBegin,
-    TransferEnd,
-    WireError,
     block_checksum,
     decode_header,
     decode_layer,
-    encode_layer,
-    receive_layer,
 )
 from pdserve.transfer.frames import DEFAULT_MAX_CHUNK_BYTES
 from pdserve.transfer.kvchunk import parse_kv_chunk, serialize_kv_chunk
 from prefill_worker.channels import GrpcKVChannel
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 from protos.pdserve.v1 import kv_transfer_pb2_grpc as pb_grpc
+from sim.wire import (
+    FINGERPRINT,
+    GRPC_OPTIONS,
+    MIB,
+    PUSH_TIMEOUT_S,
+    SERVICE,
+    Frame,
+    PoolReceiver,
+    add_pool_receiver,
+    keep_freed_memory,
+    make_pool,
+    transfer_frames,
+)
 
-MIB = 1 << 20
-SERVICE = "pdserve.v1.KVTransfer"
 PUSH_METHOD = f"/{SERVICE}/Push"
-MAX_MESSAGE_BYTES = 16 * MIB  # far above any chunk; set on both ends, never left to defaults
 # NOTE: HTTP/2 tuning (bdp_probe off, 16 MiB frames, a 32 MiB stream window, bigger TCP reads)
 # moved nothing beyond run-to-run noise on a 2-vCPU VM; try more with --grpc-arg.
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
-FINGERPRINT = "bench-kv-transfer-wire"
-PUSH_TIMEOUT_S = 600.0
 DISCARD_METHOD = "/pdserve.bench.Discard/Push"  # --floor: gRPC with no codec on either end
-Frame = tuple[bytes, bytes]  # (msgpack header, payload)
 
 
 def grpc_options(extra: Sequence[str] = ()) -> list[tuple[str, int | str]]:
@@ -105,115 +101,7 @@ def grpc_options(extra: Sequence[str] = ()) -> list[tuple[str, int | str]]:
     return list({**dict(GRPC_OPTIONS), **overrides}.items())
 
 
-# -- pools --------------------------------------------------------------------------------
-
-
-def make_pool(mib: int, kv_dtype: str, layers: int = 32, block_size: int = 16, kv_heads: int = 8,
-              head_dim: int = 128, fill: bool = True) -> torch.Tensor:
-    """A pool kv[layers, 2, blocks, block_size, kv_heads, row] of `mib` MiB (random bytes, or
-    zeros), blocks = mib MiB / (layers x block bytes); a Llama-3-8B-like head geometry."""
-    dtype, row = TORCH_DTYPES[kv_dtype], KV_FORMATS[kv_dtype].row_width(head_dim)
-    per_block = 2 * block_size * kv_heads * row * dtype.itemsize * layers
-    if (mib * MIB) % per_block:
-        raise ValueError(f"{mib} MiB is not a whole number of {per_block}-byte blocks")
-    shape = (layers, 2, mib * MIB // per_block, block_size, kv_heads, row)
-    if not fill:
-        return torch.zeros(shape, dtype=dtype)
-    raw = torch.randint(0, 256, (mib * MIB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    return raw.view(dtype).view(shape)
-
-
-def keep_freed_memory() -> bool:
-    """Stop glibc handing freed multi-MiB buffers back to the kernel (True if it took).
-
-    NOTE: every chunk allocates a few fresh 2 MiB buffers (payload bytes, the serialised
-    message, gRPC's copies); with glibc's default thresholds many go back to the kernel when
-    freed, and the next chunk page-faults them in again (80-160 faults per MiB sent measured on
-    a 2-vCPU VM, none after this). Workers can get the same with MALLOC_MMAP_THRESHOLD_ and
-    MALLOC_TRIM_THRESHOLD_ in their environment.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False  # not glibc: nothing to tune
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(libc.mallopt(m_mmap_threshold, 64 * MIB) and libc.mallopt(m_trim_threshold, 256 * MIB))
-
-
-# -- receiver -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Received:
-    transfer_id: str
-    blocks_written: int  # (layer, block) pairs
-    bytes_received: int
-
-
-@dataclass(frozen=True)
-class PoolReceiver:
-    """Writes one transfer into a bare pool: sequence block position p lands in pool block p.
-
-    Fails closed: any WireError stops the transfer at that frame (what was written stays
-    unused: a bare pool has no reservation to free)."""
-
-    kv_cache: torch.Tensor
-    layout: KVLayout
-    native: bool = True  # receive_layer's path: kv_blocks.cpp, or the Python one
-
-    def receive(self, frames: Iterable[tuple[bytes | memoryview, bytes | memoryview]]) -> Received:
-        it = iter(frames)
-        begin = self._begin(next(it, None))
-        written = received = 0
-        for header, payload in it:
-            frame = decode_header(header)
-            if isinstance(frame, TransferEnd):
-                return self._end(begin, frame, written, received)
-            if not isinstance(frame, LayerChunkHeader) or frame.transfer_id != begin.transfer_id:
-                raise WireError(f"transfer {begin.transfer_id}: unexpected frame {frame!r:.120}")
-            receive_layer(self.kv_cache, frame, payload, self.layout, frame.positions, self.native)
-            written, received = written + len(frame.positions), received + len(payload)
-        raise WireError(f"transfer {begin.transfer_id}: stream ended before END")
-
-    def _begin(self, first: Any) -> TransferBegin:
-        begin = decode_header(first[0]) if first is not None else None
-        if not isinstance(begin, TransferBegin):
-            raise WireError(f"a transfer must open with BEGIN, got {begin!r:.120}")
-        mismatch = begin.layout.first_mismatch(self.layout)
-        if mismatch:
-            raise WireError(f"transfer {begin.transfer_id}: KV layout mismatch, {mismatch}")
-        if begin.positions and max(begin.positions) >= self.kv_cache.shape[2]:
-            raise WireError(f"transfer {begin.transfer_id}: position {max(begin.positions)} beyond "
-                            f"this pool's {self.kv_cache.shape[2]} blocks")
-        return begin
-
-    def _end(self, begin: TransferBegin, end: TransferEnd, written: int, received: int) -> Received:
-        expected = self.layout.num_layers * len(begin.positions)
-        if (end.total_blocks, end.total_bytes) != (written, received) or written != expected:
-            raise WireError(f"transfer {begin.transfer_id}: END says {end.total_blocks} blocks / "
-                            f"{end.total_bytes} bytes, got {written} / {received}, "
-                            f"expected {expected} blocks")
-        return Received(begin.transfer_id, written, received)
-
-
-def add_pool_receiver(server: grpc.Server, receiver: PoolReceiver, codec: str = "raw") -> None:
-    """Serve /pdserve.v1.KVTransfer/Push on `server` into `receiver`'s pool."""
-
-    def push(requests: Iterator[Any], context: grpc.ServicerContext) -> pb.PushReply:
-        frames = requests if codec == "raw" else ((m.header, m.payload) for m in requests)
-        try:
-            got = receiver.receive(frames)
-        except ChecksumError as e:
-            context.abort(grpc.StatusCode.DATA_LOSS, str(e))
-        except WireError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return pb.PushReply(transfer_id=got.transfer_id, blocks_written=got.blocks_written,
-                            bytes_received=got.bytes_received)
-
-    deserialize = parse_kv_chunk if codec == "raw" else pb.KVChunk.FromString
-    handler = grpc.stream_unary_rpc_method_handler(push, request_deserializer=deserialize,
-                                                   response_serializer=pb.PushReply.SerializeToString)
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {"Push": handler})])
+# -- receivers ----------------------------------------------------------------------------
 
 
 def add_discarding_receiver(server: grpc.Server) -> None:
@@ -228,22 +116,6 @@ def add_discarding_receiver(server: grpc.Server) -> None:
 
 
 # -- sender ---------------------------------------------------------------------------------
-
-
-def transfer_frames(kv_cache: torch.Tensor, layout: KVLayout, transfer_id: str, block_ids: Sequence[int],
-                    positions: Sequence[int], max_chunk_bytes: int, native: bool = True) -> Iterator[Frame]:
-    """BEGIN, every layer's blocks as encode_layer chunks (on its native or Python path), END."""
-    num_tokens = (max(positions, default=-1) + 1) * layout.block_size
-    begin = TransferBegin(transfer_id, transfer_id, layout, tuple(range(num_tokens)), num_tokens, 0,
-                          tuple(positions))
-    yield begin.encode(), b""
-    total = 0
-    for layer in range(layout.num_layers):
-        for frame in encode_layer(kv_cache, layer, block_ids, positions, transfer_id, max_chunk_bytes,
-                                  native=native):
-            total += len(frame[1])
-            yield frame  # as it is: a PackedFrame is serialised without a copy
-    yield TransferEnd(transfer_id, layout.num_layers * len(block_ids), total).encode(), b""
 
 
 def push_pool(channel: grpc.Channel, frames: Iterator[Frame], codec: str = "raw") -> pb.PushReply:

@@ -7,12 +7,12 @@
               fitted to them by least squares with non-negative coefficients: a token curve (the
               step's cost by the rows its matmuls multiply, at CURVE_KNOTS) plus the attention terms
               (fit_step_costs)
-    sharing   bench/sim_diagnostics.py's pair measurement (not with --quick): two engine processes
+    sharing   sim/sharing.py's pair measurement (not with --quick): two engine processes
               stepping together against one alone; the mean of its three ratios, less 1, is the
               step's shared_machine_slowdown (sim/costs.py)
-    transfer  bench/kv_transfer_wire.py's gRPC push of a small and a large KV payload between two
-              processes: bandwidth from the large one, per-frame latency from what the small one
-              took beyond its bytes / bandwidth
+    transfer  sim/wire.py's gRPC push of a small and a large KV payload between two processes:
+              bandwidth from the large one, per-frame latency from what the small one took beyond
+              its bytes / bandwidth
     hardware  bytes per token and blocks per worker from the model's config and CacheConfig
 
 Not pure: it loads torch and the model, which is why it is only imported when the command runs.
@@ -21,6 +21,7 @@ Not pure: it loads torch and the model, which is why it is only imported when th
 from __future__ import annotations
 
 import platform
+import sys
 import time
 from dataclasses import replace
 from typing import Any
@@ -183,25 +184,27 @@ def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def measure_transfer(progress: bool) -> TransferCosts:
-    from bench.kv_transfer_wire import MIB, Case, measure
+    from sim.wire import MIB, push_seconds
 
-    results = {}
-    for mib in tqdm(WIRE_MIB, desc="calibrate: KV transfer (gRPC)", disable=not progress):
-        results[mib] = measure(Case(mib, "float32", 3, 2 * MIB, "raw"))
-    small, large = results[WIRE_MIB[0]], results[WIRE_MIB[-1]]
-    bandwidth = WIRE_MIB[-1] * MIB / large["grpc_s"]
-    frames = 32  # bench.kv_transfer_wire.make_pool's layers: one frame per layer at least
-    latency = max(0.0, (small["grpc_s"] - WIRE_MIB[0] * MIB / bandwidth) / frames)
+    seconds = {mib: push_seconds(mib, "float32", reps=3, chunk_bytes=2 * MIB)
+               for mib in tqdm(WIRE_MIB, desc="calibrate: KV transfer (gRPC)", disable=not progress)}
+    bandwidth = WIRE_MIB[-1] * MIB / seconds[WIRE_MIB[-1]]
+    frames = 32  # sim.wire.make_pool's layers: one frame per layer at least
+    latency = max(0.0, (seconds[WIRE_MIB[0]] - WIRE_MIB[0] * MIB / bandwidth) / frames)
     return TransferCosts(bandwidth, latency)
 
 
 def _measure_sharing(threads: int, progress: bool) -> dict[str, Any]:
-    from bench.common import progress as say
-    from bench.sim_diagnostics import measure_pair
+    from sim.sharing import measure_pair
 
-    pair = measure_pair(threads, say=say if progress else lambda _: None)
+    pair = measure_pair(threads, say=_say if progress else lambda _: None)
     ratios = {k: round(v, 3) for k, v in pair.items() if k.endswith("_together_over_alone")}
     return {"slowdown": round(max(0.0, float(np.mean(list(ratios.values()))) - 1), 3), **ratios}
+
+
+def _say(line: str) -> None:
+    """A progress line on stderr, between the progress bars."""
+    tqdm.write(f"calibrate: {line}", file=sys.stderr)
 
 
 def _loadavg() -> tuple[float, float, float]:

