@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field, replace
 
 from pdserve.field_error import FieldError
+from pdserve.settings import not_a_setting
+from pdserve.settings import setting as user_setting  # NOTE: __post_init__ names a kernel field `setting`
 
 
 @dataclass(frozen=True)
@@ -85,15 +87,34 @@ class CacheConfig:
     """The paged KV cache: block size, dtype and how many blocks the pool holds; and the tiers
     below it (engine/host_tier.py, engine/disk_tier.py), off unless sized."""
 
-    block_size: int = 16
-    kv_dtype: str = "float32"
-    num_blocks: int | None = None  # None: derived from kv_cache_gib
-    kv_cache_gib: float = 1.0
-    enable_prefix_caching: bool = True
-    host_cache_gib: float = 0.0  # the host-memory tier; 0: none (an evicted block is gone)
-    host_num_blocks: int | None = None  # None: derived from host_cache_gib
-    disk_cache_dir: str | None = None  # the disk tier under the host tier; None: none
-    disk_cache_gib: float = 4.0  # the disk tier's bound
+    block_size: int = user_setting(16, flag="--block-size", key="cache.block_size",
+                              help="tokens per KV block; the same on every worker")
+    kv_dtype: str = user_setting("float32", flag="--kv-dtype", key="cache.kv_dtype", choices=KV_DTYPES,
+                            help="KV cache element type: int8 and fp8 quantize K/V per token and KV head "
+                                 "with a float32 scale, about 3.8x float32's tokens")
+    num_blocks: int | None = user_setting(
+        None, flag="--num-blocks", key="cache.num_blocks", metavar="N",
+        help="KV blocks per worker (default: as many as cache.kv_cache_gib holds)")
+    kv_cache_gib: float = user_setting(
+        1.0, flag="--kv-cache-gib", key="cache.kv_cache_gib", metavar="GIB",
+        help="KV cache memory per worker in GiB, when cache.num_blocks is not given")
+    enable_prefix_caching: bool = not_a_setting(True, why="the router's prefix index counts on every worker "
+                                                          "caching; engine tests turn it off")
+    # the host-memory tier; 0: none (an evicted block is gone)
+    host_cache_gib: float = user_setting(
+        0.0, flag="--host-cache-gib", key="cache.host_cache_gib", metavar="GIB",
+        help="host-memory KV tier per worker in GiB: evicted blocks are copied there and loaded back on a "
+             "prefix hit instead of recomputed; 0 = off (docs/deploy.md)")
+    # None: derived from host_cache_gib
+    host_num_blocks: int | None = not_a_setting(
+        None, why="tests size the host tier in blocks; a cluster gives cache.host_cache_gib")
+    disk_cache_dir: str | None = user_setting(
+        None, flag="--disk-cache-dir", key="cache.disk_cache_dir", metavar="DIR",
+        help="disk KV tier under the host tier, one subfolder per worker: blocks leaving host memory are "
+             "written there and a restarted worker comes back warm (default: off)")
+    disk_cache_gib: float = user_setting(
+        4.0, flag="--disk-cache-gib", key="cache.disk_cache_gib", metavar="GIB",
+        help="bound of each worker's disk tier in GiB")
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -143,8 +164,11 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching: a token budget per step (chunked prefill) and a cap on sequences."""
 
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
+    max_num_batched_tokens: int = user_setting(
+        2048, flag="--max-batched-tokens", key="scheduler.max_batched_tokens", metavar="N",
+        help="token budget of one engine step: the prefill chunk size")
+    max_num_seqs: int = user_setting(64, flag="--max-num-seqs", key="scheduler.max_num_seqs", metavar="N",
+                                help="most sequences one worker runs at once; more wait")
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
@@ -152,9 +176,24 @@ class SchedulerConfig:
                 raise FieldError(name, "must be >= 1", getattr(self, name))
 
 
-LINEAR_KERNELS = ("matmul", "onednn", "avx2")
-ATTENTION_KERNELS = ("sdpa", "avx2")
-POINTWISE_KERNELS = ("torch", "avx2")
+# Each kernel setting's values: auto (the default) picks native where the CPU and the built extension
+# support it, else torch's (pdserve/engine/kernel_choice.py); native is pdserve's own kernels (AVX2,
+# and AVX-512 where the CPU has it; pdserve/engine/cpu_kernels.py).
+LINEAR_KERNELS = ("auto", "matmul", "onednn", "native")
+ATTENTION_KERNELS = ("auto", "sdpa", "native")
+POINTWISE_KERNELS = ("auto", "torch", "native")
+KERNEL_ALIASES = {"avx2": "native"}  # the native kernels' name before they ran AVX-512 too
+
+
+def normalize_kernel(name: str) -> str:
+    """A kernel setting's value as EngineConfig keeps it: an alias becomes the name it stands for."""
+    return KERNEL_ALIASES.get(name, name)
+
+
+
+def _kernel_help(text: str) -> str:
+    aliases = ", ".join(f"{alias} = {name}, its old name" for alias, name in KERNEL_ALIASES.items())
+    return f"{text}; {aliases}" if aliases else text
 
 
 def cpu_threads_per_worker(workers: int) -> int:
@@ -164,38 +203,66 @@ def cpu_threads_per_worker(workers: int) -> int:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    """Every worker's engine: the model, its KV cache, batching, kernels and threads."""
+
+    model_path: str | None = user_setting(None, flag="--model", key="model", is_path=True, metavar="PATH",
+                                     help="Hugging Face Llama-family folder or .gguf file; in a config file, "
+                                          "relative to the file (default: the embedded "
+                                          "SmolLM2-135M-Instruct)")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    device: str | None = None  # None: cuda when present, else cpu
-    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    device: str | None = not_a_setting(None, why="cuda where the worker has a GPU (gpus_per_worker), else "
+                                                 "cpu")  # None: cuda when present, else cpu
+    # NOTE: one declaration of a worker's torch threads. None means torch's default to an engine alone;
+    # `pdserve up` resolves it before a worker starts, to the machine's cores divided among its workers
+    # (deploy/launcher.py), since only the launcher knows how many share the machine.
+    num_threads: int | None = user_setting(None, flag="--torch-threads", key="torch_threads", metavar="N",
+                                      help="torch intra-op threads of each CPU worker; fewer leaves cores to "
+                                           "the router and clients on the same machine (default: pdserve up "
+                                           "divides the machine's cores among its workers)")
     # The matmul kernel (pdserve/engine/linear.py): matmul is torch's own (what transformers runs;
-    # test_oracle's 1e-4); onednn is 2-3x faster for prefill and batched decode on x86 CPUs but sums in
-    # another order (logits within 5e-3 of transformers', greedy tokens equal in the tests).
-    linear_kernel: str = "matmul"
+    # test_oracle's 1e-4); onednn is oneDNN's, over its packed layout; native is pdserve's panel matmul.
+    # onednn and native sum in other orders (greedy tokens equal to transformers' in the tests).
+    linear_kernel: str = user_setting(
+        "auto", flag="--linear-kernel", key="linear_kernel", choices=LINEAR_KERNELS,
+        help=_kernel_help(
+            "every worker's matmul kernel: auto = native where the CPU and the built extension support "
+            "it, else matmul; matmul = torch's own, as transformers runs it; onednn = oneDNN's; native = "
+            "pdserve's own (docs/benchmarks.md)"))
     # Attention (pdserve/engine/model.py): sdpa is torch's, over each sequence's blocks gathered into a
-    # dense copy; avx2 is pdserve's own paged kernels, for decode rows (decode_attention.cpp) and
+    # dense copy; native is pdserve's own paged kernels, for decode rows (decode_attention.cpp) and
     # prefill chunks (prefill_attention.cpp), reading the rows in the pool, float32 caches only.
-    attention_kernel: str = "sdpa"
+    attention_kernel: str = user_setting(
+        "auto", flag="--attention-kernel", key="attention_kernel", choices=ATTENTION_KERNELS,
+        help=_kernel_help(
+            "every worker's attention: auto = native where the CPU, the built extension and the KV dtype "
+            "support it, else sdpa; sdpa = torch's, over each sequence's blocks gathered into a dense "
+            "copy; native = pdserve's paged kernels, reading the rows where they lie in the pool (float32"
+            ' KV cache only)'))
     # RMSNorm, the residual add, RoPE and SiLU·up (pdserve/engine/pointwise.py): torch is torch's ops
-    # (bit-equal to transformers); avx2 is pdserve's fused kernels, one pass each (norm and SiLU within
-    # a few ulp of torch's).
-    pointwise_kernel: str = "torch"
+    # (bit-equal to transformers); native is pdserve's fused kernels, one pass each (norm and SiLU
+    # within a few ulp of torch's).
+    pointwise_kernel: str = user_setting(
+        "auto", flag="--pointwise-kernel", key="pointwise_kernel", choices=POINTWISE_KERNELS,
+        help=_kernel_help(
+            "every worker's RMSNorm, residual add, RoPE and SiLU-up: auto = native where the CPU and the "
+            "built extension support it, else torch; torch = torch's ops, as transformers runs them; "
+            "native = pdserve's fused kernels, one pass over the rows each"))
     # On the CPU, keep freed memory in the process (pdserve/engine/cpu_allocator.py): a step's large
     # temporaries reuse mapped pages instead of faulting fresh ones in. Process-wide once set.
-    retain_freed_memory: bool = True
+    retain_freed_memory: bool = not_a_setting(True, why="the allocator's behaviour, process-wide; "
+                                                        "benchmarks turn it off to measure it")
 
     def __post_init__(self) -> None:
-        if self.linear_kernel not in LINEAR_KERNELS:
-            raise FieldError("linear_kernel", f"must be one of {', '.join(LINEAR_KERNELS)}",
-                             self.linear_kernel)
-        if self.attention_kernel not in ATTENTION_KERNELS:
-            raise FieldError("attention_kernel", f"must be one of {', '.join(ATTENTION_KERNELS)}",
-                             self.attention_kernel)
-        if self.pointwise_kernel not in POINTWISE_KERNELS:
-            raise FieldError("pointwise_kernel", f"must be one of {', '.join(POINTWISE_KERNELS)}",
-                             self.pointwise_kernel)
-        if self.attention_kernel == "avx2" and self.cache.kv_dtype != "float32":
-            raise FieldError("attention_kernel", f"must be sdpa with kv_dtype {self.cache.kv_dtype} (avx2 "
-                             "reads float32 K/V rows only: use kv_dtype float32 for it)",
+        if self.num_threads is not None and self.num_threads < 1:
+            raise FieldError("num_threads", "must be >= 1", self.num_threads)
+        for setting, known in (("linear_kernel", LINEAR_KERNELS), ("attention_kernel", ATTENTION_KERNELS),
+                               ("pointwise_kernel", POINTWISE_KERNELS)):
+            value = normalize_kernel(getattr(self, setting))
+            if value not in known:
+                raise FieldError(setting, f"must be one of {', '.join(known)}", getattr(self, setting))
+            object.__setattr__(self, setting, value)  # NOTE: frozen; the one place an alias becomes its name
+        if self.attention_kernel == "native" and self.cache.kv_dtype != "float32":
+            raise FieldError("attention_kernel", f"must be sdpa or auto with kv_dtype {self.cache.kv_dtype} "
+                             "(native reads float32 K/V rows only: use kv_dtype float32 for it)",
                              self.attention_kernel)

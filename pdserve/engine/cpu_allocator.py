@@ -14,6 +14,9 @@ allocator keeps its blocks (14 MiB more resident memory in that bench).
 
     retain_freed_memory()   set glibc's thresholds (once per process); False where the process's
                             malloc is not glibc's (then nothing changes)
+    release_freed_memory()  give the free pages of the heap back to the system now (malloc_trim): once,
+                            after the weights as loaded are freed (LLMEngine.from_config), since the
+                            retained heap would otherwise keep their transient copies resident
 """
 
 from __future__ import annotations
@@ -32,6 +35,22 @@ _M_MMAP_THRESHOLD = -3
 # own (served from the heap, it can strand the heap's free chunks: its alignment padding outgrows them).
 MMAP_THRESHOLD_BYTES = 32 * 2**20
 TRIM_THRESHOLD_BYTES = (1 << 31) - 1  # never give the heap's free top back (an int's largest value)
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"))
+    except (OSError, TypeError):  # no C library by that name
+        return None
+
+
+def release_freed_memory() -> bool:
+    """Return the heap's free pages to the system (glibc's malloc_trim); False where there is none."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:
+        return False
+    trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    return trim(0) == 1
 
 
 @cache

@@ -53,11 +53,12 @@ import torch
 
 from pdserve.engine.block_pool import BlockPool, Discarded, TierUsage
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.cpu_allocator import retain_freed_memory
+from pdserve.engine.cpu_allocator import release_freed_memory, retain_freed_memory
 from pdserve.engine.events import KVEventPublisher, NullPublisher
 from pdserve.engine.handoff import KVHandoff, Reservation
 from pdserve.engine.hashing import BlockHash, engine_salt
 from pdserve.engine.host_tier import build_lower_tier
+from pdserve.engine.kernel_choice import choose_kernels, find_support
 from pdserve.engine.linear import select_linear
 from pdserve.engine.model import LlamaModel, select_attention
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
@@ -137,10 +138,14 @@ class LLMEngine:
         self.device = select_device(config.device)
         if self.device.type == "cpu" and config.retain_freed_memory:
             retain_freed_memory()  # NOTE: prefill's large temporaries stop faulting their pages in each step
+        # NOTE: auto resolved once, here; self.kernels says what runs and why (the worker logs it and
+        # reports it in its Status).
+        self.kernels = choose_kernels(config.linear_kernel, config.attention_kernel, config.pointwise_kernel,
+                                      find_support(self.device.type, config.cache.kv_dtype))
         self.model = LlamaModel(loaded.config, loaded.state_dict, self.device,
-                                select_linear(self.device, config.linear_kernel),
-                                select_attention(self.device, config.attention_kernel),
-                                select_pointwise(self.device, config.pointwise_kernel))
+                                select_linear(self.device, self.kernels.linear.kernel),
+                                select_attention(self.device, self.kernels.attention.kernel),
+                                select_pointwise(self.device, self.kernels.pointwise.kernel))
         cache = config.cache
         self.block_size = cache.block_size
         num_blocks = cache.resolve_num_blocks(loaded.config)
@@ -164,7 +169,12 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True,
                     publisher: KVEventPublisher | None = None) -> LLMEngine:
-        return cls(load_model(config.model_path, progress=progress), config, publisher)
+        """Load the model and build the engine; the weights as loaded are freed once prepared (the
+        engine keeps its kernels' copies only), and their pages go back to the system."""
+        engine = cls(load_model(config.model_path, progress=progress), config, publisher)
+        if engine.device.type == "cpu":
+            release_freed_memory()
+        return engine
 
     # --- requests ---------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams,

@@ -6,10 +6,10 @@ decode tokens and prefill chunks of several sequences:
 
     hidden [T, d] --(per layer)--> q,k,v --RoPE--> write k,v at slot_mapping
         attention: decode tokens  -> pdserve's paged kernel over their block tables
-                                     (attention_kernel avx2), or SDPA over gathered
+                                     (attention_kernel native), or SDPA over gathered
                                      groups of similar length (sdpa)
                    prefill chunks -> pdserve's paged flash kernel over the chunk's
-                                     block table (avx2), or one causal SDPA per
+                                     block table (native), or one causal SDPA per
                                      chunk (sdpa: fresh K/V when the chunk starts
                                      at 0, else gathered and masked)
     --> norm --> lm_head on the sampled rows only
@@ -39,7 +39,7 @@ from pdserve.engine import cpu_kernels
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.cpu_kernels import PagedDecodeAttention, PagedPrefillAttention
 from pdserve.engine.kv_format import KV_FORMATS, KVFormat, format_of
-from pdserve.engine.linear import Linear, MatmulLinear
+from pdserve.engine.linear import Linear, MatmulLinear, NativeLinear, PanelWeight, PreparedWeight
 from pdserve.engine.own_rows import OwnRows, attend_with_own_rows, own_rows_at, with_own_rows
 from pdserve.engine.pointwise import TorchPointwise
 from pdserve.units import ceil_div
@@ -119,7 +119,7 @@ def _context_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class PagedAttention:
-    """pdserve's own attention over the paged pool (attention_kernel avx2): it reads each K/V row
+    """pdserve's own attention over the paged pool (attention_kernel native): it reads each K/V row
     where it lies, through the block tables, for decode rows and prefill chunks alike."""
 
     decode: PagedDecodeAttention  # one query per sequence
@@ -127,16 +127,47 @@ class PagedAttention:
 
 
 def select_attention(device: torch.device, kernel: str = "sdpa") -> PagedAttention | None:
-    """The attention named by EngineConfig.attention_kernel: None for sdpa (the model's own)."""
+    """The attention named by EngineConfig.attention_kernel, once auto is resolved: None for sdpa
+    (the model's own)."""
     if kernel == "sdpa":
         return None
-    if kernel != "avx2":
-        raise ValueError(f"attention kernel {kernel!r}: use sdpa or avx2")
+    if kernel != "native":
+        raise ValueError(f"attention kernel {kernel!r}: use sdpa or native")
     if device.type != "cpu":
-        raise ValueError(f"attention_kernel 'avx2' runs on the CPU only, not on {device}; use sdpa")
+        raise ValueError(f"attention_kernel 'native' runs on the CPU only, not on {device}; use sdpa or auto")
     if cpu_kernels.unavailable():
-        raise ValueError(f"attention_kernel 'avx2' is not available: {cpu_kernels.unavailable()}")
+        raise ValueError(f"attention_kernel 'native' is not available: {cpu_kernels.unavailable()}; "
+                         "use sdpa or auto")
     return PagedAttention(cpu_kernels.paged_decode_attention(), cpu_kernels.paged_prefill_attention())
+
+
+def owned(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a loaded tensor that the model keeps as it is. NOTE: a loader's tensor can live in
+    a private mapping of the weights file (safetensors maps it), and keeping any one of them keeps
+    the whole file's pages resident beside the prepared copies."""
+    return tensor.clone()
+
+
+@dataclass(frozen=True)
+class EmbeddingTable:
+    """The embedding lookup: a table of its own, or, for a tied model whose lm_head's layout gives
+    rows back as they are (native's panels), that lm_head's copy, so the weight is kept once."""
+
+    table: torch.Tensor | None
+    head: PanelWeight | None = None
+
+    @staticmethod
+    def of(embed: torch.Tensor, tied_head: PreparedWeight | None) -> EmbeddingTable:
+        """tied_head: the lm_head prepared from `embed` (a tied model), else None."""
+        if isinstance(tied_head, PanelWeight):
+            return EmbeddingTable(None, tied_head)
+        return EmbeddingTable(owned(embed))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.head is not None:
+            return NativeLinear.rows(self.head, ids)
+        assert self.table is not None
+        return self.table[ids]
 
 
 class LlamaModel:
@@ -156,10 +187,12 @@ class LlamaModel:
         self.kv_size = c.num_kv_heads * c.head_dim
         self.scale = c.head_dim ** -0.5
         sd = {k: v.to(device=device, dtype=torch.float32) for k, v in state_dict.items()}
-        self.embed = sd["model.embed_tokens.weight"]
-        # NOTE: every matmul weight is stored as self.linear wants it (pdserve/engine/linear.py).
-        self.lm_head = self.linear.prepare(self.embed if c.tie_word_embeddings else sd["lm_head.weight"])
-        self.final_norm = sd["model.norm.weight"]
+        # NOTE: every matmul weight is stored as self.linear wants it (pdserve/engine/linear.py), and
+        # only so: nothing here keeps the weights as loaded, so they are freed with the loaded model.
+        embed = sd["model.embed_tokens.weight"]
+        self.lm_head = self.linear.prepare(embed if c.tie_word_embeddings else sd["lm_head.weight"])
+        self.embed = EmbeddingTable.of(embed, self.lm_head if c.tie_word_embeddings else None)
+        self.final_norm = owned(sd["model.norm.weight"])
         self.layers = [self._layer_weights(sd, i) for i in range(c.num_layers)]
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, device)
 
@@ -174,8 +207,8 @@ class LlamaModel:
             "o": prepare(sd[a + "o_proj.weight"]),
             "gate_up": prepare(torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]])),
             "down": prepare(sd[m + "down_proj.weight"]),
-            "ln1": sd[p + "input_layernorm.weight"],
-            "ln2": sd[p + "post_attention_layernorm.weight"],
+            "ln1": owned(sd[p + "input_layernorm.weight"]),
+            "ln2": owned(sd[p + "post_attention_layernorm.weight"]),
         }
 
     # --- paged forward ---------------------------------------------------------
@@ -183,7 +216,7 @@ class LlamaModel:
                 kv_cache: torch.Tensor, logit_rows: torch.Tensor,
                 on_layer_done: LayerDoneCallback | None = None) -> torch.Tensor:
         """Run T tokens through the model; returns float32 logits for logit_rows only."""
-        h = self.embed[input_ids]
+        h = self.embed.rows(input_ids)
         # NOTE: per-step tensors shared by every layer are built once here, not per layer:
         # at batch 1 a decode step is dominated by the count of small ops, not by FLOPs.
         rot = self.rope.at(positions)
@@ -325,7 +358,7 @@ class LlamaModel:
         fmt = KV_FORMATS[kv_dtype]
         ids = torch.tensor(token_ids, device=self.device)
         rot = self.rope.at(torch.arange(len(token_ids), device=self.device))
-        h = self.embed[ids]
+        h = self.embed.rows(ids)
         norm, eps = self.pointwise, self.config.rms_norm_eps
         for w in self.layers:
             x = norm.rms_norm(h, w["ln1"], eps)

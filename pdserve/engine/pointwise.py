@@ -1,15 +1,16 @@
 """The element-by-element work between a layer's products: RMSNorm, the residual add, RoPE, SiLU·up.
 
-    select_pointwise(device, kernel) -> TorchPointwise or FusedPointwise   (EngineConfig.pointwise_kernel)
-    POINTWISE_KERNELS (pdserve/engine/config.py) = ("torch", "avx2")
+    select_pointwise(device, kernel) -> TorchPointwise or FusedPointwise   (EngineConfig.pointwise_kernel,
+                                                                            auto resolved first)
+    POINTWISE_KERNELS (pdserve/engine/config.py) = ("auto", "torch", "native")
 
-torch (the default) is torch's own ops in the order Hugging Face's Llama runs them, so the
-model's logits stay bit-equal to transformers' (tests/engine/test_oracle.py). avx2 runs pdserve's
-fused kernels (pdserve/engine/pointwise.cpp): one pass over each row where torch makes five to
-eight, as vLLM's CPU build does with its fused_add_rms_norm, silu_and_mul and rotary_embedding.
-Its RoPE and residual sums are bit-equal to torch's; its norm and SiLU differ by a few ulp
-(tests/engine/test_pointwise.py), so it is an opt-in setting beside the avx2 linear and attention
-kernels, and the exactness suite runs the engine on it (the same test file).
+torch is torch's own ops in the order Hugging Face's Llama runs them, so the model's logits stay
+bit-equal to transformers' (tests/engine/test_oracle.py). native (what auto picks where the
+extension is built) runs pdserve's fused kernels (pdserve/engine/pointwise.cpp): one pass over each
+row where torch makes five to eight, as vLLM's CPU build does with its fused_add_rms_norm,
+silu_and_mul and rotary_embedding. Its RoPE and residual sums are bit-equal to torch's; its norm and
+SiLU differ by a few ulp (tests/engine/test_pointwise.py), and the exactness suite runs the engine
+on it (the same test file, and every test on the default kernels).
 
 A layer runs them as:
 
@@ -30,7 +31,6 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine import cpu_kernels
-from pdserve.engine.config import POINTWISE_KERNELS
 
 Rotation = tuple[torch.Tensor, torch.Tensor]  # cos and sin rows [T, 1, head_dim] (RotaryEmbedding.at)
 
@@ -67,7 +67,7 @@ class TorchPointwise:
 class FusedPointwise(TorchPointwise):
     """pdserve's fused kernels (pointwise.cpp), in place where the module docstring says."""
 
-    name = "avx2"
+    name = "native"
 
     def __init__(self) -> None:
         self._ops = torch.ops.pdserve
@@ -91,13 +91,16 @@ class FusedPointwise(TorchPointwise):
 
 
 def select_pointwise(device: torch.device, kernel: str = "torch") -> TorchPointwise:
-    """The kernel named by EngineConfig.pointwise_kernel."""
+    """The kernel named by EngineConfig.pointwise_kernel, once auto is resolved."""
     if kernel == "torch":
         return TorchPointwise()
-    if kernel != "avx2":
-        raise ValueError(f"pointwise kernel {kernel!r}: use {' or '.join(POINTWISE_KERNELS)}")
+    if kernel != "native":
+        raise ValueError(f"pointwise kernel {kernel!r}: use torch or native (or auto, resolved by "
+                         "pdserve/engine/kernel_choice.py)")
     if device.type != "cpu":
-        raise ValueError(f"pointwise_kernel 'avx2' runs on the CPU only, not on {device}; use torch")
+        raise ValueError(f"pointwise_kernel 'native' runs on the CPU only, not on {device}; "
+                         "use torch or auto")
     if cpu_kernels.unavailable():
-        raise ValueError(f"pointwise_kernel 'avx2' is not available: {cpu_kernels.unavailable()}")
+        raise ValueError(f"pointwise_kernel 'native' is not available: {cpu_kernels.unavailable()}; "
+                         "use torch or auto")
     return FusedPointwise()

@@ -44,7 +44,7 @@ from pdserve.engine.audit import KVAuditor
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.events import KVEventPublisher
 from pdserve.engine.llm_engine import LLMEngine, StepObserver
-from pdserve.engine.weights import LoadedModel, load_model
+from pdserve.engine.weights import LoadedModel
 from pdserve.grpc_options import ConnectionPolicy, server_options
 from pdserve.kvwire import KVLayout
 from pdserve.metrics import MetricsEndpoint
@@ -127,8 +127,9 @@ class WorkerServer:
             raise ValueError(f"a {role.name} role cannot serve a worker configured as {config.role!r}")
         self.config, self.role = config, role
         self.security = config.security or SecurityConfig()
-        loaded = loaded or load_model(config.engine.model_path, progress=False)
-        self.engine = LLMEngine(loaded, config.engine, publisher)
+        self.engine = (LLMEngine(loaded, config.engine, publisher) if loaded is not None
+                       else LLMEngine.from_config(config.engine, progress=False, publisher=publisher))
+        log.info("worker %s: kernels %s", config.worker_id, self.engine.kernels.describe())
         self.layout = KVLayout.of_cache(self.engine.kv_cache, self.engine.fingerprint)
         role.attach(self.engine, self.layout)
         self._on_failing = on_failing

@@ -1,0 +1,97 @@
+"""Which kernels an engine runs: EngineConfig's `auto` (or an explicit setting) resolved once, at build.
+
+    find_support(device, kv_dtype) -> KernelSupport        what this machine offers (probes torch and
+                                                            the extension: the one impure part)
+    choose_kernels(linear, attention, pointwise, support) -> KernelChoices   pure: each choice and why
+
+auto picks pdserve's native kernels (pdserve/engine/cpu_kernels.py) where the device is a CPU with
+AVX2 and the extension is built, and for attention where the KV dtype is one the native kernel reads
+(float32); else torch's: matmul, sdpa, torch (a CUDA device always gets those). An explicit setting
+is kept as set: the engine fails at build where it cannot run (pdserve/engine/linear.py and the
+other select_ functions say why), so a user who asked for a kernel never silently gets another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NATIVE_ATTENTION_KV_DTYPES = ("float32",)  # the K/V rows decode_attention.cpp and prefill_attention.cpp read
+TORCH_KERNELS = {"linear": "matmul", "attention": "sdpa", "pointwise": "torch"}
+ISA_NAMES = {"AVX512": "AVX-512", "AVX2": "AVX2"}
+
+
+@dataclass(frozen=True)
+class KernelSupport:
+    """What the native kernels need, as found where the engine runs."""
+
+    device_type: str  # torch.device.type: cpu, cuda, ...
+    cpu_capability: str  # torch.backends.cpu.get_cpu_capability(): AVX512, AVX2, DEFAULT, ...
+    extension_unavailable: str | None  # why pdserve's CPU kernels cannot be built or run; None: built
+    kv_dtype: str  # CacheConfig.kv_dtype
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    setting: str  # linear, attention or pointwise (EngineConfig's <setting>_kernel)
+    kernel: str  # what runs: never auto
+    reason: str  # why, in words
+
+    def describe(self) -> str:
+        return f"{self.setting} {self.kernel} ({self.reason})"
+
+
+@dataclass(frozen=True)
+class KernelChoices:
+    linear: KernelChoice
+    attention: KernelChoice
+    pointwise: KernelChoice
+
+    def all(self) -> tuple[KernelChoice, KernelChoice, KernelChoice]:
+        return self.linear, self.attention, self.pointwise
+
+    def describe(self) -> str:
+        """One line for a log: each setting's kernel and why."""
+        return "; ".join(choice.describe() for choice in self.all())
+
+
+def choose_kernels(linear: str, attention: str, pointwise: str, support: KernelSupport) -> KernelChoices:
+    """Each setting's kernel: an explicit one as set, auto resolved against `support`."""
+    native_reason, torch_reason = _native_or_why_not(support)
+    if support.kv_dtype not in NATIVE_ATTENTION_KV_DTYPES and torch_reason is None:
+        attention_torch_reason: str | None = (f"kv_dtype {support.kv_dtype}: the native attention reads "
+                                              f"{', '.join(NATIVE_ATTENTION_KV_DTYPES)} K/V rows only")
+    else:
+        attention_torch_reason = torch_reason
+    return KernelChoices(_choose("linear", linear, native_reason, torch_reason),
+                         _choose("attention", attention, native_reason, attention_torch_reason),
+                         _choose("pointwise", pointwise, native_reason, torch_reason))
+
+
+def _native_or_why_not(support: KernelSupport) -> tuple[str, str | None]:
+    """(why native, None) where the native kernels run; else (_, why torch's)."""
+    isa = ISA_NAMES.get(support.cpu_capability, support.cpu_capability)
+    native = f"auto: {isa} CPU, extension built"
+    if support.device_type != "cpu":
+        return native, f"auto: the device is {support.device_type}, the native kernels run on CPUs only"
+    if support.extension_unavailable is not None:
+        return native, f"auto: extension not built: {support.extension_unavailable}"
+    return native, None
+
+
+def _choose(setting: str, requested: str, native_reason: str, torch_reason: str | None) -> KernelChoice:
+    if requested != "auto":
+        return KernelChoice(setting, requested, f"set: {setting}_kernel {requested}")
+    if torch_reason is None:
+        return KernelChoice(setting, "native", native_reason)
+    return KernelChoice(setting, TORCH_KERNELS[setting], torch_reason)
+
+
+def find_support(device_type: str, kv_dtype: str) -> KernelSupport:
+    """This machine's answers: torch's CPU capability, and whether the extension builds (it is built
+    here on first use: seconds once, cached after)."""
+    import torch
+
+    from pdserve.engine import cpu_kernels
+
+    unavailable = cpu_kernels.unavailable() if device_type == "cpu" else None
+    return KernelSupport(device_type, torch.backends.cpu.get_cpu_capability(), unavailable, kv_dtype)
