@@ -20,8 +20,10 @@ from loadtest.workloads import WORKLOADS, make_workload, parse_params
 from sim.cluster import ROUTING, ClusterShape
 from sim.size import DEFAULT_SLO
 
-DEFAULT_CPU_COSTS = "sim/data/this_machine.json"
-GPU_COSTS = "sim/data/h100_llama8b.json"
+# The simulator's own cost files, found beside this module (the wheel ships them as package data), not
+# relative to where the command was started.
+DATA = Path(__file__).resolve().parent / "data"
+DEFAULT_CPU_COSTS, GPU_COSTS = str(DATA / "this_machine.json"), str(DATA / "h100_llama8b.json")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -69,7 +71,8 @@ def _add_arrivals(p: argparse.ArgumentParser) -> None:
         "--costs",
         default=DEFAULT_CPU_COSTS,
         metavar="FILE",
-        help=f"cost model JSON (default: %(default)s, from `pdserve sim calibrate`; GPU-shaped: {GPU_COSTS})",
+        help="cost model JSON (default: the simulator's sim/data/this_machine.json, from `pdserve sim "
+        f"calibrate`; GPU-shaped: {GPU_COSTS})",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
@@ -95,7 +98,8 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
         "batch and context) and a gRPC KV push; fit sim/costs.py; write JSON.",
     )
     p.add_argument(
-        "--out", default=DEFAULT_CPU_COSTS, metavar="FILE", help="where to write (default: %(default)s)"
+        "--out", default=DEFAULT_CPU_COSTS, metavar="FILE",
+        help="where to write (default: the simulator's sim/data/this_machine.json, read by `run` and `size`)"
     )
     p.add_argument("--quick", action="store_true",
                    help="one repetition per grid point instead of two, no decode batches of 4 or 8 "

@@ -53,3 +53,11 @@ def test_with_gpu_costs_disaggregation_wins_under_a_tight_itl_slo_and_colocated_
     assert loose["best"]["colocated"]
     by_split = {c["split"]: c["goodput_rps"] for c in loose["candidates"]}
     assert by_split["colocated x2"] > 1.5 * by_split["1P:1D"]
+
+
+def test_the_default_cost_file_is_found_from_any_working_directory(tmp_path, monkeypatch, capsys):
+    """`pdserve sim run` without --costs reads the simulator's own sim/data/this_machine.json, which the
+    wheel ships (tests/test_package_data.py), not a path relative to where it was started."""
+    monkeypatch.chdir(tmp_path)
+    rc = main(["sim", "run", "--workload", "synthetic", "--requests", "5", "--rate", "2", "--json"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["counts"]["completed"] == 5
