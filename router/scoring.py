@@ -54,10 +54,11 @@ class ScoringWeights:
     blocks_used: float = 32.0  # load added by a full KV pool (fraction x this)
     local_prefill_max_tokens: int = 256  # below this, the uncached part is prefilled on D
     # A lower tier's block costs this fraction of recomputing it: reload / recompute as measured by
-    # `python -m bench.kv_tiers` on this project's 2-core CPU machine (2026-12-02, load average 3.5:
-    # host 0.089, disk 0.057; docs/benchmarks.md). NOTE: disk measured below host there, which is
-    # the load's noise, not the hardware: disk is kept at host's until a quieter run separates them.
-    # Rerun the bench on other hardware (a GPU worker reloads over PCIe) and set these from it.
+    # `python -m bench.kv_tiers` on a 2-core CPU machine (its `host_reload_weight`,
+    # `disk_reload_weight`; docs/benchmarks.md, the KV tier rows). NOTE: disk measured below host
+    # there, which is the load's noise, not the hardware: disk is kept at host's until a quieter run
+    # separates them. Rerun the bench on other hardware (a GPU worker reloads over PCIe) and set
+    # these from it.
     host_reload: float = 0.09
     disk_reload: float = 0.09
 

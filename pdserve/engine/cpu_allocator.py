@@ -3,14 +3,13 @@
 A prefill step allocates and frees tensors of many megabytes (a 2,048-token chunk's gate/up product
 alone is 25 MB). glibc's malloc gives the heap's free top back to the system once it passes a moving
 threshold (at most 64 MB), and serves a request above its mmap threshold with an mmap of its own,
-unmapped on free; either way the next step faults those pages in again, zeroed (one-off strace and
-getrusage diagnostics: 255 brk calls and about 400,000 minor page faults per cold 2,048-token SmolLM2
-prefill, every time). With the heap never trimmed and requests up to 32 MB served from it, later
-prefills fault almost none, and a cold 2,048-token prefill runs 1.14x faster (`python -m
-bench.cpu_allocator`: 432 page faults against 490,240; docs/benchmarks.md, 2026-12-06). vLLM's CPU
+unmapped on free; either way the next step faults those pages in again, zeroed, on every cold
+prefill. With the heap never trimmed and requests up to 32 MB served from it, later prefills fault
+almost none and a cold prefill runs faster: `python -m bench.cpu_allocator` measures the page faults,
+the time and the resident memory of both sides. vLLM's CPU
 guide gets the same by asking its users to preload tcmalloc (its "Performance tips"); this does it
 with glibc's own mallopt, in-process. The cost: the process keeps its peak heap, as a GPU caching
-allocator keeps its blocks (14 MiB more resident memory in that bench).
+allocator keeps its blocks.
 
     retain_freed_memory()   set glibc's thresholds (once per process); False where the process's
                             malloc is not glibc's (then nothing changes)

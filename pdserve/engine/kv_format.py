@@ -21,7 +21,7 @@ NOTE: why rotate. SmolLM2's keys carry a few large, nearly constant channels (a 
 is 4-6x its RMS), so a scale set by the largest value leaves few codes for the channels that tell
 tokens apart. The rotation spreads every channel over all 64 (max/RMS about 2.5); the asymmetric
 codes then use all 256 levels of a row that is not centred. Keys cost far more accuracy than values
-(docs/benchmarks.md, "KV cache dtypes"). A head_dim that is not a power of two is rotated in blocks
+(`python -m bench.kv_quant`). A head_dim that is not a power of two is rotated in blocks
 of its largest power-of-two divisor.
 
 NOTE: the model attends in the rotated basis, not over value rows: q.k = (qH).(kH), and the output
@@ -41,8 +41,8 @@ them, in float32 (rotated), and every earlier token's as the pool stores them. I
 full-precision window of recent tokens is at its smallest, and the only width that needs no state:
 a token's own K/V exist wherever its query does (a fresh prefill, a decode step, a recompute), and
 every row in the pool stays pure int8, so capacity, the wire, the prefix cache and the tiers do
-not change. On one CPU it lifted bench.kv_quant's greedy agreement with float32 from 0.785-0.803
-to 0.893-0.914 (docs/benchmarks.md, "KV cache dtypes", 2026-12-06). A row's bytes then depend on
+not change. It raises int8's greedy agreement with float32 (`python -m bench.kv_quant`;
+docs/benchmarks.md, the int8 KV rows). A row's bytes then depend on
 this rule too (the rows above layer 0 come from hidden states it computed), so it is part of
 int8's row_format.
 

@@ -11,9 +11,9 @@ stored row is not attended. Two forms of it:
     attend_with_own_rows   a prefill chunk, fast: flash attention over the stored rows of s < p, which
                            gives each query's log-sum-exp, then the own row merged in by the softmax
                            sums. The dense form's mask doubles the keys and leaves SDPA's causal flash
-                           path: in the change's first version, which attended prefill chunks through it,
-                           a 2,048-token int8 prefill took 1.9x as long (5.2 s against 2.8 s, 2 threads,
-                           a one-off timing: docs/benchmarks.md, 2026-12-06).
+                           path, so prefill chunks attended through it take far longer (a one-off
+                           timing of the change's first version; docs/benchmarks.md's int8 KV rows
+                           link the study that has it).
 
 NOTE: merging by the softmax sums is exact arithmetic, so the two forms differ by float32 rounding
 only (tests/engine/test_own_rows.py compares them).
