@@ -76,8 +76,9 @@ class InProcess:
 
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(target=_serve_engine, args=(child, spec.model_path, spec.cache,
-                                                                spec.scheduler, threads), daemon=True)
+        self._process = ctx.Process(target=_serve_engine, args=(child, spec.engine.model_path,
+                                                                spec.engine.cache, spec.engine.scheduler,
+                                                                threads), daemon=True)
         # NOTE: a spawned child copies os.environ as it starts; patch.dict restores ours after.
         with mock.patch.dict(os.environ, spec.worker_environment):
             self._process.start()
@@ -200,14 +201,15 @@ def run_phases(sides: dict[str, Any], sizes: Sizes, rng: random.Random) -> dict[
 def run(args: Any) -> dict[str, Any]:
     from deploy.config import ClusterSpec
     from deploy.launcher import LocalCluster
-    from pdserve.engine.config import cpu_threads_per_worker
+    from pdserve.engine.config import EngineConfig, cpu_threads_per_worker
 
     base = QUICK if args.quick else Sizes()
     chosen = {k: getattr(args, k) for k in ("prompt_tokens", "new_tokens", "batch", "reps")}
     sizes = replace(base, **{k: v for k, v in chosen.items() if v is not None})
     load_at_start = warn_if_busy(len(os.sched_getaffinity(0)))
     threads = args.threads or cpu_threads_per_worker(1)  # default: what LocalCluster gives a lone worker
-    spec = ClusterSpec(num_prefill=0, num_decode=1, port=0, namespace="bench-cluster", torch_threads=threads)
+    spec = ClusterSpec(num_prefill=0, num_decode=1, port=0, namespace="bench-cluster",
+                       engine=EngineConfig(num_threads=threads))
     cluster = LocalCluster(spec, say=lambda line: progress(f"cluster: {line}"))
     try:
         remote = ThroughCluster(cluster.start())

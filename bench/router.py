@@ -469,10 +469,10 @@ def warm_up(cluster: Any, address: str) -> None:
 
 def run_policy(policy: str, sizes: Sizes, tokenizer: Any) -> PolicyRun:
     from deploy.launcher import ClusterSpec, LocalCluster
-    from pdserve.engine.config import CacheConfig
+    from pdserve.engine.config import CacheConfig, EngineConfig
 
     spec = ClusterSpec(num_prefill=2, num_decode=2, port=0, placement=PlacementConfig(routing=policy),
-                       cache=CacheConfig(num_blocks=sizes.num_blocks),
+                       engine=EngineConfig(cache=CacheConfig(num_blocks=sizes.num_blocks)),
                        namespace=f"bench-router-{policy}")
     cluster = LocalCluster(spec, say=lambda line: progress(f"chat [{policy}] {line}"))
     address = cluster.start()

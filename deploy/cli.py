@@ -20,20 +20,14 @@ from typing import TYPE_CHECKING
 
 from pdserve import __version__
 from pdserve.client_security import add_client_security_arguments, given_flags
-from pdserve.engine.config import (
-    ATTENTION_KERNELS,
-    KV_DTYPES,
-    LINEAR_KERNELS,
-    POINTWISE_KERNELS,
-    CacheConfig,
-    SchedulerConfig,
-)
-from pdserve.engine.hashing import CACHE_ISOLATION
+from pdserve.engine.config import KV_DTYPES, CacheConfig, SchedulerConfig
 from pdserve.engine.sampling_defaults import SMOLLM2_MODEL_CARD
 from pdserve.units import human_bytes
 
 if TYPE_CHECKING:
-    from deploy.config import ClusterSpec
+    from collections.abc import Callable
+
+    from pdserve.settings import Leaf, Setting
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -257,51 +251,87 @@ def _run_chat(args: argparse.Namespace) -> int:
 # --- up -----------------------------------------------------------------------------------------
 
 def _add_up(commands: argparse._SubParsersAction) -> None:
-    from deploy.config import ClusterSpec
-
-    # NOTE: every topology flag defaults to None, meaning "not given": the --config file (or
-    # ClusterSpec's default) then decides, and a flag that is given wins over the file.
-    d = ClusterSpec()
     p = commands.add_parser(
         "up", help="start a cluster: Redis, Ray (local or joined), workers, router",
         description="Start Redis (embedded unless --redis-url), Ray (local unless --address), "
                     "prefill and decode worker actors and the router; answer one sample chat; "
                     "serve until Ctrl-C or SIGTERM, then tear everything down. A --config file "
-                    "gives the topology (see deploy/examples/); flags given here override it.")
+                    "gives the topology (see deploy/examples/); flags given here override it. Each "
+                    "flag below names its key in the file.")
     p.add_argument("--config", metavar="FILE.yaml",
                    help="topology file: model, workers and their Ray resources, actor placement, cache, "
                         "router, Redis, Ray address (default: none; the defaults below)")
-    p.add_argument("--model", metavar="PATH",
-                   help="Hugging Face Llama-family folder or .gguf file "
-                        "(default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--host",
-                   help=f"address the router and workers bind (default: {d.host}, loopback only)")
-    p.add_argument("--port", type=int,
-                   help=f"port of the router's gRPC endpoint; 0 = any free port (default: {d.port})")
-    p.add_argument("--routers", type=int, metavar="N",
-                   help="router replicas over the same prefix index and worker registry, router i on "
-                        "--port + i (and --http-port + i, --metrics-port + i when set); router 0 runs in "
-                        "this process, the others as Ray actors. Clients take every address: "
-                        f"--router a:1,b:2 (default: {d.num_routers})")
-    p.add_argument("--metrics-port", type=int, metavar="PORT",
-                   help="port of the router's Prometheus /metrics; 0 = any free port "
-                        f"(default: {d.metrics_port})")
-    p.add_argument("--http-port", type=int, metavar="PORT",
-                   help="port of the router's OpenAI-compatible HTTP API (/v1/chat/completions, "
-                        f"/v1/completions, /v1/models, /health, /metrics); 0 = off (default: {d.http_port})")
-    p.add_argument("--served-model-name", metavar="NAME",
-                   help="the model name HTTP requests give in `model` (default: the model's own, "
-                        "SmolLM2-135M-Instruct for the embedded one, else the folder or file name)")
-    _add_up_workers(p, d)
-    _add_up_cache(p, d)
-    _add_up_routing(p, d)
-    _add_up_limits(p, d)
-    _add_up_sampling(p)
-    _add_up_audit(p, d)
-    _add_up_security(p)
+    _add_up_settings(p)
     p.add_argument("--no-sample", action="store_true",
                    help="do not answer the sample chat after start-up")
     p.set_defaults(handler=_run_up)
+
+
+def _add_up_settings(p: argparse.ArgumentParser) -> None:
+    """One flag per setting of ClusterSpec and its parts, built from the fields' declarations
+    (pdserve/settings.py); each part's flags are a group, described by its docstring. A flag not given
+    is absent from the namespace, so the file (or the default) decides."""
+    from deploy.config import ClusterSpec, flag_settings
+    from pdserve.settings import parts
+
+    groups = {path: p.add_argument_group(_group_title(path, part), _first_paragraph(part.__doc__))
+              for path, part in parts(ClusterSpec)}
+    for leaf in flag_settings():
+        group = groups[leaf.path.rpartition(".")[0]]
+        s = leaf.setting
+        kwargs: dict = dict(dest=leaf.path, default=argparse.SUPPRESS, help=_flag_help(leaf))
+        if leaf.scalar_type() is bool:
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["type"] = _flag_type(leaf)
+            kwargs["metavar"] = s.metavar or _default_metavar(s)
+        group.add_argument(s.flag, **kwargs)
+        if s.renamed_from:
+            group.add_argument(s.renamed_from[1], action=_RenamedFlag, renamed_to=s.flag)
+
+
+def _default_metavar(s: Setting) -> str:
+    """{a,b,c} for a setting with choices, else the flag's name: --block-size BLOCK_SIZE."""
+    if s.choices:
+        return "{" + ",".join(s.choices) + "}"
+    return s.flag.removeprefix("--").replace("-", "_").upper()
+
+
+def _group_title(path: str, part: type) -> str:
+    return f"{part.__name__} ({path})" if path else part.__name__
+
+
+def _first_paragraph(doc: str | None) -> str:
+    return " ".join((doc or "").strip().split("\n\n")[0].split())
+
+
+def _flag_help(leaf: Leaf) -> str:
+    s = leaf.setting
+    text = s.help
+    if "(default:" not in text:
+        text += f" (default: {_shown(leaf.default)})"
+    if s.key:
+        text += f" [file: {s.key}]"
+    return text.replace("%", "%%")
+
+
+def _shown(default: object) -> str:
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return "none" if default is None else str(default)
+
+
+def _flag_type(leaf: Leaf) -> Callable[[str], object]:
+    """The flag's text as the field's type; `none` for an optional number (a file's null)."""
+    convert = leaf.scalar_type()
+    if not leaf.optional or convert is str:
+        return convert
+
+    def optional(text: str) -> object:
+        return None if text.lower() == "none" else convert(text)
+
+    optional.__name__ = convert.__name__  # argparse names it in "invalid int value"
+    return optional
 
 
 class _RenamedFlag(argparse.Action):
@@ -314,195 +344,6 @@ class _RenamedFlag(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         parser.error(f"{option_string} is now {self.renamed_to}")
-
-
-def _add_up_workers(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
-    from deploy.config import ACTOR_PLACEMENTS
-
-    workers = p.add_argument_group("workers", "the prefill and decode worker actors, the Ray cluster they "
-                                              "run on, and the Redis they register in")
-    workers.add_argument("--prefill", type=int, metavar="N",
-                         help="number of prefill workers; 0 = every prompt is prefilled on a decode worker "
-                              f"(default: {d.num_prefill})")
-    workers.add_argument("--decode", type=int, metavar="M",
-                         help=f"number of decode workers (default: {d.num_decode})")
-    workers.add_argument("--actor-placement", choices=tuple(ACTOR_PLACEMENTS),
-                         help="how Ray places the worker actors: spread = on different Ray nodes where their "
-                              "resources allow; pack = Ray's default, filling a node first "
-                              f"(default: {d.actor_placement})")
-    workers.add_argument("--placement", action=_RenamedFlag, renamed_to="--actor-placement")
-    workers.add_argument("--gpus-per-worker", type=float, metavar="N",
-                         help="GPUs each worker actor asks Ray for; 0 = run on CPU (default: 1 when the Ray "
-                              "cluster has a GPU for every worker at start, else 0)")
-    workers.add_argument("--torch-threads", type=int, metavar="N",
-                         help="torch threads of each CPU worker; fewer leaves cores to the router and "
-                              "clients on the same machine (default: the cores divided among the workers)")
-    workers.add_argument("--redis-url", metavar="URL",
-                         help="Redis for the registry and prefix index, e.g. redis://:PASSWORD@host:6379/0 "
-                              "(default: start an embedded redis-server on a free loopback port, with a "
-                              "generated password)")
-    workers.add_argument("--address", metavar="RAY_ADDRESS",
-                         help="Ray cluster to join, e.g. host:6379, or auto for the one running on this "
-                              "node (default: start a local Ray)")
-    workers.add_argument("--namespace", help=f"Ray namespace and Redis key prefix (default: {d.namespace})")
-
-
-def _add_up_cache(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
-    cache = p.add_argument_group("KV cache and batching", "every worker's engine")
-    cache.add_argument("--block-size", type=int, help=f"tokens per KV block (default: {d.cache.block_size})")
-    cache.add_argument("--kv-dtype", choices=KV_DTYPES,
-                       help="KV cache element type; int8 and fp8 quantize K/V per token and KV head with a "
-                            f"float32 scale, about 3.8x float32's tokens (default: {d.cache.kv_dtype})")
-    cache.add_argument("--num-blocks", type=int, metavar="N",
-                       help="KV blocks per worker (default: derived from --kv-cache-gib)")
-    cache.add_argument("--kv-cache-gib", type=float,
-                       help="KV cache memory per worker in GiB, when --num-blocks is not given "
-                            f"(default: {d.cache.kv_cache_gib:g})")
-    cache.add_argument("--host-cache-gib", type=float, metavar="GIB",
-                       help="host-memory KV tier per worker: evicted blocks are copied there and loaded "
-                            "back on a prefix hit instead of recomputed (default: 0, off; docs/deploy.md)")
-    cache.add_argument("--disk-cache-dir", metavar="DIR",
-                       help="disk KV tier under the host tier, one subfolder per worker; blocks leaving "
-                            "host memory are written there and a restarted worker comes back warm "
-                            "(default: off)")
-    cache.add_argument("--disk-cache-gib", type=float, metavar="GIB",
-                       help=f"bound of each worker's disk tier (default: {d.cache.disk_cache_gib:g})")
-    cache.add_argument("--max-batched-tokens", type=int,
-                       help="token budget of one engine step (chunked prefill) "
-                            f"(default: {d.scheduler.max_num_batched_tokens})")
-    cache.add_argument("--linear-kernel", choices=LINEAR_KERNELS,
-                       help="every worker's matmul kernel: matmul = torch's own, as transformers runs "
-                            "it; onednn = oneDNN, 2-3x faster prefill and batched decode on x86 "
-                            "CPUs, logits within 1e-3; avx2 = oneDNN plus pdserve's own GEMV for "
-                            "products of up to 32 rows (where the CPU has AVX-512: the GEMV to 2 rows "
-                            "in 16 lanes, then pdserve's panel matmul to 128), with a copy of every "
-                            "weight for each (twice the weights' memory; three times on AVX-512), "
-                            "built with g++ and ninja on first use "
-                            f"(default: {d.linear_kernel}; docs/benchmarks.md)")
-    cache.add_argument("--attention-kernel", choices=ATTENTION_KERNELS,
-                       help="every worker's attention: sdpa = torch's, over each sequence's blocks "
-                            "gathered into a dense copy; avx2 = pdserve's own paged kernels for decode rows "
-                            "and prefill chunks, reading the rows where they lie in the pool (float32 KV "
-                            "cache only), built with g++ and ninja on first use "
-                            f"(default: {d.attention_kernel}; docs/benchmarks.md)")
-    cache.add_argument("--pointwise-kernel", choices=POINTWISE_KERNELS,
-                       help="every worker's RMSNorm, residual add, RoPE and SiLU·up: torch = torch's ops, as "
-                            "transformers runs them; avx2 = pdserve's fused kernels, one pass over the rows "
-                            "each (norm and SiLU within a few ulp of torch's), built with g++ and ninja on "
-                            f"first use (default: {d.pointwise_kernel}; docs/benchmarks.md)")
-    cache.add_argument("--max-chunk-bytes", type=int, metavar="BYTES",
-                       help="KV payload per frame a prefill worker sends a decode worker, whole blocks, at "
-                            f"least one (default: {d.kv_frames.max_chunk_bytes:,}; docs/benchmarks.md has "
-                            "the curve)")
-
-
-def _add_up_routing(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
-    from router.config import ROUTING_POLICIES
-
-    routing = p.add_argument_group("routing", "how the router places each request, and its deadlines")
-    routing.add_argument("--routing", choices=ROUTING_POLICIES,
-                         help="routing policy: prefix = KV-aware (send requests where their prefix is "
-                              "cached, prefill on the decode worker when it pays); least_load = fewest "
-                              f"requests in flight; round_robin = in turn (default: {d.placement.routing})")
-    routing.add_argument("--min-remote-prefill-tokens", type=int, metavar="N",
-                         help="least_load/round_robin: prompts shorter than N tokens are prefilled on the "
-                              "decode worker, with no KV transfer "
-                              f"(default: {d.placement.min_remote_prefill_tokens})")
-    routing.add_argument("--prefill-deadline-fraction", type=float, metavar="F",
-                         help="share of a request's remaining time its remote prefill may take before the "
-                              "router prefills on the decode worker instead, so a stalled prefill worker or "
-                              "KV transfer still leaves time to answer "
-                              f"(default: {d.deadlines.prefill_deadline_fraction:g})")
-    routing.add_argument("--prefill-timeout-s", type=float, metavar="SECONDS",
-                         help="the remote prefill's deadline at most, whatever the request's "
-                              f"(default: {d.deadlines.prefill_timeout_s:g})")
-    routing.add_argument("--migration-limit", type=int, metavar="N",
-                         help="times one request's stream may move to another decode worker when its own "
-                              "dies, drains past its grace or fails mid-stream (the client sees one "
-                              f"unbroken stream); 0 = never (default: {d.migration.limit})")
-
-
-def _add_up_limits(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
-    limits = p.add_argument_group("request limits", "what one Generate call may ask of the router; "
-                                                    "more is refused before any worker is touched")
-    limits.add_argument("--max-prompt-tokens", type=int, metavar="N",
-                        help="longest prompt in tokens, INVALID_ARGUMENT beyond "
-                             "(default: the model's context - 1)")
-    limits.add_argument("--max-tokens-limit", type=int, metavar="N",
-                        help="largest max_tokens a request may ask for "
-                             f"(default: {d.limits.max_tokens_limit})")
-    limits.add_argument("--max-message-bytes", type=int, metavar="BYTES",
-                        help="largest request message the router accepts; RESOURCE_EXHAUSTED beyond "
-                             f"(default: {d.limits.max_message_bytes})")
-    limits.add_argument("--max-concurrent-streams", type=int, metavar="N",
-                        help="Generate calls in flight at the router; more are refused with "
-                             "RESOURCE_EXHAUSTED and a retry hint "
-                             f"(default: {d.limits.max_concurrent_streams})")
-
-
-def _add_up_sampling(p: argparse.ArgumentParser) -> None:
-    card = SMOLLM2_MODEL_CARD
-    sampling = p.add_argument_group(
-        "sampling defaults", "what a request that leaves temperature, top_p or top_k unset gets; a request's "
-                             "own value always wins (0 = greedy included). Each default is the model's: "
-                             "its generation_config.json (do_sample false = greedy), for the embedded "
-                             f"SmolLM2 its model card's (temperature {card.temperature:g}, top_p "
-                             f"{card.top_p:g}), else 1.0 / 1.0 / 0 = off; a flag below replaces it. "
-                             "`pdserve up` prints the defaults in force")
-    sampling.add_argument("--default-temperature", type=float, metavar="T",
-                          help="default sampling temperature, finite and >= 0; 0 = greedy "
-                               "(default: the model's)")
-    sampling.add_argument("--default-top-p", type=float, metavar="P",
-                          help="default nucleus sampling: the smallest set of tokens whose probability "
-                               "reaches P, in (0, 1]; 1 = off (default: the model's)")
-    sampling.add_argument("--default-top-k", type=int, metavar="K",
-                          help="default top-k: sample only from the K most likely tokens, >= 0; 0 = off "
-                               "(default: the model's)")
-
-
-def _add_up_audit(p: argparse.ArgumentParser, d: ClusterSpec) -> None:
-    audit = p.add_argument_group("KV audit", "a background scrubber on every worker that recomputes cached "
-                                             "KV blocks and evicts any that differ (`pdserve audit` runs one "
-                                             "on demand)")
-    audit.add_argument("--audit-interval-s", type=float, metavar="SECONDS",
-                       help="audit one random cached block and its cached ancestors every SECONDS at least "
-                            "(default: off)")
-    audit.add_argument("--audit-max-fraction", type=float, metavar="F",
-                       help="most of each worker's wall time the scrubber may spend, measured: after an "
-                            "audit that took t seconds it waits at least t x (1 - F) / F "
-                            f"(default: {d.audit.max_fraction:g})")
-
-
-def _add_up_security(p: argparse.ArgumentParser) -> None:
-    security = p.add_argument_group(
-        "security", "TLS, API tokens and the cluster secret (docs/security.md); none given = plaintext and "
-                    "open, which is safe only on loopback. Make a development CA with "
-                    "`python -m pdserve.security.certs --out certs/`")
-    security.add_argument("--tls-cert", metavar="FILE",
-                          help="serve TLS on the router and every worker with this certificate "
-                               "(with --tls-key); it must name every address clients and workers dial")
-    security.add_argument("--tls-key", metavar="FILE", help="private key of --tls-cert")
-    security.add_argument("--tls-ca", metavar="FILE",
-                          help="the CA the router and workers trust when they dial each other, and that "
-                               "signs client certificates under --tls-require-client-cert")
-    security.add_argument("--tls-require-client-cert", action="store_true", default=None,
-                          help="mutual TLS: refuse clients without a certificate signed by --tls-ca; needs "
-                               "--tls-client-cert/--tls-client-key for the cluster's own calls")
-    security.add_argument("--tls-client-cert", metavar="FILE",
-                          help="certificate the router and prefill workers present to workers under "
-                               "mutual TLS (client.pem from the development CA)")
-    security.add_argument("--tls-client-key", metavar="FILE", help="private key of --tls-client-cert")
-    security.add_argument("--api-token-file", metavar="FILE",
-                          help="require a bearer token on the router's Generation and Admin APIs: the "
-                               "accepted tokens, one per line (# comments skipped)")
-    security.add_argument("--cluster-secret-file", metavar="FILE",
-                          help="require this secret (one line) on the workers' Worker and KVTransfer "
-                               "services; the router and workers send it to each other")
-    security.add_argument("--cache-isolation", choices=CACHE_ISOLATION,
-                          help="none: any request may reuse any other's cached prefix (more hits); token: "
-                               "only requests made with the same API token share cached blocks, so one "
-                               "tenant cannot tell from cached_tokens what another asked (needs "
-                               "--api-token-file; default: none)")
 
 
 def _run_up(args: argparse.Namespace) -> int:

@@ -1,45 +1,43 @@
 """A cluster's topology: the frozen ClusterSpec, and the YAML file that gives it (`pdserve up --config`).
 
-    FILE --yaml.safe_load--> nested mapping --check every key and type--> field paths and values
-         --flags given on the command line replace theirs--> ClusterSpec (each part checks its values)
+    FILE --yaml.safe_load--> nested mapping --each key found among the settings, its type checked-->
+         field paths and values --flags given on the command line replace theirs--> ClusterSpec
+         (each part checks its values)
 
-One configuration tree: ClusterSpec composes the engine's CacheConfig and SchedulerConfig
-(pdserve/engine/config.py), the router's PlacementConfig, RequestDeadlines, MigrationPolicy (router/config.py)
-and RequestLimits (router/limits.py), the TLS files (pdserve/security/files.py), the audit
-schedule (pdserve/worker/scrubber.py) and the SamplingOverrides over the model's sampling defaults
-(pdserve/engine/sampling_defaults.py), so each setting and its default is declared once, where
-it is used. A file key or a flag names a field path ("cache.block_size",
-"limits.max_concurrent_streams"); a part that refuses a value raises a FieldError, which is
-re-worded here with the key and the flag the user wrote: `cache.kv_dtype (--kv-dtype) must be
-one of float32, float16, bfloat16, got 'int8'`.
+One configuration tree, each setting declared once: ClusterSpec composes the EngineConfig (the model,
+its CacheConfig and SchedulerConfig, kernels and threads: pdserve/engine/config.py), the router's
+PlacementConfig, RequestDeadlines, MigrationPolicy (router/config.py) and RequestLimits
+(router/limits.py), the KVFrames of a transfer (pdserve/transfer/frames.py), the TLS files
+(pdserve/security/files.py), the audit schedule (pdserve/worker/scrubber.py) and the
+SamplingOverrides over the model's sampling defaults (pdserve/engine/sampling_defaults.py). Each
+field a user sets carries its file key, flag, help and choices (`setting(...)`, pdserve/settings.py);
+the file reader below and `pdserve up`'s flags (deploy/cli.py) are built from them, so adding a
+setting is adding a field. A part that refuses a value raises a FieldError, which is re-worded
+with the key and the flag the user wrote: `cache.kv_dtype (--kv-dtype) must be one of float32,
+float16, bfloat16, int8, fp8, got 'int4'`.
 
 Pure: yaml, dataclasses and those pure config modules only, no Ray, Redis or gRPC, so a bad file
 fails in milliseconds, before anything starts. Errors name the file and the key: `local.yaml:
-unknown key 'prefil' (did you mean 'prefill'?)`. The schema, one line per key, is `FILE_KEYS`
-below; the flags are `FLAG_FIELDS`; deploy/examples/*.yaml show the file with comments,
-docs/deploy.md explains it.
+unknown key 'prefil' (did you mean 'prefill'?)`. `pdserve up --help` lists every flag with its file
+key; deploy/examples/*.yaml show the file with comments, docs/deploy.md explains it.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import os
+import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
-from pdserve.engine.config import (
-    ATTENTION_KERNELS,
-    LINEAR_KERNELS,
-    POINTWISE_KERNELS,
-    CacheConfig,
-    SchedulerConfig,
-)
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.hashing import CACHE_ISOLATION
 from pdserve.engine.sampling_defaults import SamplingOverrides
 from pdserve.field_error import FieldError
-from pdserve.roles import ROLES
 from pdserve.security.files import TLSFiles
+from pdserve.settings import Leaf, compose, not_a_setting, setting, settings
 from pdserve.transfer.frames import KVFrames
 from pdserve.worker.scrubber import AuditSchedule
 from router.config import MigrationPolicy, PlacementConfig, RequestDeadlines
@@ -59,102 +57,131 @@ _RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 # bench.omp_wait_policy). PASSIVE threads sleep.
 # Read when torch loads, so it must be in the environment the process starts with.
 DEFAULT_WORKER_ENV = {"MALLOC_ARENA_MAX": "2", "OMP_WAIT_POLICY": "PASSIVE"}
+_A_MAPPING = "a mapping: a flag has no syntax for one"
 
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    model_path: str | None = None
-    num_prefill: int = 1
-    num_decode: int = 1
+    """The cluster: its workers, routers, Redis and Ray, and what they serve with."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)  # every worker's engine
+    host: str = setting("127.0.0.1", flag="--host", key="host",
+                        help="address the router and workers bind and the workers advertise (default: "
+                             "127.0.0.1, loopback only)")
+    num_prefill: int = setting(1, flag="--prefill", key="prefill.count", metavar="N",
+                               help="number of prefill workers; 0 = every prompt is prefilled on a decode "
+                                    "worker")
+    prefill_resources: dict[str, float] = setting(
+        default_factory=dict, key="prefill.resources", file_only=_A_MAPPING,
+        help="Ray custom resources each prefill actor requires, e.g. {prefill: 1}")
+    kv_frames: KVFrames = field(default_factory=KVFrames)  # how prefill workers cut KV transfers
+    num_decode: int = setting(1, flag="--decode", key="decode.count", metavar="M",
+                              help="number of decode workers, at least 1")
+    decode_resources: dict[str, float] = setting(
+        default_factory=dict, key="decode.resources", file_only=_A_MAPPING,
+        help="Ray custom resources each decode actor requires, e.g. {decode: 1}")
+    actor_placement: str = setting(
+        "pack", flag="--actor-placement", key="actor_placement", choices=tuple(ACTOR_PLACEMENTS),
+        renamed_from=("placement", "--placement"),
+        help="how Ray places the worker actors: spread = on different Ray nodes where their resources "
+             "allow; pack = Ray's default, filling a node first")
+    # NOTE: None decides at start: 1 when the cluster has a GPU for every worker, else 0 (CPU). An
+    # autoscaling cluster has no GPU node yet at start, so its config says 1 explicitly.
+    gpus_per_worker: float | None = setting(
+        None, flag="--gpus-per-worker", key="gpus_per_worker", metavar="N",
+        help="GPUs each worker actor asks Ray for; 0 = run on CPU (default: 1 when the Ray cluster has a "
+             "GPU for every worker at start, else 0)")
     # Router replicas over the same Redis index and registry; router i serves on port + i (and
     # http_port + i, metrics_port + i where those are set): router 0 in the launcher, the others as
     # Ray actors (router/actor.py).
-    num_routers: int = 1
-    host: str = "127.0.0.1"
-    port: int = 50051
-    metrics_port: int | None = 0  # router's Prometheus port; 0 = any free port, None = none
-    http_port: int = 8000  # the router's OpenAI-compatible HTTP API; 0 = off
-    served_model_name: str | None = None  # the HTTP API's model name; None = the model's (weights.py)
-    redis_url: str | None = field(default=None, repr=False)  # may hold a password: not in repr()
-    ray_address: str | None = None  # None = start a local Ray; "auto" = the running cluster
-    cache: CacheConfig = field(default_factory=CacheConfig)  # every worker's KV cache
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # every worker's batching
+    num_routers: int = setting(
+        1, flag="--routers", key="router.count", metavar="N",
+        help="router replicas over the same prefix index and worker registry, router i on router.port + i "
+             "(and http_port + i, metrics_port + i when set); router 0 runs in the `pdserve up` process, the "
+             "others as Ray actors. Clients take every address: --router a:1,b:2")
+    port: int = setting(50051, flag="--port", key="router.port",
+                        help="port of the router's gRPC endpoint; 0 = any free port")
+    metrics_port: int | None = setting(0, flag="--metrics-port", key="router.metrics_port", metavar="PORT",
+                                       help="port of the router's Prometheus /metrics; 0 = any free port; "
+                                            "none = no endpoint")
+    http_port: int = setting(8000, flag="--http-port", key="router.http_port", metavar="PORT",
+                             help="port of the router's OpenAI-compatible HTTP API (/v1/chat/completions, "
+                                  "/v1/completions, /v1/models, /health, /metrics); 0 = off")
+    served_model_name: str | None = setting(
+        None, flag="--served-model-name", key="router.served_model_name", metavar="NAME",
+        help="the model name HTTP requests give in `model` (default: the model's own, SmolLM2-135M-Instruct "
+             "for the embedded one, else the folder or file name)")
     placement: PlacementConfig = field(default_factory=PlacementConfig)  # the router's request placement
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask of the router
+    # none: any request may reuse any other's cached prefix; token: only requests of the same API token
+    # (router/server.py RouterConfig.cache_isolation; docs/security.md weighs the two).
+    cache_isolation: str = setting(
+        "none", flag="--cache-isolation", key="router.cache_isolation", choices=CACHE_ISOLATION,
+        help="none: any request may reuse any other's cached prefix (more hits); token: only requests made "
+             "with the same API token share cached blocks, so one tenant cannot tell from cached_tokens what "
+             "another asked (needs auth.api_token_file)")
     deadlines: RequestDeadlines = field(default_factory=RequestDeadlines)  # the router's request deadlines
     migration: MigrationPolicy = field(default_factory=MigrationPolicy)  # streams whose decode worker breaks
-    kv_frames: KVFrames = field(default_factory=KVFrames)  # how prefill workers cut KV transfers
-    actor_placement: str = "pack"  # how Ray places the worker actors: ACTOR_PLACEMENTS
-    linear_kernel: str = "matmul"  # every worker's matmul kernel: LINEAR_KERNELS (pdserve/engine/linear.py)
-    attention_kernel: str = "sdpa"  # every worker's attention: ATTENTION_KERNELS (engine/model.py)
-    pointwise_kernel: str = "torch"  # every worker's norm/RoPE/SiLU: POINTWISE_KERNELS (engine/pointwise.py)
-    # NOTE: None decides at start: 1 when the cluster has a GPU for every worker, else 0 (CPU). An
-    # autoscaling cluster has no GPU node yet at start, so its config says 1 explicitly.
-    gpus_per_worker: float | None = None
-    # torch intra-op threads of each CPU worker; None = the machine's cores divided among its workers.
-    # Fewer leaves cores to the router and clients on the same machine (vLLM's CPU build keeps one).
-    torch_threads: int | None = None
-    namespace: str = "pdserve"
-    # -1: Ray restarts a dead worker every time, as a serving cluster must; N >= 0: at most N times.
-    max_restarts: int = -1
-    worker_env: dict[str, str] = field(default_factory=dict)  # over DEFAULT_WORKER_ENV, in each worker
-    startup_timeout_s: float = 600.0
-    actor_resources: dict[str, dict[str, float]] = field(default_factory=dict)  # role -> custom resources
+    redis_url: str | None = setting(  # may hold a password: not in repr()
+        None, flag="--redis-url", key="redis_url", metavar="URL", repr=False,
+        help="Redis for the registry and prefix index, e.g. redis://:PASSWORD@host:6379/0 (default: start an "
+             "embedded redis-server on a free loopback port, with a generated password)")
+    ray_address: str | None = setting(
+        None, flag="--address", key="ray_address", metavar="RAY_ADDRESS",
+        help="Ray cluster to join, e.g. host:6379, or auto for the one running on this node (default: start "
+             "a local Ray)")
+    namespace: str = setting("pdserve", flag="--namespace", key="namespace",
+                             help="Ray namespace and Redis key prefix")
+    max_restarts: int = setting(
+        -1, flag="--max-restarts", key="max_restarts", metavar="N",
+        help="times Ray restarts a worker (or router replica) whose process died: -1 = every time, as a "
+             "serving cluster must; N >= 0 = at most N times")
+    worker_env: dict[str, str] = setting(
+        default_factory=dict, key="worker_env", file_only=_A_MAPPING,
+        help="environment variables set in every worker process, over DEFAULT_WORKER_ENV; values are strings")
+    startup_timeout_s: float = not_a_setting(600.0, why="how long `pdserve up` waits for a worker or router "
+                                                        "actor to start; tests shorten it")
     # Security (docs/security.md): file paths, read when the cluster starts; None = off.
     tls: TLSFiles = field(default_factory=TLSFiles)  # what the router and every worker serve and trust
-    api_token_file: str | None = None  # the router's accepted bearer tokens, one per line
-    cluster_secret_file: str | None = None  # the secret of the internal services, one line
-    # none: any request may reuse any other's cached prefix; token: only requests of the same API token
-    # (router/server.py RouterConfig.cache_isolation; docs/security.md weighs the two). token needs
-    # api_token_file.
-    cache_isolation: str = "none"
+    api_token_file: str | None = setting(
+        None, flag="--api-token-file", key="auth.api_token_file", is_path=True, metavar="FILE",
+        help="require a bearer token on the router's Generation and Admin APIs: the accepted tokens, one "
+             "per line (# comments skipped)")
+    cluster_secret_file: str | None = setting(
+        None, flag="--cluster-secret-file", key="auth.cluster_secret_file", is_path=True, metavar="FILE",
+        help="require this secret (one line) on the workers' Worker and KVTransfer services; the router and "
+             "workers send it to each other")
     audit: AuditSchedule = field(default_factory=AuditSchedule)  # the background KV audit on every worker
-    # Debug only, no flag sets it: every decode worker holds each stream once it has sent this many
-    # tokens, until its actor's release_hold() (decode_worker/faults.py; the fault suite uses it).
-    decode_hold_after_tokens: int | None = None
     # Over the model's sampling defaults (its generation_config.json, or SmolLM2's model card): what
     # the router gives a request that leaves temperature, top_p or top_k unset. None keeps the model's.
     sampling_overrides: SamplingOverrides = field(default_factory=SamplingOverrides)
+    # Every decode worker holds each stream once it has sent this many tokens, until its actor's
+    # release_hold() (decode_worker/faults.py).
+    decode_hold_after_tokens: int | None = not_a_setting(None, why="debug only: the fault suite sets it")
 
     def __post_init__(self) -> None:
-        if self.num_decode < 1:
-            raise ValueError(f"decode.count (--decode) must be >= 1, got {self.num_decode}")
-        if self.num_prefill < 0:
-            raise ValueError(f"prefill.count (--prefill) must be >= 0, got {self.num_prefill}")
-        if self.num_routers < 1:
-            raise ValueError(f"router.count (--routers) must be >= 1, got {self.num_routers}")
-        for name, port in (("router.port (--port)", self.port),
-                           ("router.metrics_port (--metrics-port)", self.metrics_port),
-                           ("router.http_port (--http-port)", self.http_port)):
-            if port is not None and not 0 <= port < 65536:
-                raise ValueError(f"{name} must be in [0, 65535], got {port}")
         self._check_parts()
-        _check_choice("actor_placement (--actor-placement)", self.actor_placement, tuple(ACTOR_PLACEMENTS))
-        _check_choice("linear_kernel (--linear-kernel)", self.linear_kernel, LINEAR_KERNELS)
-        _check_choice("attention_kernel (--attention-kernel)", self.attention_kernel, ATTENTION_KERNELS)
-        _check_choice("pointwise_kernel (--pointwise-kernel)", self.pointwise_kernel, POINTWISE_KERNELS)
-        if self.attention_kernel == "avx2" and self.cache.kv_dtype != "float32":
-            raise ValueError("attention_kernel (--attention-kernel) avx2 reads float32 K/V rows only, but "
-                             f"cache.kv_dtype (--kv-dtype) is {self.cache.kv_dtype}: "
-                             "use sdpa, or kv_dtype float32")
-        _check_choice("router.cache_isolation (--cache-isolation)", self.cache_isolation, CACHE_ISOLATION)
+        if self.num_decode < 1:
+            raise FieldError("num_decode", "must be >= 1", self.num_decode)
+        if self.num_prefill < 0:
+            raise FieldError("num_prefill", "must be >= 0", self.num_prefill)
+        if self.num_routers < 1:
+            raise FieldError("num_routers", "must be >= 1", self.num_routers)
+        for name in ("port", "metrics_port", "http_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port < 65536:
+                raise FieldError(name, "must be in [0, 65535]", port)
+        _check_choice("actor_placement", self.actor_placement, tuple(ACTOR_PLACEMENTS))
+        _check_choice("cache_isolation", self.cache_isolation, CACHE_ISOLATION)
         if self.cache_isolation == "token" and self.api_token_file is None:
-            raise ValueError("router.cache_isolation (--cache-isolation) token keeps each API token's cache "
-                             "apart, so it needs auth.api_token_file (--api-token-file)")
+            raise ValueError(f"{field_label('cache_isolation')} token keeps each API token's cache apart, so "
+                             f"it needs {field_label('api_token_file')}")
         if self.gpus_per_worker is not None and self.gpus_per_worker < 0:
-            raise ValueError(f"gpus_per_worker (--gpus-per-worker) must be >= 0, got {self.gpus_per_worker}")
-        for role, resources in self.actor_resources.items():
-            _check_choice("the role of actor_resources", role, ROLES)
-            for name, amount in resources.items():
-                if name in _RAY_BUILTIN_RESOURCES:
-                    raise ValueError(f"{role}.resources.{name}: Ray takes {name} as an argument of its own, "
-                                     "not a custom resource; use gpus_per_worker for GPUs")
-                if amount < 0:
-                    raise ValueError(f"{role}.resources.{name} must be >= 0, got {amount}")
-        if self.torch_threads is not None and self.torch_threads < 1:
-            raise ValueError(f"torch_threads (--torch-threads) must be >= 1, got {self.torch_threads}")
+            raise FieldError("gpus_per_worker", "must be >= 0", self.gpus_per_worker)
+        for role in ("prefill", "decode"):
+            _check_resources(role, getattr(self, f"{role}_resources"))
         if self.max_restarts < -1:
-            raise ValueError(f"max_restarts must be -1 (always restart) or >= 0, got {self.max_restarts}")
+            raise FieldError("max_restarts", "must be -1 (always restart) or >= 0", self.max_restarts)
         for name, value in self.worker_env.items():
             if not isinstance(name, str) or not isinstance(value, str) or not name or "=" in name:
                 raise ValueError(f"worker_env: {name!r}: {value!r} must map a variable name to a string "
@@ -164,11 +191,15 @@ class ClusterSpec:
     def _check_parts(self) -> None:
         """Each part is its own config dataclass (it checks its values); refuse anything else, such as
         a value meant for a field of the part."""
-        for f in fields(self):
-            part = _PARTS.get(f.name)
-            if part is not None and not isinstance(getattr(self, f.name), part):
-                raise TypeError(f"ClusterSpec.{f.name} must be a {part.__name__}, got "
-                                f"{getattr(self, f.name)!r}")
+        for name, part in _part_types().items():
+            if not isinstance(getattr(self, name), part):
+                raise TypeError(f"ClusterSpec.{name} must be a {part.__name__}, got {getattr(self, name)!r}")
+
+    @property
+    def actor_resources(self) -> dict[str, dict[str, float]]:
+        """role -> the Ray custom resources each of its actors requires, for the roles that require any."""
+        by_role = {"prefill": self.prefill_resources, "decode": self.decode_resources}
+        return {role: resources for role, resources in by_role.items() if resources}
 
     @property
     def worker_environment(self) -> dict[str, str]:
@@ -202,118 +233,65 @@ class ClusterSpec:
         return ACTOR_PLACEMENTS[self.actor_placement]
 
 
-_PARTS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "placement": PlacementConfig,
-          "limits": RequestLimits, "deadlines": RequestDeadlines, "migration": MigrationPolicy,
-          "tls": TLSFiles, "audit": AuditSchedule,
-          "kv_frames": KVFrames, "sampling_overrides": SamplingOverrides}
+@functools.cache
+def _part_types() -> dict[str, type]:
+    hints = typing.get_type_hints(ClusterSpec)
+    return {f.name: hints[f.name] for f in fields(ClusterSpec) if is_dataclass(hints[f.name])}
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+        raise FieldError(name, f"must be one of {', '.join(choices)}", value)
 
 
-# --- the file and the flags ----------------------------------------------------------------------
+def _check_resources(role: str, resources: dict[str, float]) -> None:
+    for name, amount in resources.items():
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)):
+            raise ValueError(f"'{role}.resources.{name}' must be a number (units of the Ray resource), "
+                             f"got {amount!r}")
+        if name in _RAY_BUILTIN_RESOURCES:
+            raise ValueError(f"{role}.resources.{name}: Ray takes {name} as an argument of its own, "
+                             "not a custom resource; use gpus_per_worker for GPUs")
+        if amount < 0:
+            raise ValueError(f"{role}.resources.{name} must be >= 0, got {float(amount)}")
 
-_NONE = type(None)
-_NUMBER = (int, float)
-_PATH = (str, _NONE)
-# dotted key in the file -> (ClusterSpec field path, accepted types); a section is the part before the
-# dot. A path with a dot is a field of one of ClusterSpec's parts ("cache.block_size": CacheConfig's).
-FILE_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
-    "model": ("model_path", (str, _NONE)),
-    "host": ("host", (str,)),
-    "prefill.count": ("num_prefill", (int,)),
-    "prefill.resources": ("actor_resources", (dict,)),
-    "prefill.max_chunk_bytes": ("kv_frames.max_chunk_bytes", (int,)),
-    "decode.count": ("num_decode", (int,)),
-    "decode.resources": ("actor_resources", (dict,)),
-    "actor_placement": ("actor_placement", (str,)),
-    "linear_kernel": ("linear_kernel", (str,)),
-    "attention_kernel": ("attention_kernel", (str,)),
-    "pointwise_kernel": ("pointwise_kernel", (str,)),
-    "gpus_per_worker": ("gpus_per_worker", (int, float, _NONE)),
-    "torch_threads": ("torch_threads", (int, _NONE)),
-    "cache.block_size": ("cache.block_size", (int,)),
-    "cache.kv_dtype": ("cache.kv_dtype", (str,)),
-    "cache.kv_cache_gib": ("cache.kv_cache_gib", _NUMBER),
-    "cache.num_blocks": ("cache.num_blocks", (int, _NONE)),
-    "cache.host_cache_gib": ("cache.host_cache_gib", _NUMBER),
-    "cache.disk_cache_dir": ("cache.disk_cache_dir", (str, _NONE)),
-    "cache.disk_cache_gib": ("cache.disk_cache_gib", _NUMBER),
-    "scheduler.max_batched_tokens": ("scheduler.max_num_batched_tokens", (int,)),
-    "router.count": ("num_routers", (int,)),
-    "router.port": ("port", (int,)),
-    "router.metrics_port": ("metrics_port", (int, _NONE)),
-    "router.http_port": ("http_port", (int,)),
-    "router.served_model_name": ("served_model_name", (str, _NONE)),
-    "router.routing": ("placement.routing", (str,)),
-    "router.min_remote_prefill_tokens": ("placement.min_remote_prefill_tokens", (int,)),
-    "router.max_in_flight_per_decode": ("placement.max_in_flight_per_decode", (int,)),
-    "router.max_prompt_tokens": ("limits.max_prompt_tokens", (int, _NONE)),
-    "router.max_tokens_limit": ("limits.max_tokens_limit", (int,)),
-    "router.max_message_bytes": ("limits.max_message_bytes", (int,)),
-    "router.max_concurrent_streams": ("limits.max_concurrent_streams", (int,)),
-    "router.cache_isolation": ("cache_isolation", (str,)),
-    "router.prefill_deadline_fraction": ("deadlines.prefill_deadline_fraction", _NUMBER),
-    "router.prefill_timeout_s": ("deadlines.prefill_timeout_s", _NUMBER),
-    "router.migration_limit": ("migration.limit", (int,)),
-    "redis_url": ("redis_url", (str, _NONE)),
-    "ray_address": ("ray_address", (str, _NONE)),
-    "namespace": ("namespace", (str,)),
-    "max_restarts": ("max_restarts", (int,)),
-    "worker_env": ("worker_env", (dict,)),
-    "tls.cert": ("tls.cert", _PATH),
-    "tls.key": ("tls.key", _PATH),
-    "tls.ca": ("tls.ca", _PATH),
-    "tls.require_client_cert": ("tls.require_client_cert", (bool,)),
-    "tls.client_cert": ("tls.client_cert", _PATH),
-    "tls.client_key": ("tls.client_key", _PATH),
-    "auth.api_token_file": ("api_token_file", _PATH),
-    "auth.cluster_secret_file": ("cluster_secret_file", _PATH),
-    "audit.interval_s": ("audit.interval_s", (int, float, _NONE)),
-    "audit.max_fraction": ("audit.max_fraction", _NUMBER),
-    "default_temperature": ("sampling_overrides.temperature", (int, float, _NONE)),
-    "default_top_p": ("sampling_overrides.top_p", (int, float, _NONE)),
-    "default_top_k": ("sampling_overrides.top_k", (int, _NONE)),
-}
-# Keys a file may no longer use: the error names the new key (a silent alias would be a second name).
-RENAMED_KEYS = {"placement": ("actor_placement", "pack or spread: how Ray places the worker actors")}
-# `pdserve up` flags (argparse dests) -> the ClusterSpec field paths they set; most are the file's
-# key without its section, spelled --with-dashes.
-FLAG_FIELDS: dict[str, str] = {
-    "model": "model_path", "prefill": "num_prefill", "decode": "num_decode", "routers": "num_routers",
-    "actor_placement": "actor_placement", "gpus_per_worker": "gpus_per_worker",
-    "torch_threads": "torch_threads",
-    "linear_kernel": "linear_kernel", "attention_kernel": "attention_kernel",
-    "pointwise_kernel": "pointwise_kernel",
-    "host": "host", "port": "port", "metrics_port": "metrics_port", "redis_url": "redis_url",
-    "http_port": "http_port", "served_model_name": "served_model_name",
-    "address": "ray_address", "namespace": "namespace",
-    "block_size": "cache.block_size", "kv_dtype": "cache.kv_dtype", "num_blocks": "cache.num_blocks",
-    "kv_cache_gib": "cache.kv_cache_gib", "host_cache_gib": "cache.host_cache_gib",
-    "disk_cache_dir": "cache.disk_cache_dir", "disk_cache_gib": "cache.disk_cache_gib",
-    "max_batched_tokens": "scheduler.max_num_batched_tokens",
-    "routing": "placement.routing", "min_remote_prefill_tokens": "placement.min_remote_prefill_tokens",
-    "max_prompt_tokens": "limits.max_prompt_tokens", "max_tokens_limit": "limits.max_tokens_limit",
-    "max_message_bytes": "limits.max_message_bytes",
-    "max_concurrent_streams": "limits.max_concurrent_streams",
-    "prefill_deadline_fraction": "deadlines.prefill_deadline_fraction",
-    "prefill_timeout_s": "deadlines.prefill_timeout_s", "migration_limit": "migration.limit",
-    "cache_isolation": "cache_isolation",
-    "tls_cert": "tls.cert", "tls_key": "tls.key", "tls_ca": "tls.ca",
-    "tls_require_client_cert": "tls.require_client_cert", "tls_client_cert": "tls.client_cert",
-    "tls_client_key": "tls.client_key", "api_token_file": "api_token_file",
-    "cluster_secret_file": "cluster_secret_file", "audit_interval_s": "audit.interval_s",
-    "audit_max_fraction": "audit.max_fraction", "max_chunk_bytes": "kv_frames.max_chunk_bytes",
-    "default_temperature": "sampling_overrides.temperature", "default_top_p": "sampling_overrides.top_p",
-    "default_top_k": "sampling_overrides.top_k"}
-# Fields that name a file: a relative path in the file is relative to the file.
-PATH_FIELDS = ("model_path", "tls.cert", "tls.key", "tls.ca", "tls.client_cert", "tls.client_key",
-               "api_token_file", "cluster_secret_file")
-_SECTIONS = sorted({key.split(".")[0] for key in FILE_KEYS if "." in key})
-_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", dict: "a mapping", _NONE: "null",
-               bool: "true or false"}
+
+# --- the settings, by file key, flag and field path -------------------------------------------------
+
+@functools.cache
+def _settings() -> tuple[Leaf, ...]:
+    return tuple(settings(ClusterSpec))
+
+
+@functools.cache
+def _by_key() -> dict[str, Leaf]:
+    return {leaf.setting.key: leaf for leaf in _settings() if leaf.setting.key}
+
+
+@functools.cache
+def _by_path() -> dict[str, Leaf]:
+    return {leaf.path: leaf for leaf in _settings()}
+
+
+def flag_settings() -> tuple[Leaf, ...]:
+    """The settings `pdserve up` takes as flags, in field order (deploy/cli.py builds them)."""
+    return tuple(leaf for leaf in _settings() if leaf.setting.flag)
+
+
+def field_label(path: str) -> str:
+    """How a user names a field: its file key and flag, 'cache.kv_dtype (--kv-dtype)'."""
+    leaf = _by_path().get(path)
+    return leaf.label if leaf is not None else path
+
+
+def _renamed_keys() -> dict[str, Leaf]:
+    return {leaf.setting.renamed_from[0]: leaf for leaf in _settings() if leaf.setting.renamed_from}
+
+
+# --- the file ---------------------------------------------------------------------------------------
+
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", dict: "a mapping",
+               type(None): "null", bool: "true or false"}
 
 
 def load_config(path: str | os.PathLike) -> ClusterSpec:
@@ -330,60 +308,25 @@ def load_config(path: str | os.PathLike) -> ClusterSpec:
 
 
 def spec_from_mapping(document: Any, path: str = "<config>") -> ClusterSpec:
-    values = _flatten(document, path)
-    fields_: dict[str, Any] = {}
-    resources: dict[str, dict[str, float]] = {}
-    for key, value in values.items():
-        name, types = FILE_KEYS[key]
-        _check_type(path, key, value, types)
-        if name == "actor_resources":
-            if value:  # `resources: {}` requires nothing, like leaving it out
-                resources[key.split(".")[0]] = _resources(path, key, value)
-        else:
-            fields_[name] = value
-    if resources:
-        fields_["actor_resources"] = resources
-    for name in PATH_FIELDS:
-        value = fields_.get(name)
-        if value is not None and not os.path.isabs(os.path.expanduser(value)):
+    values: dict[str, Any] = {}
+    for key, value in _flatten(document, path).items():
+        leaf = _by_key()[key]
+        _check_type(path, key, value, leaf.accepted_types())
+        if leaf.setting.is_path and value is not None and not os.path.isabs(os.path.expanduser(value)):
             # NOTE: relative to the file, not to wherever `pdserve up` runs, so a file travels with its
             # model and certificates.
-            fields_[name] = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), value))
+            value = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), value))
+        values[leaf.path] = value
     try:
-        return _compose(ClusterSpec(), fields_)
+        return with_overrides(ClusterSpec(), values)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
 
 
 def with_overrides(spec: ClusterSpec, overrides: Mapping[str, Any]) -> ClusterSpec:
-    """spec with the field paths given on the command line (None = not given) replaced."""
-    return _compose(spec, {path: value for path, value in overrides.items() if value is not None})
-
-
-def _compose(base: ClusterSpec, values: Mapping[str, Any]) -> ClusterSpec:
-    """base with values (field path -> value) replaced; a part that refuses a value is named by the
+    """spec with the values at the given field paths replaced; a value a part refuses is named by the
     key and flag that set it."""
-    top: dict[str, Any] = {}
-    parts: dict[str, dict[str, Any]] = {}
-    for path, value in values.items():
-        part, _, name = path.partition(".")
-        if name:
-            parts.setdefault(part, {})[name] = value
-        else:
-            top[path] = value
-    for part, changes in parts.items():
-        try:
-            top[part] = replace(getattr(base, part), **changes)
-        except FieldError as exc:
-            raise ValueError(exc.named(field_label(f"{part}.{exc.field}"))) from None
-    return replace(base, **top)
-
-
-def field_label(path: str) -> str:
-    """How a user names a field: its file key and flag, 'cache.kv_dtype (--kv-dtype)'."""
-    key = next((k for k, (p, _) in FILE_KEYS.items() if p == path), path)
-    flag = next((f"--{dest.replace('_', '-')}" for dest, p in FLAG_FIELDS.items() if p == path), None)
-    return f"{key} ({flag})" if flag else key
+    return compose(spec, overrides, field_label)
 
 
 def _flatten(document: Any, path: str) -> dict[str, Any]:
@@ -391,34 +334,40 @@ def _flatten(document: Any, path: str) -> dict[str, Any]:
         raise ValueError(f"{path}: expected a mapping of keys ({', '.join(_top_keys())}), "
                          f"got {type(document).__name__}")
     out: dict[str, Any] = {}
+    sections = _sections()
     for key, value in document.items():
         key = str(key)
-        if key in _SECTIONS:
+        if key in sections:
             section = value if value is not None else {}
             if not isinstance(section, dict):
                 raise ValueError(f"{path}: '{key}' must be a mapping of "
                                  f"{', '.join(_section_keys(key))}, got {section!r}")
             for sub, sub_value in section.items():
                 dotted = f"{key}.{sub}"
-                if dotted not in FILE_KEYS:
+                if dotted not in _by_key():
                     _unknown(path, dotted, [f"{key}.{k}" for k in _section_keys(key)])
                 out[dotted] = sub_value
-        elif key in FILE_KEYS:
+        elif key in _by_key():
             out[key] = value
-        elif key in RENAMED_KEYS:
-            new, meaning = RENAMED_KEYS[key]
-            raise ValueError(f"{path}: '{key}' is now '{new}' ({meaning}); rename it in the file")
+        elif key in _renamed_keys():
+            s = _renamed_keys()[key].setting
+            raise ValueError(f"{path}: '{key}' is now '{s.key}' ({' or '.join(s.choices)}: {s.summary}); "
+                             "rename it in the file")
         else:
             _unknown(path, key, _top_keys())
     return out
 
 
+def _sections() -> set[str]:
+    return {key.split(".")[0] for key in _by_key() if "." in key}
+
+
 def _top_keys() -> list[str]:
-    return list(dict.fromkeys(key.split(".")[0] for key in FILE_KEYS))
+    return list(dict.fromkeys(key.split(".")[0] for key in _by_key()))
 
 
 def _section_keys(section: str) -> list[str]:
-    return [key.split(".", 1)[1] for key in FILE_KEYS if key.startswith(section + ".")]
+    return [key.split(".", 1)[1] for key in _by_key() if key.startswith(section + ".")]
 
 
 def _unknown(path: str, key: str, known: list[str]) -> None:
@@ -435,11 +384,34 @@ def _check_type(path: str, key: str, value: Any, types: tuple[type, ...]) -> Non
         raise ValueError(f"{path}: '{key}' must be {wanted}, got {value!r} ({type(value).__name__})")
 
 
-def _resources(path: str, key: str, value: dict) -> dict[str, float]:
-    out = {}
-    for name, amount in value.items():
-        if isinstance(amount, bool) or not isinstance(amount, _NUMBER):
-            raise ValueError(f"{path}: '{key}.{name}' must be a number (units of the Ray resource), "
-                             f"got {amount!r}")
-        out[str(name)] = float(amount)
-    return out
+# --- the flags --------------------------------------------------------------------------------------
+
+def flag_values(args: object) -> dict[str, Any]:
+    """field path -> value of every setting flag given on the command line (deploy/cli.py names each
+    flag's argparse dest after its field path and leaves it out when not given)."""
+    return {leaf.path: getattr(args, leaf.path) for leaf in flag_settings() if hasattr(args, leaf.path)}
+
+
+def as_flags(spec: ClusterSpec) -> list[str]:
+    """The `pdserve up` arguments that give spec: a flag for each flag setting that differs from the
+    default; a file-only setting has none, so it must be at its default."""
+    default, argv = ClusterSpec(), []
+    for leaf in _settings():
+        value, was = _get(spec, leaf.path), _get(default, leaf.path)
+        if value == was:
+            continue
+        if not leaf.setting.flag:
+            raise ValueError(f"{leaf.label} is set only in a file ({leaf.setting.file_only})")
+        if isinstance(value, bool):
+            if not value:
+                raise ValueError(f"{leaf.setting.flag} turns {leaf.label} on; nothing turns it off")
+            argv.append(leaf.setting.flag)
+        else:
+            argv += [leaf.setting.flag, "none" if value is None else str(value)]
+    return argv
+
+
+def _get(obj: Any, path: str) -> Any:
+    for name in path.split("."):
+        obj = getattr(obj, name)
+    return obj

@@ -33,7 +33,7 @@ import redis
 
 from deploy.config import ClusterSpec
 from deploy.redis_server import RedisServer, ensure_redis
-from pdserve.engine.config import EngineConfig, cpu_threads_per_worker
+from pdserve.engine.config import cpu_threads_per_worker
 from pdserve.engine.sampling_defaults import SamplingDefaults
 from pdserve.engine.weights import LoadedModel, load_model, served_model_name
 from pdserve.index.registry import WorkerRegistry
@@ -94,7 +94,7 @@ class LocalCluster:
         # NOTE: loaded here for the router's tokenizer, context length and sampling defaults; for a
         # GGUF this also converts it once, so N workers on this machine load the cached safetensors
         # in about a second each instead of dequantising in parallel.
-        loaded = load_model(self.spec.model_path, progress=False)
+        loaded = load_model(self.spec.engine.model_path, progress=False)
         sampling = sampling_defaults_in_force(loaded, self.spec)
         self._create_actors()
         config = self._router_config(loaded.config.max_position_embeddings, sampling)
@@ -148,7 +148,7 @@ class LocalCluster:
         s = self.spec
         return RouterConfig(host=s.host, port=s.port, metrics_port=s.metrics_port, placement=s.placement,
                             http_port=s.http_port or None,
-                            served_model_name=s.served_model_name or served_model_name(s.model_path),
+                            served_model_name=s.served_model_name or served_model_name(s.engine.model_path),
                             limits=replace(s.limits, max_context_tokens=max_context_tokens),
                             deadlines=s.deadlines, migration=s.migration, cache_isolation=s.cache_isolation,
                             security=self.security, sampling_defaults=sampling_defaults)
@@ -161,7 +161,7 @@ class LocalCluster:
             name = f"router-{i}"
             replica = replace(config, port=_offset(config.port, i), http_port=_offset(config.http_port, i),
                               metrics_port=_offset(config.metrics_port, i))
-            spec = RouterSpec(name, replica, self.spec.model_path, self.redis_url, self.spec.namespace)
+            spec = RouterSpec(name, replica, self.spec.engine.model_path, self.redis_url, self.spec.namespace)
             self.replicas[name] = ray.remote(RouterActor).options(
                 name=name, namespace=self.spec.namespace, max_restarts=self.spec.max_restarts,
                 max_concurrency=4, num_cpus=0, runtime_env={"env_vars": self.spec.worker_environment},
@@ -193,7 +193,7 @@ class LocalCluster:
         gpus = self.spec.gpus_per_worker
         if gpus is None:
             gpus = 1 if ray.cluster_resources().get("GPU", 0) >= len(roles) else 0
-        threads = None if gpus else self.spec.torch_threads or cpu_threads_per_worker(len(roles))
+        threads = None if gpus else self.spec.engine.num_threads or cpu_threads_per_worker(len(roles))
         counts = {"prefill": 0, "decode": 0}
         for role in roles:
             worker_id = f"{role}-{counts[role]}"
@@ -243,10 +243,7 @@ class LocalCluster:
 
     def _worker_spec(self, role: str, worker_id: str, threads: int | None) -> WorkerSpec:
         s = self.spec
-        engine = EngineConfig(model_path=s.model_path, cache=s.cache.for_worker(worker_id),
-                              scheduler=s.scheduler, num_threads=threads,
-                              linear_kernel=s.linear_kernel, attention_kernel=s.attention_kernel,
-                              pointwise_kernel=s.pointwise_kernel)
+        engine = replace(s.engine, cache=s.engine.cache.for_worker(worker_id), num_threads=threads)
         return WorkerSpec(role=role, worker_id=worker_id, redis_url=self.redis_url, engine=engine,
                           host=s.host, namespace=s.namespace,
                           tls=s.tls, cluster_secret=self.security.cluster_secret, audit=s.audit,

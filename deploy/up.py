@@ -7,7 +7,7 @@ import signal
 import sys
 import threading
 
-from deploy.config import FLAG_FIELDS, ClusterSpec, load_config, with_overrides
+from deploy.config import ClusterSpec, flag_values, load_config, with_overrides
 from deploy.launcher import LocalCluster
 from pdserve.security import SecurityConfig
 from pdserve.security.redis_auth import RedisAuthFailed
@@ -18,7 +18,7 @@ SAMPLE_QUESTION = "What is the capital of France?"
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     """The --config file's topology (or the defaults), with every flag given on the command line on top."""
     base = load_config(args.config) if args.config else ClusterSpec()
-    return with_overrides(base, {path: getattr(args, flag) for flag, path in FLAG_FIELDS.items()})
+    return with_overrides(base, flag_values(args))
 
 
 def answer_sample(address: str, security: SecurityConfig) -> None:

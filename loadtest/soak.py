@@ -110,11 +110,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 class Soak:
     def __init__(self, args: argparse.Namespace) -> None:
         from deploy.launcher import ClusterSpec, LocalCluster
-        from pdserve.engine.config import CacheConfig
+        from pdserve.engine.config import CacheConfig, EngineConfig
         from router.config import PlacementConfig
 
         self.args = args
-        spec = ClusterSpec(num_prefill=2, num_decode=3, port=0, cache=CacheConfig(num_blocks=512),
+        spec = ClusterSpec(num_prefill=2, num_decode=3, port=0,
+                           engine=EngineConfig(cache=CacheConfig(num_blocks=512)),
                            placement=PlacementConfig(routing="prefix"), namespace="soak")
         self.cluster = LocalCluster(spec, say=lambda line: print(f"[soak] {line}", flush=True))
         self.faults: list[dict[str, Any]] = []

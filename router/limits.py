@@ -21,6 +21,10 @@ from dataclasses import dataclass, fields
 
 from pdserve.engine.sequence import SamplingParams
 from pdserve.field_error import FieldError
+from pdserve.settings import not_a_setting, setting
+
+# Why a bound below is not a setting.
+_FIXED = "a bound on one request's size against abuse, fixed here (as vLLM's)"
 
 
 class LimitExceeded(ValueError):
@@ -41,21 +45,33 @@ class StreamLimitReached(RetryLater):
 
 @dataclass(frozen=True)
 class RequestLimits:
-    # The model's context (the launcher reads it from the model); None: unknown here, the workers
-    # still refuse what does not fit theirs.
-    max_context_tokens: int | None = None
-    max_prompt_tokens: int | None = None  # None: the model's context - 1
-    max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
-    default_max_tokens: int = 128  # when a request leaves max_tokens unset (capped as above)
-    max_message_bytes: int = 4 << 20  # gRPC receive limit of the public server
-    max_concurrent_streams: int = 256  # Generate calls in flight at this router
-    max_chat_messages: int = 1024
-    max_stop_strings: int = 16
-    max_stop_string_chars: int = 256
-    max_stop_token_ids: int = 64
-    max_request_id_chars: int = 256
-    max_logprobs: int = 20  # top alternatives per token (OpenAI's top_logprobs allows 0..20)
-    stream_retry_after_s: float = 1.0  # the hint sent with a refused stream
+    """What one Generate call may ask of the router; more is refused before any worker is touched."""
+
+    # The model's context; None: unknown here, the workers still refuse what does not fit theirs.
+    max_context_tokens: int | None = not_a_setting(None, why="the launcher reads it from the model")
+    max_prompt_tokens: int | None = setting(
+        None, flag="--max-prompt-tokens", key="router.max_prompt_tokens", metavar="N",
+        help="longest prompt in tokens, INVALID_ARGUMENT beyond (default: the model's context - 1)")
+    max_tokens_limit: int = setting(4096, flag="--max-tokens-limit", key="router.max_tokens_limit",
+                                    metavar="N", help="largest max_tokens a request may ask for")
+    # when a request leaves max_tokens unset (capped as above)
+    default_max_tokens: int = not_a_setting(128, why="what a request that sets no max_tokens gets; clients "
+                                                     "set their own")
+    max_message_bytes: int = setting(4 << 20, flag="--max-message-bytes", key="router.max_message_bytes",
+                                     metavar="BYTES", help="largest request message the router accepts; "
+                                                           "RESOURCE_EXHAUSTED beyond")
+    max_concurrent_streams: int = setting(
+        256, flag="--max-concurrent-streams", key="router.max_concurrent_streams", metavar="N",
+        help="Generate calls in flight at the router; more are refused with RESOURCE_EXHAUSTED and a retry "
+             "hint")
+    max_chat_messages: int = not_a_setting(1024, why=_FIXED)
+    max_stop_strings: int = not_a_setting(16, why=_FIXED)
+    max_stop_string_chars: int = not_a_setting(256, why=_FIXED)
+    max_stop_token_ids: int = not_a_setting(64, why=_FIXED)
+    max_request_id_chars: int = not_a_setting(256, why=_FIXED)
+    # top alternatives per token (OpenAI's top_logprobs allows 0..20)
+    max_logprobs: int = not_a_setting(20, why=_FIXED)
+    stream_retry_after_s: float = not_a_setting(1.0, why="the hint sent with a refused stream")
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -13,7 +13,7 @@ from deploy.config import ClusterSpec, load_config
 from deploy.launcher import LocalCluster
 from deploy.redis_server import RedisServer
 from deploy.up import spec_from_args
-from pdserve.engine.config import CacheConfig
+from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.worker.scrubber import AuditSchedule, AuditScrubber
 
 
@@ -47,7 +47,8 @@ def test_a_bad_audit_flag_is_a_usage_error(capsys):
 
 
 def test_a_worker_started_by_the_launcher_runs_the_scrubber_it_was_given(tiny_model_dir):
-    cluster = LocalCluster(ClusterSpec(model_path=str(tiny_model_dir), cache=CacheConfig(num_blocks=16),
+    cluster = LocalCluster(ClusterSpec(engine=EngineConfig(model_path=str(tiny_model_dir),
+                                                           cache=CacheConfig(num_blocks=16)),
                                        audit=AuditSchedule(interval_s=7.5, max_fraction=0.1),
                                        namespace="t-audit"))
     with RedisServer() as server:
@@ -61,5 +62,5 @@ def test_a_worker_started_by_the_launcher_runs_the_scrubber_it_was_given(tiny_mo
             assert (scrubber.interval_s, scrubber.max_fraction) == (7.5, 0.1)
         finally:
             actor.stop()
-        cluster.spec = ClusterSpec(model_path=str(tiny_model_dir))
+        cluster.spec = ClusterSpec(engine=EngineConfig(model_path=str(tiny_model_dir)))
         assert cluster._worker_spec("decode", "decode-0", threads=1).audit.interval_s is None

@@ -10,9 +10,16 @@ import pytest
 import yaml
 
 from deploy.cli import build_parser
-from deploy.config import FILE_KEYS, ClusterSpec, load_config, spec_from_mapping
-from deploy.up import FLAG_FIELDS, spec_from_args
-from pdserve.engine.config import CacheConfig, SchedulerConfig
+from deploy.config import ClusterSpec, load_config, spec_from_mapping
+from deploy.up import spec_from_args
+from pdserve.engine.config import (
+    ATTENTION_KERNELS,
+    LINEAR_KERNELS,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    normalize_kernel,
+)
 from pdserve.security.files import TLSFiles
 from router.config import PlacementConfig, RequestDeadlines
 from router.limits import RequestLimits
@@ -62,11 +69,12 @@ def test_every_key_lands_on_its_field(tmp_path):
         worker_env: {MALLOC_ARENA_MAX: "4", OMP_WAIT_POLICY: PASSIVE}
     """)
     assert load_config(path) == ClusterSpec(
-        model_path="/models/llama.gguf", host="0.0.0.0", num_prefill=2, num_decode=3,
-        actor_placement="spread", gpus_per_worker=0.5, torch_threads=1,
-        actor_resources={"prefill": {"prefill": 1.0}, "decode": {"decode": 0.5, "big_memory": 1.0}},
-        cache=CacheConfig(block_size=32, kv_dtype="bfloat16", kv_cache_gib=4, num_blocks=1000),
-        scheduler=SchedulerConfig(max_num_batched_tokens=4096),
+        engine=EngineConfig(model_path="/models/llama.gguf", num_threads=1,
+                            cache=CacheConfig(block_size=32, kv_dtype="bfloat16", kv_cache_gib=4, num_blocks=1000),
+                            scheduler=SchedulerConfig(max_num_batched_tokens=4096)),
+        host="0.0.0.0", num_prefill=2, num_decode=3,
+        actor_placement="spread", gpus_per_worker=0.5,
+        prefill_resources={"prefill": 1.0}, decode_resources={"decode": 0.5, "big_memory": 1.0},
         port=0, metrics_port=None,
         placement=PlacementConfig(routing="least_load", min_remote_prefill_tokens=8,
                                   max_in_flight_per_decode=16),
@@ -89,20 +97,17 @@ def test_workers_restart_always_and_get_two_malloc_arenas_and_passive_openmp_unl
 def test_a_relative_model_path_is_relative_to_the_file(tmp_path):
     (tmp_path / "conf").mkdir()
     path = write(tmp_path, "model: ../models/smol.gguf\n", "conf/topology.yaml")
-    assert load_config(path).model_path == str(tmp_path / "models" / "smol.gguf")
+    assert load_config(path).engine.model_path == str(tmp_path / "models" / "smol.gguf")
 
 
 @pytest.mark.parametrize(("text", "message"), [
     ("prefil: {count: 1}", "unknown key 'prefil' (did you mean 'prefill'?)"),
     ("router: {prot: 1}", "unknown key 'router.prot' (did you mean 'router.port'?)"),
     ("cache: {blocks: 8}", "unknown key 'cache.blocks' (did you mean 'cache.num_blocks'?)"),
-    ("gpus: 4", "unknown key 'gpus' (known keys: model, host, prefill, decode, actor_placement, "
-                "linear_kernel, attention_kernel, pointwise_kernel, gpus_per_worker, torch_threads, cache, "
-                "scheduler, router, "
-                   "redis_url, "
-                "ray_address, namespace, max_restarts, worker_env, tls, auth, audit, default_temperature, "
-                "default_top_p, "
-                "default_top_k)"),
+    ("gpus: 4", "unknown key 'gpus' (known keys: model, cache, scheduler, torch_threads, linear_kernel, "
+                "attention_kernel, pointwise_kernel, host, prefill, decode, actor_placement, gpus_per_worker, "
+                "router, redis_url, ray_address, namespace, max_restarts, worker_env, tls, auth, audit, "
+                "default_temperature, default_top_p, default_top_k)"),
     ("tls: {certificate: a.pem}", "unknown key 'tls.certificate' (did you mean 'tls.cert'?)"),
 ])
 def test_an_unknown_key_is_named_with_the_file_and_a_suggestion(tmp_path, text, message):
@@ -127,12 +132,10 @@ def test_an_unknown_key_is_named_with_the_file_and_a_suggestion(tmp_path, text, 
                       "max_tokens_limit, max_message_bytes, "
                       "max_concurrent_streams, cache_isolation, prefill_deadline_fraction, "
                       "prefill_timeout_s, migration_limit, got 50051"),
-    ("- model: x", "expected a mapping of keys (model, host, prefill, decode, actor_placement, "
-                   "linear_kernel, attention_kernel, pointwise_kernel, gpus_per_worker, torch_threads, "
-                   "cache, scheduler, "
-                   "router, redis_url, "
-                   "ray_address, namespace, max_restarts, worker_env, tls, auth, audit, default_temperature, "
-                   "default_top_p, default_top_k), got list"),
+    ("- model: x", "expected a mapping of keys (model, cache, scheduler, torch_threads, linear_kernel, "
+                   "attention_kernel, pointwise_kernel, host, prefill, decode, actor_placement, "
+                   "gpus_per_worker, router, redis_url, ray_address, namespace, max_restarts, worker_env, tls, "
+                   "auth, audit, default_temperature, default_top_p, default_top_k), got list"),
     ("tls: {require_client_cert: 1}", "'tls.require_client_cert' must be true or false, got 1 (int)"),
     ("auth: {api_token_file: [a, b]}",
      "'auth.api_token_file' must be a string or null, got ['a', 'b'] (list)"),
@@ -160,12 +163,10 @@ def test_a_wrong_type_is_named_with_the_file(tmp_path, text, message):
                                        "not a custom resource; use gpus_per_worker for GPUs"),
     ("gpus_per_worker: -1", "gpus_per_worker (--gpus-per-worker) must be >= 0, got -1"),
     ("torch_threads: 0", "torch_threads (--torch-threads) must be >= 1, got 0"),
-    ("linear_kernel: mkl", "linear_kernel (--linear-kernel) must be one of matmul, onednn, avx2, got 'mkl'"),
+    ("linear_kernel: mkl",
+     f"linear_kernel (--linear-kernel) must be one of {', '.join(LINEAR_KERNELS)}, got 'mkl'"),
     ("attention_kernel: flash",
-     "attention_kernel (--attention-kernel) must be one of sdpa, avx2, got 'flash'"),
-    ("{attention_kernel: avx2, cache: {kv_dtype: int8}}",
-     "attention_kernel (--attention-kernel) avx2 reads float32 K/V rows only, but cache.kv_dtype "
-     "(--kv-dtype) is int8: use sdpa, or kv_dtype float32"),
+     f"attention_kernel (--attention-kernel) must be one of {', '.join(ATTENTION_KERNELS)}, got 'flash'"),
     ("router: {max_concurrent_streams: 0}",
      "router.max_concurrent_streams (--max-concurrent-streams) must be > 0, got 0"),
     ("router: {max_prompt_tokens: -5}",
@@ -175,7 +176,7 @@ def test_a_wrong_type_is_named_with_the_file(tmp_path, text, message):
      "scheduler.max_batched_tokens (--max-batched-tokens) must be >= 1, got 0"),
     ("router: {prefill_timeout_s: 0}",
      "router.prefill_timeout_s (--prefill-timeout-s) must be > 0 seconds, got 0"),
-    ("max_restarts: -2", "max_restarts must be -1 (always restart) or >= 0, got -2"),
+    ("max_restarts: -2", "max_restarts (--max-restarts) must be -1 (always restart) or >= 0, got -2"),
     ("default_temperature: -0.5",
      "default_temperature (--default-temperature) must be finite and >= 0 (0 = greedy), got -0.5"),
     ("default_top_p: 1.5", "default_top_p (--default-top-p) must be in (0, 1] (1 = off), got 1.5"),
@@ -230,11 +231,13 @@ def test_the_old_placement_key_names_its_new_one(tmp_path):
                                 "places the worker actors); rename it in the file")
 
 
-def test_every_key_names_a_field_of_the_spec_or_one_of_its_parts():
-    for key, (path, _) in FILE_KEYS.items():
-        part, _, name = path.partition(".")
-        owner = type(getattr(ClusterSpec(), part)) if name else ClusterSpec
-        assert (name or part) in owner.__dataclass_fields__, key
+def test_an_attention_kernel_the_kv_dtype_cannot_run_is_named_with_its_key_and_flag(tmp_path):
+    """EngineConfig refuses it (the old name avx2 included); the file's user reads the key and flag."""
+    path = write(tmp_path, "{attention_kernel: avx2, cache: {kv_dtype: int8}}")
+    with pytest.raises(ValueError) as error:
+        load_config(path)
+    assert str(error.value).startswith(f"{path}: attention_kernel (--attention-kernel) ")
+    assert "kv_dtype int8" in str(error.value)
 
 
 # --- the examples --------------------------------------------------------------------------------
@@ -273,10 +276,10 @@ def test_every_example_loads():
 
 def test_up_without_a_config_keeps_its_old_defaults():
     spec = up_spec()
-    assert (spec.model_path, spec.num_prefill, spec.num_decode, spec.host, spec.port) == \
+    assert (spec.engine.model_path, spec.num_prefill, spec.num_decode, spec.host, spec.port) == \
         (None, 1, 1, "127.0.0.1", 50051)
-    assert (spec.cache.block_size, spec.cache.kv_dtype, spec.cache.kv_cache_gib,
-            spec.scheduler.max_num_batched_tokens) == \
+    assert (spec.engine.cache.block_size, spec.engine.cache.kv_dtype, spec.engine.cache.kv_cache_gib,
+            spec.engine.scheduler.max_num_batched_tokens) == \
         (CacheConfig.block_size, CacheConfig.kv_dtype, CacheConfig.kv_cache_gib,
          SchedulerConfig.max_num_batched_tokens)
     assert (spec.placement.routing, spec.placement.min_remote_prefill_tokens, spec.redis_url,
@@ -291,17 +294,16 @@ def test_flags_given_override_the_file_and_the_rest_comes_from_it():
     assert spec == ClusterSpec(num_prefill=1, num_decode=2, port=0, metrics_port=9100, actor_placement="pack",
                                gpus_per_worker=0,
                                ray_address="127.0.0.1:6400",
-                               actor_resources={"prefill": {"prefill": 1.0}, "decode": {"decode": 1.0}})
+                               prefill_resources={"prefill": 1.0}, decode_resources={"decode": 1.0})
     assert up_spec("--config", two_node) == load_config(two_node)
 
 
-def test_every_up_flag_sets_a_field():
+def test_a_setting_flag_not_given_leaves_the_file_to_decide():
+    """Not given = absent from the namespace (a given `none` is a value: --metrics-port none)."""
     args = build_parser().parse_args(["up"])
-    not_topology = ("command", "handler", "config", "no_sample")
-    topology_flags = {name for name in vars(args) if name not in not_topology}
-    assert topology_flags == set(FLAG_FIELDS)
-    assert set(FLAG_FIELDS.values()) <= {path for path, _ in FILE_KEYS.values()}
-    assert all(vars(args)[name] is None for name in FLAG_FIELDS)  # None = not given
+    assert not any("." in name or name in ClusterSpec.__dataclass_fields__ for name in vars(args))
+    assert up_spec("--metrics-port", "none").metrics_port is None
+    assert up_spec("--config", str(EXAMPLES / "local.yaml")).metrics_port == 0
 
 
 def test_the_old_placement_flag_names_its_new_one(capsys):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from pdserve.field_error import FieldError
+from pdserve.settings import setting
 
 # field -> (what a value must satisfy, how the requirement reads in an error)
 _REQUIREMENTS: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -70,12 +71,20 @@ class SamplingDefaults:
 
 @dataclass(frozen=True)
 class SamplingOverrides:
-    """`pdserve up --default-temperature/--default-top-p/--default-top-k` (or the config's
-    default_* keys): None keeps the model's value."""
+    """What a request that leaves temperature, top_p or top_k unset gets in place of the model's default
+    (its generation_config.json, where do_sample false = greedy; for the embedded SmolLM2 its model
+    card's; else 1.0 / 1.0 / 0 = off). A request's own value always wins, 0 = greedy included; None
+    keeps the model's value. `pdserve up` prints the defaults in force."""
 
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+    temperature: float | None = setting(None, flag="--default-temperature", key="default_temperature",
+                                        metavar="T", help="default sampling temperature, finite and >= 0; "
+                                                          "0 = greedy (default: the model's)")
+    top_p: float | None = setting(None, flag="--default-top-p", key="default_top_p", metavar="P",
+                                  help="default nucleus sampling: the smallest set of tokens whose "
+                                       "probability reaches P, in (0, 1]; 1 = off (default: the model's)")
+    top_k: int | None = setting(None, flag="--default-top-k", key="default_top_k", metavar="K",
+                                help="default top-k: sample only from the K most likely tokens, >= 0; "
+                                     "0 = off (default: the model's)")
 
     def __post_init__(self) -> None:
         for name, value in self.given().items():

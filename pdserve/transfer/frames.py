@@ -1,8 +1,8 @@
 """KVFrames: how a prefill worker cuts a transfer into LAYER frames (one setting, declared once).
 
 Composed into PrefillConfig (prefill_worker/role.py), WorkerSpec (pdserve/worker/actor.py) and
-ClusterSpec (deploy/config.py: file key `prefill.max_chunk_bytes`, flag `pdserve up
---max-chunk-bytes`). The default comes from the frame-size curve in docs/benchmarks.md
+ClusterSpec (deploy/config.py; its file key and flag are on the field). The default comes from
+the frame-size curve in docs/benchmarks.md
 (`python -m bench.kv_transfer_wire --chunk-sizes 64K,256K,1M,2M,4M,8M`).
 """
 
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from pdserve.field_error import FieldError
 from pdserve.grpc_options import MAX_MESSAGE_BYTES
+from pdserve.settings import setting
 
 # NOTE: 4 MiB: on the frame-size curve (docs/benchmarks.md, 512 MiB over loopback) CPU per GB
 # falls steeply up to 2 MiB (64 KiB frames cost 4x as much); 4 MiB was lowest on the sender in
@@ -25,7 +26,12 @@ HEADER_ROOM_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class KVFrames:
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES  # KV payload per LAYER frame at most (whole blocks, >= 1)
+    """How a prefill worker cuts a transfer into LAYER frames."""
+
+    max_chunk_bytes: int = setting(
+        DEFAULT_MAX_CHUNK_BYTES, flag="--max-chunk-bytes", key="prefill.max_chunk_bytes", metavar="BYTES",
+        help="KV payload per LAYER frame a prefill worker sends a decode worker at most, whole blocks, at "
+             "least one (docs/benchmarks.md has the curve)")
 
     def __post_init__(self) -> None:
         limit = MAX_MESSAGE_BYTES - HEADER_ROOM_BYTES

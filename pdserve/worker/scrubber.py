@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve.field_error import FieldError
+from pdserve.settings import setting
 
 if TYPE_CHECKING:  # NOTE: only for the type: deploy/config.py reads the settings' check without torch
     from pdserve.engine.audit import KVAuditor
@@ -36,8 +37,14 @@ DEFAULT_MAX_FRACTION = 0.05
 class AuditSchedule:
     """The background KV audit: every interval_s seconds (None = off), within max_fraction of wall time."""
 
-    interval_s: float | None = None
-    max_fraction: float = DEFAULT_MAX_FRACTION
+    interval_s: float | None = setting(
+        None, flag="--audit-interval-s", key="audit.interval_s", metavar="SECONDS",
+        help="audit one random cached block and its cached ancestors every SECONDS at least, on every "
+             "worker (default: off; `pdserve audit` runs one on demand)")
+    max_fraction: float = setting(
+        DEFAULT_MAX_FRACTION, flag="--audit-max-fraction", key="audit.max_fraction", metavar="F",
+        help="most of each worker's wall time the scrubber may spend, measured: after an audit that took "
+             "t seconds it waits at least t x (1 - F) / F")
 
     def __post_init__(self) -> None:
         if self.interval_s is not None and not self.interval_s > 0:

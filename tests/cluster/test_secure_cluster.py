@@ -11,7 +11,7 @@ import pytest
 from deploy.launcher import ClusterSpec, LocalCluster
 from pdserve.client import PdserveClient, PdserveError
 from pdserve.client_security import client_kwargs
-from pdserve.engine.config import CacheConfig
+from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.security import CLUSTER_SECRET_KEY, TLSFiles, open_channel
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from router.config import PlacementConfig
@@ -25,7 +25,8 @@ def test_a_secured_cluster_serves_token_holders_and_members_only(ray_session, de
     (tmp_path / "tokens.txt").write_text(f"# accepted API tokens\n{TOKEN}\n")
     (tmp_path / "secret.txt").write_text(f"{SECRET}\n")
     spec = ClusterSpec(num_prefill=1, num_decode=1, port=0, namespace=f"t{uuid.uuid4().hex[:6]}",
-                       cache=CacheConfig(num_blocks=96), placement=PlacementConfig(routing="least_load"),
+                       engine=EngineConfig(cache=CacheConfig(num_blocks=96)),
+                       placement=PlacementConfig(routing="least_load"),
                        tls=TLSFiles(cert=certs.server_cert, key=certs.server_key, ca=certs.ca),
                        api_token_file=str(tmp_path / "tokens.txt"),
                        cluster_secret_file=str(tmp_path / "secret.txt"))

@@ -11,7 +11,7 @@ import grpc
 
 from deploy.launcher import ClusterSpec, LocalCluster
 from pdserve.client import PdserveClient
-from pdserve.engine.config import CacheConfig
+from pdserve.engine.config import CacheConfig, EngineConfig
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from router.config import PlacementConfig
 from tests.helpers.waiting import until_clean
@@ -25,7 +25,7 @@ def start_cluster(num_prefill: int, num_decode: int, num_blocks: int = 512, rout
     overrides.setdefault("http_port", 0)  # off unless a test asks: many clusters, one port 8000
     cache = overrides.pop("cache", CacheConfig(num_blocks=num_blocks))
     spec = ClusterSpec(num_prefill=num_prefill, num_decode=num_decode, port=0,
-                       namespace=f"t{uuid.uuid4().hex[:6]}", cache=cache,
+                       namespace=f"t{uuid.uuid4().hex[:6]}", engine=EngineConfig(cache=cache),
                        placement=PlacementConfig(routing=routing), **overrides)
     cluster = LocalCluster(spec, say=lambda *_: None)
     cluster.start()
