@@ -1,5 +1,7 @@
 """Every path the docs name exists: markdown links to files of the repository, and paths in
-backticks (`router/placement.py`, `tests/x.py::test_name`, whose test must be defined there).
+backticks (`router/placement.py`, `tests/x.py::test_name`, whose test must be defined there, and a
+bare `cli.py` read in the folder its line names before it), in the README, docs/, each folder's
+README and each study's (studies/*/README.md).
 
 A doc that points at a file or a test that is gone promises what nobody can check. Paths a user
 makes (certs/, bench/out/, loadtest/out/) and placeholders (<...>, ...) are not the repository's.
