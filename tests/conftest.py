@@ -134,10 +134,15 @@ def hf_tiny(tiny_model_dir):
     return LlamaForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
 
 
+# torch's own kernels, what transformers runs: the oracle tests pin them (tests/engine/test_oracle.py);
+# every other test runs the defaults (auto: native where the extension is built).
+TORCH_KERNELS = {"linear_kernel": "matmul", "attention_kernel": "sdpa", "pointwise_kernel": "torch"}
+
+
 def make_engine(loaded: LoadedModel, *, block_size: int = 16, num_blocks: int | None = 256,
                 budget: int = 2048, max_seqs: int = 64, kv_dtype: str = "float32",
-                prefix_caching: bool = True, linear_kernel: str = "matmul", attention_kernel: str = "sdpa",
-                pointwise_kernel: str = "torch",
+                prefix_caching: bool = True, linear_kernel: str = "auto", attention_kernel: str = "auto",
+                pointwise_kernel: str = "auto",
                 host_blocks: int | None = None, disk_dir: str | None = None,
                 disk_gib: float = 4.0) -> LLMEngine:
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_dtype=kv_dtype,

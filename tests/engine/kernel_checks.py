@@ -1,4 +1,4 @@
-"""The checks every opt-in kernel runs the engine through (tests/engine/test_linear_kernels.py,
+"""The checks every kernel but torch's runs the engine through (tests/engine/test_linear_kernels.py,
 test_attention_kernels.py, test_pointwise.py): its cache paths against the no-cache reference, blocks
 filled by decode steps through the KV audit, and transformers' greedy tokens; and run_capped_to_avx2,
 which runs a kernel check on the 8-lane build in a process of its own."""

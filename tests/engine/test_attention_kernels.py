@@ -1,9 +1,9 @@
-"""The opt-in paged attention kernels (EngineConfig.attention_kernel "avx2": decode rows and prefill
+"""The native paged attention kernels (EngineConfig.attention_kernel "native": decode rows and prefill
 chunks) under the exactness suite.
 
 Each kernel against float64 attention over the same rows, for shapes that leave every tail; then the
 engine on them against the no-cache reference (tests/engine/test_exactness.py's assertions and 1e-4),
-every cache path, with torch's matmul and with the avx2 linear kernel; then against transformers on
+every cache path, with torch's matmul and with the native linear kernel; then against transformers on
 greedy tokens. The reference attends with SDPA, so every step compares the two attentions.
 """
 
@@ -28,7 +28,7 @@ from tests.engine.kernel_checks import (
     run_capped_to_avx2,
 )
 from tests.engine.test_exactness import check_against_reference, varied_prompts
-from tests.engine.test_linear_kernels import ONEDNN_VS_TRANSFORMERS, needs_avx2
+from tests.engine.test_linear_kernels import ONEDNN_VS_TRANSFORMERS, needs_native
 from tests.engine.test_oracle import hf_greedy, hf_logits
 
 CPU = torch.device("cpu")
@@ -237,36 +237,38 @@ def test_paged_prefill_attention_refuses_a_table_too_short_or_a_block_past_the_p
 
 def test_attention_kernel_names_and_dtypes_are_checked():
     assert select_attention(CPU, "sdpa") is None
-    with pytest.raises(ValueError, match="use sdpa or avx2"):
+    with pytest.raises(ValueError, match="use sdpa or native"):
         select_attention(CPU, "flash")
-    with pytest.raises(FieldError, match="attention_kernel must be one of sdpa, avx2"):
+    with pytest.raises(FieldError, match="attention_kernel must be one of auto, sdpa, native"):
         EngineConfig(attention_kernel="paged")
-    with pytest.raises(FieldError, match="attention_kernel must be sdpa with kv_dtype int8"):
-        EngineConfig(attention_kernel="avx2", cache=CacheConfig(kv_dtype="int8"))
+    with pytest.raises(FieldError, match="attention_kernel must be sdpa or auto with kv_dtype int8"):
+        EngineConfig(attention_kernel="native", cache=CacheConfig(kv_dtype="int8"))
 
 
 KERNEL_PAIRS = [pytest.param("matmul", marks=needs_kernel, id="matmul"),
-                pytest.param("avx2", marks=needs_avx2, id="avx2-linear")]
+                pytest.param("native", marks=needs_native, id="native-linear")]
+ALONE = {"linear_kernel": "matmul", "pointwise_kernel": "torch"}  # native attention beside torch's kernels
 
 
 @pytest.mark.parametrize("linear_kernel", KERNEL_PAIRS)
 @pytest.mark.parametrize("engine_kwargs",
                          [{}, {"budget": 7}, {"block_size": 8, "num_blocks": 10, "budget": 32}],
                          ids=["batched", "chunked", "preempted"])
-def test_avx2_attention_cache_paths_match_the_reference(tiny_loaded, linear_kernel, engine_kwargs):
-    engine = make_engine(tiny_loaded, linear_kernel=linear_kernel, attention_kernel="avx2", **engine_kwargs)
+def test_native_attention_cache_paths_match_the_reference(tiny_loaded, linear_kernel, engine_kwargs):
+    engine = make_engine(tiny_loaded, linear_kernel=linear_kernel, attention_kernel="native",
+                         pointwise_kernel="torch", **engine_kwargs)
     check_cache_paths(engine)
 
 
 @needs_kernel
-def test_avx2_attention_over_many_rows_of_mixed_lengths_matches_the_reference(tiny_loaded):
+def test_native_attention_over_many_rows_of_mixed_lengths_matches_the_reference(tiny_loaded):
     """20 sequences decoding together, lengths spread over several blocks: one kernel call per layer,
     each row reading its own blocks, against the reference's SDPA; every prompt's prefill on the
     prefill kernel."""
     g = torch.Generator().manual_seed(99)
     lengths = [1, 70, 5, 33, 17, 64, 2, 48, 9, 81, 16, 40, 3, 57, 25, 12, 90, 7, 31, 44]
     prompts = [torch.randint(0, tiny_loaded.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
-    engine = make_engine(tiny_loaded, attention_kernel="avx2")
+    engine = make_engine(tiny_loaded, attention_kernel="native", **ALONE)
     decode_rows, prefill_rows = [], []
     kernels = engine.model.paged_attention
     engine.model.paged_attention = dataclasses.replace(
@@ -278,26 +280,27 @@ def test_avx2_attention_over_many_rows_of_mixed_lengths_matches_the_reference(ti
 
 
 @needs_kernel
-def test_avx2_attention_blocks_filled_by_decode_steps_audit_clean(tiny_loaded):
-    check_decode_filled_blocks_audit_clean(make_engine(tiny_loaded, attention_kernel="avx2", budget=40))
+def test_native_attention_blocks_filled_by_decode_steps_audit_clean(tiny_loaded):
+    check_decode_filled_blocks_audit_clean(make_engine(tiny_loaded, attention_kernel="native", budget=40,
+                                                       **ALONE))
 
 
 @needs_kernel
-def test_avx2_attention_greedy_continuation_matches_transformers(tiny_loaded, hf_tiny):
-    engine = make_engine(tiny_loaded, attention_kernel="avx2", block_size=4, budget=16)
+def test_native_attention_greedy_continuation_matches_transformers(tiny_loaded, hf_tiny):
+    engine = make_engine(tiny_loaded, attention_kernel="native", block_size=4, budget=16, **ALONE)
     check_greedy_matches_transformers(engine, hf_tiny)
 
 
-@needs_avx2
+@needs_native
 @pytest.mark.slow  # transformers' GGUF load
-def test_avx2_kernels_on_smollm2_match_transformers_within_the_linear_bound(smollm_loaded, hf_smollm):
-    """The three opt-in kernels together, as the benches run them: the linear kernels' bound on the
+def test_native_kernels_on_smollm2_match_transformers_within_the_linear_bound(smollm_loaded, hf_smollm):
+    """The three native kernels together, the defaults where they build: the linear kernels' bound on the
     logits (attention, norms and SiLU add sums in their own order, not another bound), greedy tokens
     equal."""
     messages = [{"role": "user", "content": "Write one sentence about the sea."}]
     chat_ids = smollm_loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    engine = make_engine(smollm_loaded, linear_kernel="avx2", attention_kernel="avx2",
-                         pointwise_kernel="avx2", block_size=16, num_blocks=64, budget=40)
+    engine = make_engine(smollm_loaded, linear_kernel="native", attention_kernel="native",
+                         pointwise_kernel="native", block_size=16, num_blocks=64, budget=40)
     with torch.inference_mode():
         diff = (engine.model.reference_logits(chat_ids) - hf_logits(hf_smollm, chat_ids)).abs().max().item()
     assert diff <= ONEDNN_VS_TRANSFORMERS

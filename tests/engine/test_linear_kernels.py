@@ -1,11 +1,12 @@
-"""The opt-in matmul kernels (EngineConfig.linear_kernel "onednn" and "avx2") under the exactness suite.
+"""The matmul kernels other than torch's (EngineConfig.linear_kernel "onednn" and "native") under the
+exactness suite, each named explicitly; and pdserve's GEMV and panel matmul operators.
 
 Against the no-cache reference on the same kernel: the suite's own assertions and 1e-4 tolerance
 (tests/engine/test_exactness.py), every cache path. Against transformers, which runs MKL: greedy
-tokens identical, and logits within ONEDNN_VS_TRANSFORMERS (oneDNN and pdserve's GEMV sum in other
-orders; the default matmul kernel meets test_oracle.py's 1e-4). avx2's reference runs its prompts
-through oneDNN (many rows) while its decode steps run the GEMV (one row each), so the comparison
-crosses the two kernels.
+tokens identical, and logits within ONEDNN_VS_TRANSFORMERS (oneDNN and pdserve's panels sum in other
+orders; the matmul kernel meets test_oracle.py's 1e-4). native's reference runs its prompts as
+products of many rows while its decode steps run one row each: the same panels, whose every row is a
+function of that row alone.
 """
 
 from __future__ import annotations
@@ -20,11 +21,10 @@ import torch
 from pdserve.engine import cpu_kernels
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.linear import (
-    Avx2Linear,
     MatmulLinear,
+    NativeLinear,
     OneDNNLinear,
-    max_gemv_rows,
-    max_panel_rows,
+    PanelWeight,
     onednn_available,
     select_linear,
 )
@@ -45,25 +45,20 @@ ONEDNN_VS_TRANSFORMERS = 1e-3
 
 needs_onednn = pytest.mark.skipif(not onednn_available(torch.device("cpu")),
                                   reason="this torch build has no oneDNN linear on this CPU")
-
-
-def _avx2_unavailable() -> str | None:
-    if not onednn_available(torch.device("cpu")):
-        return "this torch build has no oneDNN linear on this CPU"
-    return cpu_kernels.unavailable()
-
-
-needs_avx2 = pytest.mark.skipif(_avx2_unavailable() is not None, reason=f"avx2 kernel: {_avx2_unavailable()}")
-OPT_IN_KERNELS = [pytest.param("onednn", marks=needs_onednn), pytest.param("avx2", marks=needs_avx2)]
+needs_native = pytest.mark.skipif(cpu_kernels.unavailable() is not None,
+                                  reason=f"native kernel: {cpu_kernels.unavailable()}")
+FAST_KERNELS = [pytest.param("onednn", marks=needs_onednn), pytest.param("native", marks=needs_native)]
 
 
 def kernel_engine(loaded, kernel, **kwargs):
-    return make_engine(loaded, linear_kernel=kernel, **kwargs)
+    """An engine on the linear kernel `kernel`, beside torch's attention and pointwise kernels."""
+    return make_engine(loaded, linear_kernel=kernel, attention_kernel="sdpa", pointwise_kernel="torch",
+                       **kwargs)
 
 
 def test_kernel_names_are_checked():
     assert isinstance(select_linear(torch.device("cpu"), "matmul"), MatmulLinear)
-    with pytest.raises(ValueError, match="use matmul, onednn or avx2"):
+    with pytest.raises(ValueError, match="use matmul, onednn or native"):
         select_linear(torch.device("cpu"), "mkl")
     with pytest.raises(FieldError, match="linear_kernel"):
         EngineConfig(linear_kernel="fast")
@@ -89,7 +84,7 @@ def check_gemv_products(gemv, rows: int, n_in: int, n_out: int) -> None:
     assert torch.allclose(ours, x.double().mm(w.double().t()).float(), atol=1e-4, rtol=1e-5)
 
 
-@needs_avx2
+@needs_native
 @pytest.mark.parametrize("rows", GEMV_ROWS)
 @pytest.mark.parametrize("n_in, n_out", GEMV_SHAPES.values(), ids=GEMV_SHAPES.keys())
 def test_gemv_computes_the_same_products_as_matmul(rows, n_in, n_out):
@@ -99,7 +94,7 @@ def test_gemv_computes_the_same_products_as_matmul(rows, n_in, n_out):
     check_gemv_products(cpu_kernels.gemv(), rows, n_in, n_out)
 
 
-@needs_avx2
+@needs_native
 def test_gemv_runs_avx512_where_the_cpu_has_it():
     expected = "avx512" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "avx2"
     assert cpu_kernels.gemv_isa() == expected
@@ -117,14 +112,14 @@ print("checked")
 """
 
 
-@needs_avx2
+@needs_native
 def test_gemv_capped_to_avx2_computes_the_same_products():
     """PDSERVE_CPU_ISA=avx2 runs the AVX2 path on an AVX-512 CPU too: where this machine has AVX-512,
     the other path is checked here."""
     run_capped_to_avx2(CAPPED_TO_AVX2)
 
 
-@needs_avx2
+@needs_native
 def test_an_unknown_cpu_isa_cap_is_refused_by_name():
     env = {**os.environ, "PDSERVE_CPU_ISA": "sse4"}
     code = "from pdserve.engine import cpu_kernels; cpu_kernels.gemv_isa()"
@@ -133,40 +128,28 @@ def test_an_unknown_cpu_isa_cap_is_refused_by_name():
     assert "PDSERVE_CPU_ISA is 'sse4': set it to avx2 or avx512, or leave it unset" in done.stderr
 
 
-@needs_avx2
-def test_avx2_sends_few_rows_to_the_gemv_tens_to_the_panels_and_more_to_onednn(monkeypatch):
-    linear = select_linear(torch.device("cpu"), "avx2")
-    assert isinstance(linear, Avx2Linear)
-    assert linear.panel_rows == max_panel_rows()
+@needs_native
+def test_native_runs_the_panels_at_every_row_count_from_one_copy_of_the_weight():
+    linear = select_linear(torch.device("cpu"), "native")
+    assert isinstance(linear, NativeLinear)
     g = torch.Generator().manual_seed(9)
-    w = torch.randn(64, 48, generator=g)
+    w = torch.randn(70, 48, generator=g)
     prepared = linear.prepare(w)
-    assert (prepared.panels is None) == (linear.panel_rows == 0)
-    gemv_calls, panel_calls = [], []
-    gemv = cpu_kernels.gemv()
-    monkeypatch.setattr(linear, "_gemv", lambda x, w: gemv_calls.append(x.shape[0]) or gemv(x, w))
-    if linear.panel_rows:
-        panel = linear._panel
-        monkeypatch.setattr(linear, "_panel",
-                            lambda x, p, n: panel_calls.append(x.shape[0]) or panel(x, p, n))
-    top = max(linear.gemv_rows, linear.panel_rows)
-    for rows in (1, linear.gemv_rows, linear.gemv_rows + 1, top, top + 1, 300):
+    columns = prepared.panels.shape[2]
+    assert isinstance(prepared, PanelWeight) and prepared.out == 70
+    assert prepared.panels.shape == (-(-70 // columns), 48, columns)  # W's values, padded to whole panels
+    for rows in (1, 2, 14, 300):
         x = torch.randn(rows, 48, generator=g)
         assert torch.allclose(linear(x, prepared), x @ w.t(), atol=1e-4, rtol=1e-5)
-    assert gemv_calls == [1, linear.gemv_rows]
-    assert panel_calls == ([linear.gemv_rows + 1, top] if linear.panel_rows else [])
 
 
-def test_the_panels_run_where_they_were_measured():
-    """On AVX-512 the panels take 3 to 128 rows (docs/benchmarks.md, 2026-12-06 07:40); not
-    measured in 8 lanes, an AVX2-only CPU keeps the GEMV and oneDNN alone."""
-    assert max_panel_rows("AVX512", "avx512") == 128
-    assert max_panel_rows("AVX512", "avx2") == 0
-    assert max_panel_rows("AVX2", "avx2") == 0
-    assert max_panel_rows() == max_panel_rows(torch.backends.cpu.get_cpu_capability(), cpu_kernels.gemv_isa())
-    if cpu_kernels.gemv() is not None:
-        without = Avx2Linear(cpu_kernels.gemv(), cpu_kernels.panel_matmul(), panel_rows=0)
-        assert without.gemv_rows == max_gemv_rows() and without.panel_rows == 0
+@needs_native
+def test_native_reads_a_weights_rows_back_out_of_its_panels_exactly():
+    """A tied model's embedding lookup reads its lm_head's panels (pdserve/engine/model.py)."""
+    linear = select_linear(torch.device("cpu"), "native")
+    w = torch.randn(70, 48, generator=torch.Generator().manual_seed(2))
+    ids = torch.tensor([0, 1, 31, 32, 69, 5, 5])  # panel edges, the padded last panel, a repeat
+    assert torch.equal(linear.rows(linear.prepare(w), ids), w[ids])
 
 
 PANEL_ROWS = [1, 2, 5, 6, 7, 13, 14, 15, 29, 64, 300]
@@ -182,7 +165,7 @@ def check_panel_products(panel, rows: int, n_in: int, n_out: int) -> None:
     assert torch.allclose(ours, x.double().mm(w.double().t()).float(), atol=1e-4, rtol=1e-5)
 
 
-@needs_avx2
+@needs_native
 @pytest.mark.parametrize("rows", PANEL_ROWS)
 @pytest.mark.parametrize("n_in, n_out", PANEL_SHAPES.values(), ids=PANEL_SHAPES.keys())
 def test_panel_matmul_computes_the_same_products_as_matmul(rows, n_in, n_out):
@@ -191,7 +174,7 @@ def test_panel_matmul_computes_the_same_products_as_matmul(rows, n_in, n_out):
     check_panel_products(cpu_kernels.panel_matmul(), rows, n_in, n_out)
 
 
-@needs_avx2
+@needs_native
 def test_a_panel_row_does_not_depend_on_the_rows_beside_it_or_the_threads():
     """Each output is one sum over the input, in order, whatever block its row falls in."""
     g = torch.Generator().manual_seed(6)
@@ -210,7 +193,7 @@ def test_a_panel_row_does_not_depend_on_the_rows_beside_it_or_the_threads():
         torch.set_num_threads(threads)
 
 
-@needs_avx2
+@needs_native
 def test_panel_matmul_refuses_panels_that_do_not_fit_the_output():
     panel = cpu_kernels.panel_matmul()
     panels = panel.pack(torch.randn(40, 8))
@@ -229,7 +212,7 @@ print("checked")
 """
 
 
-@needs_avx2
+@needs_native
 def test_panel_matmul_capped_to_avx2_computes_the_same_products():
     """The 8-lane build, run here with PDSERVE_CPU_ISA=avx2."""
     run_capped_to_avx2(CAPPED_PANELS)
@@ -247,16 +230,7 @@ def test_packing_the_weight_for_onednn_changes_no_value(rows):
     assert torch.equal(onednn(x, onednn.prepare(w)), onednn(x, w))
 
 
-def test_the_gemv_stops_sooner_where_onednn_runs_avx512():
-    """oneDNN's 16-lane kernels overtake the AVX2 GEMV from 8 rows and tie the AVX-512 one from 14
-    (docs/benchmarks.md, 2026-12-04)."""
-    assert max_gemv_rows("AVX512", "avx512") == 8
-    assert max_gemv_rows("AVX512", "avx2") == 4
-    assert max_gemv_rows("AVX2", "avx2") == 32
-    assert max_gemv_rows() == max_gemv_rows(torch.backends.cpu.get_cpu_capability(), cpu_kernels.gemv_isa())
-
-
-@needs_avx2
+@needs_native
 def test_a_gemv_row_does_not_depend_on_the_rows_beside_it():
     """Each output is its own register's sum in a fixed order, whatever blocking its row count takes."""
     g = torch.Generator().manual_seed(4)
@@ -266,39 +240,39 @@ def test_a_gemv_row_does_not_depend_on_the_rows_beside_it():
         assert torch.equal(cpu_kernels.gemv()(x[i:i + 1].contiguous(), w)[0], together[i])
 
 
-@needs_avx2
-def test_gemv_takes_a_row_that_is_a_view():
+@needs_native
+def test_native_takes_a_row_that_is_a_view():
     """A decode row arrives as a slice of a wider tensor; the kernel is given it contiguous."""
     g = torch.Generator().manual_seed(3)
     wide, w = torch.randn(3, 96, generator=g), torch.randn(16, 48, generator=g)
     x = wide[:, ::2]
-    linear = select_linear(torch.device("cpu"), "avx2")
+    linear = select_linear(torch.device("cpu"), "native")
     assert torch.allclose(linear(x, linear.prepare(w)), x @ w.t(), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", OPT_IN_KERNELS)
+@pytest.mark.parametrize("kernel", FAST_KERNELS)
 @pytest.mark.parametrize("engine_kwargs",
                          [{}, {"budget": 7}, {"block_size": 8, "num_blocks": 10, "budget": 32}],
                          ids=["batched", "chunked", "preempted"])
-def test_opt_in_kernel_cache_paths_match_the_reference(tiny_loaded, kernel, engine_kwargs):
+def test_fast_kernel_cache_paths_match_the_reference(tiny_loaded, kernel, engine_kwargs):
     check_cache_paths(kernel_engine(tiny_loaded, kernel, **engine_kwargs))
 
 
-@pytest.mark.parametrize("kernel", OPT_IN_KERNELS)
-def test_opt_in_kernel_blocks_filled_by_decode_steps_audit_clean(tiny_loaded, kernel):
-    """Decode steps (under avx2, the GEMV's products) fill whole blocks beside prefill chunks; the
-    KV audit recomputes each as one prefill (oneDNN's products): the rows agree across the kernels."""
+@pytest.mark.parametrize("kernel", FAST_KERNELS)
+def test_fast_kernel_blocks_filled_by_decode_steps_audit_clean(tiny_loaded, kernel):
+    """Decode steps (products of one row) fill whole blocks beside prefill chunks; the KV audit
+    recomputes each as one prefill (products of many rows): the rows agree across the row counts."""
     check_decode_filled_blocks_audit_clean(kernel_engine(tiny_loaded, kernel, budget=40))
 
 
-@pytest.mark.parametrize("kernel", OPT_IN_KERNELS)
-def test_opt_in_kernel_greedy_continuation_matches_transformers(tiny_loaded, hf_tiny, kernel):
+@pytest.mark.parametrize("kernel", FAST_KERNELS)
+def test_fast_kernel_greedy_continuation_matches_transformers(tiny_loaded, hf_tiny, kernel):
     check_greedy_matches_transformers(kernel_engine(tiny_loaded, kernel, block_size=4, budget=16), hf_tiny)
 
 
-@pytest.mark.parametrize("kernel", OPT_IN_KERNELS)
+@pytest.mark.parametrize("kernel", FAST_KERNELS)
 @pytest.mark.slow  # transformers' GGUF load
-def test_opt_in_kernel_smollm2_matches_transformers_within_its_bound(smollm_loaded, hf_smollm, kernel):
+def test_fast_kernel_smollm2_matches_transformers_within_its_bound(smollm_loaded, hf_smollm, kernel):
     messages = [{"role": "user", "content": "Write one sentence about the sea."}]
     chat_ids = smollm_loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     engine = kernel_engine(smollm_loaded, kernel, block_size=16, num_blocks=64, budget=40)

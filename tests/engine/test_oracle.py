@@ -1,7 +1,9 @@
 """The outside oracle: our model against transformers' LlamaForCausalLM on the same weights.
 
 Logits within 1e-4 max-abs (float32), greedy continuations identical, for the
-tiny random model and for SmolLM2 (transformers reads the same GGUF file).
+tiny random model and for SmolLM2 (transformers reads the same GGUF file), on torch's own kernels
+(TORCH_KERNELS: what transformers runs); the other kernels sum in other orders and are held to
+transformers' greedy tokens in their own tests (tests/engine/test_linear_kernels.py and beside it).
 
 Seeded sampling: our draws are counter-based (pdserve/engine/sampler.py: a uniform keyed by seed
 and position, inverse transform), so no torch.Generator of transformers' generate(do_sample=True)
@@ -17,7 +19,7 @@ import torch
 
 from pdserve.engine.sampler import filtered_probs, inverse_cdf, uniform
 from pdserve.engine.sequence import SamplingParams
-from tests.conftest import assert_no_leaks, make_engine
+from tests.conftest import TORCH_KERNELS, assert_no_leaks, make_engine
 
 LOGIT_TOL = 1e-4
 PROB_TOL = 1e-5  # float32 softmax over 49,152 logits that agree within LOGIT_TOL / temperature
@@ -75,7 +77,7 @@ def chat_ids(smollm_loaded):
 
 
 def test_tiny_logits_match_transformers(tiny_loaded, hf_tiny):
-    engine = make_engine(tiny_loaded)
+    engine = make_engine(tiny_loaded, **TORCH_KERNELS)
     ids = torch.randint(0, tiny_loaded.config.vocab_size, (45,), generator=torch.Generator().manual_seed(3))
     ids = ids.tolist()
     theirs = hf_logits(hf_tiny, ids)
@@ -87,7 +89,7 @@ def test_tiny_logits_match_transformers(tiny_loaded, hf_tiny):
 
 
 def test_tiny_greedy_continuation_matches_transformers(tiny_loaded, hf_tiny):
-    engine = make_engine(tiny_loaded, block_size=4, budget=16)  # chunked, many blocks
+    engine = make_engine(tiny_loaded, block_size=4, budget=16, **TORCH_KERNELS)  # chunked, many blocks
     ids = [5, 17, 300, 4000, 12, 7, 99, 1024, 33]
     [ours] = engine.generate([ids], SamplingParams(temperature=0, max_tokens=CONTINUATION), detokenize=False)
     assert ours.token_ids == hf_greedy(hf_tiny, ids, CONTINUATION)
@@ -96,7 +98,7 @@ def test_tiny_greedy_continuation_matches_transformers(tiny_loaded, hf_tiny):
 
 def test_tiny_seeded_sampling_draws_what_transformers_distribution_gives_for_the_same_draw(tiny_loaded,
                                                                                              hf_tiny):
-    engine = make_engine(tiny_loaded)
+    engine = make_engine(tiny_loaded, **TORCH_KERNELS)
     p = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=21, max_tokens=24, ignore_eos=True)
     ids = [5, 17, 300, 4000, 12, 7, 99, 1024, 33]
     [ours] = engine.generate([ids], p, detokenize=False)
@@ -114,7 +116,7 @@ def test_tiny_seeded_sampling_draws_what_transformers_distribution_gives_for_the
 
 @pytest.mark.slow  # transformers' GGUF load
 def test_smollm2_logits_match_transformers(smollm_loaded, hf_smollm, chat_ids):
-    engine = make_engine(smollm_loaded)
+    engine = make_engine(smollm_loaded, **TORCH_KERNELS)
     theirs = hf_logits(hf_smollm, chat_ids)
     with torch.inference_mode():
         ours_dense = engine.model.reference_logits(chat_ids)
@@ -125,7 +127,7 @@ def test_smollm2_logits_match_transformers(smollm_loaded, hf_smollm, chat_ids):
 
 @pytest.mark.slow  # transformers' GGUF load
 def test_smollm2_greedy_continuation_matches_transformers(smollm_loaded, hf_smollm, chat_ids):
-    engine = make_engine(smollm_loaded)
+    engine = make_engine(smollm_loaded, **TORCH_KERNELS)
     [ours] = engine.generate([chat_ids], SamplingParams(temperature=0, max_tokens=CONTINUATION),
                              detokenize=False)
     theirs = hf_greedy(hf_smollm, chat_ids, CONTINUATION)

@@ -1,10 +1,10 @@
-"""The opt-in fused pointwise kernel (EngineConfig.pointwise_kernel "avx2", pdserve/engine/pointwise.cpp).
+"""The native fused pointwise kernel (EngineConfig.pointwise_kernel "native", pdserve/engine/pointwise.cpp).
 
-Each op against torch's (TorchPointwise, the default, bit-equal to transformers): RoPE and the
+Each op against torch's (TorchPointwise, bit-equal to transformers): RoPE and the
 residual sum bit-equal; the norm and SiLU·up within NORM_REL and SILU_REL (their sums and exp run in
 another order), for widths that leave every vector tail and for rows that are views. Then the
 engine on it against the no-cache reference (tests/engine/test_exactness.py's assertions and 1e-4)
-on every cache path, alone and beside the other avx2 kernels, the KV audit, and transformers'
+on every cache path, alone and beside the other native kernels, the KV audit, and transformers'
 greedy tokens.
 """
 
@@ -24,7 +24,7 @@ from tests.engine.kernel_checks import (
     check_greedy_matches_transformers,
     needs_kernel,
 )
-from tests.engine.test_linear_kernels import needs_avx2
+from tests.engine.test_linear_kernels import needs_native
 
 CPU = torch.device("cpu")
 NORM_REL = 1e-6  # measured: 3.5e-7 (a few ulp) on rows of 576
@@ -34,7 +34,7 @@ torch_ops = TorchPointwise()
 
 
 def fused() -> FusedPointwise:
-    return select_pointwise(CPU, "avx2")  # type: ignore[return-value]
+    return select_pointwise(CPU, "native")  # type: ignore[return-value]
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -138,18 +138,19 @@ def test_bad_shapes_are_refused_by_name():
 
 
 def test_pointwise_kernel_names_are_checked():
-    with pytest.raises(FieldError, match="pointwise_kernel must be one of torch, avx2"):
+    with pytest.raises(FieldError, match="pointwise_kernel must be one of auto, torch, native"):
         EngineConfig(pointwise_kernel="fused")
-    with pytest.raises(ValueError, match="use torch or avx2"):
+    with pytest.raises(ValueError, match="use torch or native"):
         select_pointwise(CPU, "fused")
     with pytest.raises(ValueError, match="CPU only"):
-        select_pointwise(torch.device("meta"), "avx2")
+        select_pointwise(torch.device("meta"), "native")
     assert isinstance(select_pointwise(CPU), TorchPointwise) and select_pointwise(CPU).name == "torch"
 
 
-KERNEL_SETS = [pytest.param({}, marks=needs_kernel, id="pointwise-only"),
-               pytest.param({"linear_kernel": "avx2", "attention_kernel": "avx2"}, marks=needs_avx2,
-                            id="all-avx2")]
+ALONE = {"linear_kernel": "matmul", "attention_kernel": "sdpa"}  # the fused kernel beside torch's kernels
+KERNEL_SETS = [pytest.param(ALONE, marks=needs_kernel, id="pointwise-only"),
+               pytest.param({"linear_kernel": "native", "attention_kernel": "native"}, marks=needs_native,
+                            id="all-native")]
 
 
 @pytest.mark.parametrize("kernels", KERNEL_SETS)
@@ -157,17 +158,18 @@ KERNEL_SETS = [pytest.param({}, marks=needs_kernel, id="pointwise-only"),
                          [{}, {"budget": 7}, {"block_size": 8, "num_blocks": 10, "budget": 32}],
                          ids=["batched", "chunked", "preempted"])
 def test_fused_pointwise_cache_paths_match_the_reference(tiny_loaded, kernels, engine_kwargs):
-    engine = make_engine(tiny_loaded, pointwise_kernel="avx2", **kernels, **engine_kwargs)
+    engine = make_engine(tiny_loaded, pointwise_kernel="native", **kernels, **engine_kwargs)
     assert isinstance(engine.model.pointwise, FusedPointwise)
     check_cache_paths(engine)
 
 
 @needs_kernel
 def test_fused_pointwise_blocks_filled_by_decode_steps_audit_clean(tiny_loaded):
-    check_decode_filled_blocks_audit_clean(make_engine(tiny_loaded, pointwise_kernel="avx2", budget=40))
+    check_decode_filled_blocks_audit_clean(make_engine(tiny_loaded, pointwise_kernel="native", budget=40,
+                                                       **ALONE))
 
 
 @needs_kernel
 def test_fused_pointwise_greedy_continuation_matches_transformers(tiny_loaded, hf_tiny):
-    engine = make_engine(tiny_loaded, pointwise_kernel="avx2", block_size=4, budget=16)
+    engine = make_engine(tiny_loaded, pointwise_kernel="native", block_size=4, budget=16, **ALONE)
     check_greedy_matches_transformers(engine, hf_tiny)
