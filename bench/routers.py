@@ -160,14 +160,15 @@ def phase(cluster, phase_name: str, args: Any) -> dict[str, Any]:
 def run(args: Any) -> dict[str, Any]:
     from deploy.config import ClusterSpec
     from deploy.launcher import LocalCluster
+    from pdserve.engine.config import EngineConfig
     from pdserve.engine.tiny_model import write_tiny_model
 
     load_at_start = warn_if_busy(len(os.sched_getaffinity(0)))
     reps: list[dict[str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-routers-") as model:
         write_tiny_model(model)
-        spec = ClusterSpec(model_path=model, num_prefill=0, num_decode=1, num_routers=2, port=0, http_port=0,
-                           namespace="bench-routers")
+        spec = ClusterSpec(engine=EngineConfig(model_path=model), num_prefill=0, num_decode=1, num_routers=2,
+                           port=0, http_port=0, namespace="bench-routers")
         cluster = LocalCluster(spec, say=lambda line: progress(f"cluster: {line}"))
         try:
             cluster.start()
