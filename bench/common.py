@@ -155,12 +155,15 @@ def bench_parser(prog: str, doc: str) -> argparse.ArgumentParser:
     return p
 
 
-def check_least(p: argparse.ArgumentParser, args: argparse.Namespace, least: dict[str, int]) -> None:
-    """A usage error naming the flag when a given value is below its least (None: not given)."""
+def check_least(p: argparse.ArgumentParser, args: argparse.Namespace,
+                least: dict[str, int]) -> argparse.Namespace:
+    """`args`, after a usage error naming the flag when a given value is below its least (None: not
+    given)."""
     for name, bound in least.items():
         value = getattr(args, name)
         if value is not None and value < bound:
             p.error(f"--{name.replace('_', '-')} must be >= {bound}, got {value}")
+    return args
 
 
 def emit_json(result: dict[str, Any]) -> None:
@@ -228,6 +231,33 @@ def kernel_argv(args: Any) -> list[str]:
 
 # --- a peer's own virtualenv -------------------------------------------------------------------
 VENV_STAMP = "pdserve-peer-stamp.json"
+
+
+def serving_child(argv: Sequence[str]) -> subprocess.Popen:
+    """A `python -m ...` child that serves until its stdin closes (stop_child), saying where on its
+    first line of stdout (child_report)."""
+    return subprocess.Popen([sys.executable, "-m", *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+
+
+def child_report(proc: subprocess.Popen, word: str, what: str) -> tuple[str, str]:
+    """The two values of the child's first line, `WORD A B`; the child is killed if it says otherwise."""
+    line = proc.stdout.readline().split()
+    if len(line) != 3 or line[0] != word:
+        proc.kill()
+        raise RuntimeError(f"{what} did not report its {word} (exit {proc.wait()})")
+    return line[1], line[2]
+
+
+def stop_child(proc: subprocess.Popen, timeout_s: float) -> None:
+    """Close the child's stdin, its signal to stop; kill it if it has not exited after timeout_s."""
+    if proc.stdin:
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def venv_python(venv: Path) -> Path:

@@ -77,29 +77,22 @@ def loadtest_config(args: argparse.Namespace, router: str, label: str):
 
 
 def run_topology(args: argparse.Namespace, name: str) -> tuple[dict[str, Any], list]:
-    from deploy.launcher import ClusterSpec, LocalCluster
+    from deploy.launcher import ClusterSpec
     from loadtest.report import write_outputs
     from loadtest.runner import run_loadtest_async
-    from pdserve.client import PdserveClient
+    from sim.real import warmed_cluster
 
     num_prefill, num_decode = TOPOLOGIES[name]
     spec = ClusterSpec(num_prefill=num_prefill, num_decode=num_decode, port=0, routing="least_load",
                        min_remote_prefill_tokens=args.min_remote_prefill_tokens, num_blocks=1024,
                        namespace=f"disagg-{name}")
-    cluster = LocalCluster(spec, say=lambda line: progress(f"{name}: {line}"))
-    try:
-        router = cluster.start()
-        with PdserveClient(router, timeout_s=600) as client:  # warm every worker's kernels once
-            for _ in range(num_decode + num_prefill):
-                client.generate(token_ids=list(range(1000, 1300)), temperature=0, max_tokens=4)
+    with warmed_cluster(spec, say=lambda line: progress(f"{name}: {line}"), warm_tokens=300) as (_, router):
         progress(f"{name}: running {args.requests} requests at {args.rate}/s")
         import asyncio
 
         result = asyncio.run(run_loadtest_async(loadtest_config(args, router, name)))
         write_outputs(os.path.join(args.out, name), result.report, result.records)
         return result.report, result.records
-    finally:
-        cluster.stop()
 
 
 def plot_itl_cdfs(path: str, itl_by_topology: dict[str, list[float]], slo_itl_ms: float) -> None:

@@ -53,13 +53,17 @@ import grpc
 
 from bench.common import (
     bench_parser,
+    check_least,
+    child_report,
     environment,
     format_table,
     median,
     progress,
     publish,
     ratio,
+    serving_child,
     set_threads,
+    stop_child,
     warn_if_busy,
 )
 from bench.kv_transfer_wire import MIB, Case, keep_freed_memory, measure
@@ -122,26 +126,14 @@ class WorkerProcess:
 
     @classmethod
     def spawn(cls, role: str, threads: int, kv_dtype: str, num_blocks: int) -> WorkerProcess:
-        cmd = [sys.executable, "-m", "bench.kv_transfer", "--serve-worker", role, "--threads", str(threads),
-               "--kv-dtype", kv_dtype, "--num-blocks", str(num_blocks)]
-        return cls(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True), role)
+        return cls(serving_child(["bench.kv_transfer", "--serve-worker", role, "--threads", str(threads),
+                                  "--kv-dtype", kv_dtype, "--num-blocks", str(num_blocks)]), role)
 
     def wait_ready(self) -> None:
-        line = self.proc.stdout.readline().split()
-        if len(line) != 3 or line[0] != "address":
-            self.proc.kill()
-            raise RuntimeError(f"{self.role} worker process did not report its address "
-                               f"(exit {self.proc.wait()})")
-        self.address, self.device = line[1], line[2]
+        self.address, self.device = child_report(self.proc, "address", f"{self.role} worker process")
 
     def stop(self) -> None:
-        if self.proc.stdin:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_child(self.proc, timeout_s=20)
 
 
 # --- the two sides ----------------------------------------------------------------------------
@@ -408,18 +400,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default 512; 64 with --quick)")
     p.add_argument("--serve-worker", choices=["prefill", "decode"], help=argparse.SUPPRESS)
     p.add_argument("--num-blocks", type=int, default=0, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    for name in ("reps", "prompt_tokens", "bytes_tokens"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    least = {"reps": 1, "prompt_tokens": 1, "bytes_tokens": 1, "threads": 1}
+    args = check_least(p, p.parse_args(argv), least)
     if args.bytes_tokens is not None and args.bytes_tokens % BLOCK_SIZE:
         p.error(f"--bytes-tokens must be a multiple of the block size {BLOCK_SIZE}, got {args.bytes_tokens}")
     unknown = [d for d in args.bytes_dtypes if d not in KV_DTYPES]
     if unknown or not args.bytes_dtypes:
         p.error(f"--bytes-dtypes: {','.join(unknown) or 'nothing'}; give some of {','.join(KV_DTYPES)}")
-    if args.threads < 1:
-        p.error(f"--threads must be >= 1, got {args.threads}")
     return args
 
 

@@ -58,7 +58,19 @@ from typing import Any
 import grpc
 import torch
 
-from bench.common import bench_parser, environment, format_table, median, progress, publish, ratio, timed
+from bench.common import (
+    bench_parser,
+    child_report,
+    environment,
+    format_table,
+    median,
+    progress,
+    publish,
+    ratio,
+    serving_child,
+    stop_child,
+    timed,
+)
 from pdserve.engine.kv_format import KV_FORMATS
 from pdserve.kvwire import (
     KVLayout,
@@ -204,23 +216,14 @@ class ReceiverProcess:
     @classmethod
     def start(cls, mib: int, kv_dtype: str, codec: str, grpc_args: Sequence[str] = (),
               native: bool = True) -> ReceiverProcess:
-        cmd = [sys.executable, "-m", "bench.kv_transfer_wire", "--serve", "--mib", str(mib),
-               "--dtype", kv_dtype, "--codec", codec, *(f"--grpc-arg={a}" for a in grpc_args),
-               "--kv-blocks", "native" if native else "python"]
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        line = proc.stdout.readline().split()
-        if len(line) != 3 or line[0] != "ports":
-            proc.kill()
-            raise RuntimeError(f"receiver process did not report its ports (exit {proc.wait()})")
-        return cls(proc, int(line[1]), int(line[2]))
+        proc = serving_child(["bench.kv_transfer_wire", "--serve", "--mib", str(mib), "--dtype", kv_dtype,
+                              "--codec", codec, *(f"--grpc-arg={a}" for a in grpc_args),
+                              "--kv-blocks", "native" if native else "python"])
+        grpc_port, tcp_port = child_report(proc, "ports", "receiver process")
+        return cls(proc, int(grpc_port), int(tcp_port))
 
     def stop(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_child(self.proc, timeout_s=10)
 
 
 # -- measurement ----------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from bench.common import bench_parser, environment, format_table, median, progress, run_timed, warn_if_busy
+from bench import common
 from loadtest.stats import percentile
 
 KILL_AFTER = 16  # tokens every stream has when its decode worker is killed
@@ -147,7 +147,7 @@ def running(spec) -> Iterator[tuple[Any, Any]]:
     from deploy.launcher import LocalCluster
     from pdserve.client import PdserveClient
 
-    cluster = LocalCluster(spec, say=lambda line: progress(f"cluster: {line}"))
+    cluster = LocalCluster(spec, say=lambda line: common.progress(f"cluster: {line}"))
     try:
         cluster.start()
         with PdserveClient(cluster.router.address, timeout_s=600) as client:
@@ -162,7 +162,7 @@ def run(args: Any) -> dict[str, Any]:
     base = QUICK if args.quick else Sizes()
     chosen = {k: getattr(args, k) for k in ("reps", "streams", "new_tokens")}
     sizes = replace(base, **{k: v for k, v in chosen.items() if v is not None})
-    load_at_start = warn_if_busy(len(os.sched_getaffinity(0)))
+    load_at_start = common.warn_if_busy(len(os.sched_getaffinity(0)))
     spec = ClusterSpec(num_prefill=1, num_decode=2, port=0, http_port=0, namespace="bench-migration",
                        max_restarts=0 if args.no_restart else -1)
     # --no-restart: a killed worker stays dead, so each kill needs a cluster of its own
@@ -173,15 +173,15 @@ def run(args: Any) -> dict[str, Any]:
         with running(spec) as (cluster, client):
             ids = prompts(cluster.router.servicer.tokenizer, sizes.streams)
             if reference is None:
-                progress("warm-up rep (no kill): the reference tokens and the peer's inter-token gaps")
+                common.progress("warm-up rep (no kill): the reference tokens and the peer's inter-token gaps")
                 reference = one_rep(cluster, client, ids, sizes, kill=False)
             for _ in range(kills_each):
-                progress(f"rep {len(reps) + 1}/{sizes.reps}: SIGKILL the busiest decode worker after "
+                common.progress(f"rep {len(reps) + 1}/{sizes.reps}: SIGKILL the busiest decode worker after "
                          f"{KILL_AFTER} tokens a stream")
                 r = one_rep(cluster, client, ids, sizes, kill=True)
                 r["identical_tokens"] = r.pop("tokens") == reference["tokens"]
                 reps.append(r)
-                progress(f"  {r['victim']}: {r['moved']} streams moved")
+                common.progress(f"  {r['victim']}: {r['moved']} streams moved")
                 if not args.no_restart:
                     wait_for_restart(cluster, r["victim"], r["epoch"])
     assert reference is not None
@@ -197,16 +197,17 @@ def summarize(reference: dict[str, Any], reps: list[dict[str, Any]], sizes: Size
 
     itl_p50 = 1e3 * percentile(reference["itl_s"], 50)
     result = {
-        "gap_p50_ms": median(per_rep("gaps_s", 50)), "gap_p99_ms": median(per_rep("gaps_s", 99)),
-        "router_gap_p50_ms": median(per_rep("router_gaps_s", 50)),
-        "router_gap_p99_ms": median(per_rep("router_gaps_s", 99)),
+        "gap_p50_ms": common.median(per_rep("gaps_s", 50)),
+        "gap_p99_ms": common.median(per_rep("gaps_s", 99)),
+        "router_gap_p50_ms": common.median(per_rep("router_gaps_s", 50)),
+        "router_gap_p99_ms": common.median(per_rep("router_gaps_s", 99)),
         "peer_itl_p50_ms": itl_p50, "peer_itl_p99_ms": 1e3 * percentile(reference["itl_s"], 99),
         "identical_tokens": all(r["identical_tokens"] for r in reps),
         "reps": [{"victim": r["victim"], "moved": r["moved"], "identical_tokens": r["identical_tokens"],
                   "gap_p50_ms": percentile_ms(r["gaps_s"], 50), "gap_p99_ms": percentile_ms(r["gaps_s"], 99),
                   "gaps_ms": [1e3 * g for g in r["gaps_s"]]} for r in reps],
         "sizes": sizes.__dict__, "kill_after_tokens": KILL_AFTER,
-        "environment": {**environment(os.cpu_count() or 1), "loadavg_at_start": load},
+        "environment": {**common.environment(os.cpu_count() or 1), "loadavg_at_start": load},
     }
     result["gap_p50_over_itl_p50"] = result["gap_p50_ms"] / itl_p50
     return result
@@ -226,11 +227,11 @@ def report(r: dict[str, Any]) -> str:
             f"streams={s['streams']} new tokens={s['new_tokens']} kill after "
             f"{r['kill_after_tokens']} tokens; moved per kill {[x['moved'] for x in r['reps']]}; identical "
             f"tokens {r['identical_tokens']}; load average at start {env['loadavg_at_start']:.2f}")
-    return "\n".join([head, format_table(["measure (median over kills)", "p50 ms", "p99 ms"], rows)])
+    return "\n".join([head, common.format_table(["measure (median over kills)", "p50 ms", "p99 ms"], rows)])
 
 
 def parse_args(argv: list[str] | None = None) -> Any:
-    p = bench_parser("python -m bench.migration", __doc__)
+    p = common.bench_parser("python -m bench.migration", __doc__)
     p.add_argument("--quick", action="store_true", help="smoke run: 1 kill, 4 streams of 32 tokens")
     p.add_argument("--reps", type=int, default=None,
                    help=f"kills, after one warm-up rep (default {Sizes.reps})")
@@ -240,16 +241,11 @@ def parse_args(argv: list[str] | None = None) -> Any:
                         "no model load competes with the replay for the cores")
     p.add_argument("--new-tokens", type=int, default=None,
                    help=f"tokens a stream, more than {KILL_AFTER} (default {Sizes.new_tokens})")
-    args = p.parse_args(argv)
-    for name, least in (("reps", 1), ("streams", 2), ("new_tokens", KILL_AFTER + 2)):
-        value = getattr(args, name)
-        if value is not None and value < least:
-            p.error(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
-    return args
+    return common.check_least(p, p.parse_args(argv), {"reps": 1, "streams": 2, "new_tokens": KILL_AFTER + 2})
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_timed(run, report, parse_args(argv))
+    common.run_timed(run, report, parse_args(argv))
 
 
 if __name__ == "__main__":

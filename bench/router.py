@@ -58,6 +58,7 @@ from typing import Any
 
 from bench.common import (
     bench_parser,
+    check_least,
     environment,
     format_table,
     median,
@@ -609,10 +610,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default 2; 1 with --quick)")
     p.add_argument("--only", choices=["decision", "chat"], default=None,
                    help="run one part only (default: both)")
-    args = p.parse_args(argv)
-    if args.reps is not None and args.reps < 1:
-        p.error(f"--reps must be >= 1, got {args.reps}")
-    return args
+    return check_least(p, p.parse_args(argv), {"reps": 1})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,7 +24,7 @@ import os
 import sys
 from typing import Any
 
-from bench.common import progress
+from bench.common import check_least, progress
 from pdserve.engine.scheduler import StepShape
 from sim.real import TOPOLOGIES
 
@@ -360,10 +360,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "against its real measurements",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    args = p.parse_args(argv)
-    if args.reps < 1:
-        p.error(f"--reps must be >= 1, got {args.reps}")
-    return args
+    return check_least(p, p.parse_args(argv), {"reps": 1})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -53,18 +53,29 @@ class TracedStep:
 def real_cluster(topology: str, say: Callable[[str], None]) -> Iterator[tuple[Any, str]]:
     """(the LocalCluster, its router's address), every worker warmed by one request."""
     from deploy.config import ClusterSpec
-    from deploy.launcher import LocalCluster
-    from pdserve.client import PdserveClient
 
     num_prefill, num_decode = TOPOLOGIES[topology]
     spec = ClusterSpec(num_prefill=num_prefill, num_decode=num_decode, port=0, http_port=0, metrics_port=None,
                        namespace=f"sim-{num_prefill}p{num_decode}d")
-    cluster = LocalCluster(spec, say=lambda line: say(f"{topology}: {line}"))
+    with warmed_cluster(spec, say=lambda line: say(f"{topology}: {line}")) as started:
+        yield started
+
+
+@contextlib.contextmanager
+def warmed_cluster(spec: Any, say: Callable[[str], None],
+                   warm_tokens: int = 100) -> Iterator[tuple[Any, str]]:
+    """`pdserve up`'s LocalCluster of `spec`, started: (the cluster, its router's address) once as many
+    greedy requests of `warm_tokens` tokens as it has workers have run (each worker's kernels warmed
+    once, as the router spreads them); stopped on the way out."""
+    from deploy.launcher import LocalCluster
+    from pdserve.client import PdserveClient
+
+    cluster = LocalCluster(spec, say=say)
     try:
         router = cluster.start()
-        with PdserveClient(router, timeout_s=600) as client:  # warm every worker's kernels once
-            for _ in range(num_prefill + num_decode):
-                client.generate(token_ids=list(range(1000, 1100)), temperature=0, max_tokens=4)
+        with PdserveClient(router, timeout_s=600) as client:
+            for _ in range(spec.num_prefill + spec.num_decode):
+                client.generate(token_ids=list(range(1000, 1000 + warm_tokens)), temperature=0, max_tokens=4)
         yield cluster, router
     finally:
         cluster.stop()

@@ -30,18 +30,9 @@ from typing import Any
 import grpc
 import torch
 
+from pdserve import kvwire
 from pdserve.engine.kv_format import KV_FORMATS, TORCH_DTYPES
-from pdserve.kvwire import (
-    ChecksumError,
-    KVLayout,
-    LayerChunkHeader,
-    TransferBegin,
-    TransferEnd,
-    WireError,
-    decode_header,
-    encode_layer,
-    receive_layer,
-)
+from pdserve.kvwire import KVLayout, TransferBegin, TransferEnd, WireError
 from pdserve.transfer.kvchunk import parse_kv_chunk
 from prefill_worker.channels import GrpcKVChannel
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
@@ -116,17 +107,17 @@ class PoolReceiver:
         begin = self._begin(next(it, None))
         written = received = 0
         for header, payload in it:
-            frame = decode_header(header)
+            frame = kvwire.decode_header(header)
             if isinstance(frame, TransferEnd):
                 return self._end(begin, frame, written, received)
-            if not isinstance(frame, LayerChunkHeader) or frame.transfer_id != begin.transfer_id:
+            if not isinstance(frame, kvwire.LayerChunkHeader) or frame.transfer_id != begin.transfer_id:
                 raise WireError(f"transfer {begin.transfer_id}: unexpected frame {frame!r:.120}")
-            receive_layer(self.kv_cache, frame, payload, self.layout, frame.positions, self.native)
+            kvwire.receive_layer(self.kv_cache, frame, payload, self.layout, frame.positions, self.native)
             written, received = written + len(frame.positions), received + len(payload)
         raise WireError(f"transfer {begin.transfer_id}: stream ended before END")
 
     def _begin(self, first: Any) -> TransferBegin:
-        begin = decode_header(first[0]) if first is not None else None
+        begin = kvwire.decode_header(first[0]) if first is not None else None
         if not isinstance(begin, TransferBegin):
             raise WireError(f"a transfer must open with BEGIN, got {begin!r:.120}")
         mismatch = begin.layout.first_mismatch(self.layout)
@@ -154,7 +145,7 @@ def add_pool_receiver(server: grpc.Server, receiver: PoolReceiver, codec: str = 
         frames = requests if codec == "raw" else ((m.header, m.payload) for m in requests)
         try:
             got = receiver.receive(frames)
-        except ChecksumError as e:
+        except kvwire.ChecksumError as e:
             context.abort(grpc.StatusCode.DATA_LOSS, str(e))
         except WireError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -208,8 +199,8 @@ def transfer_frames(kv_cache: torch.Tensor, layout: KVLayout, transfer_id: str, 
     yield begin.encode(), b""
     total = 0
     for layer in range(layout.num_layers):
-        for frame in encode_layer(kv_cache, layer, block_ids, positions, transfer_id, max_chunk_bytes,
-                                  native=native):
+        for frame in kvwire.encode_layer(kv_cache, layer, block_ids, positions, transfer_id, max_chunk_bytes,
+                                         native=native):
             total += len(frame[1])
             yield frame  # as it is: a PackedFrame is serialised without a copy
     yield TransferEnd(transfer_id, layout.num_layers * len(block_ids), total).encode(), b""

@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import generate_latest
 
-from tests.loadtest.fake_router import CACHED_TOKENS, PROMPT_TOKENS
+from tests.loadtest.fake_router import CACHED_TOKENS, PROMPT_TOKENS, RouterCounters
 
 MODEL = "fake-model"
 
@@ -33,7 +33,7 @@ def reply_piece(serial: int, position: int) -> str:
     return f"reply{serial}" if position == 0 else f" t{position}"
 
 
-class FakeOpenAI:
+class FakeOpenAI(RouterCounters):
     def __init__(self, token_sleep_s: float = 0.005, fail_if: Callable[[dict], bool] = lambda body: False,
                  api_token: str | None = None, models: tuple[str, ...] = (MODEL,)) -> None:
         self.token_sleep_s, self.fail_if = token_sleep_s, fail_if
@@ -43,13 +43,7 @@ class FakeOpenAI:
         self.replies: list[str] = []  # the text streamed for bodies[i]
         self.authorizations: list[str | None] = []
         self.in_flight = self.max_in_flight = 0
-        self.registry = CollectorRegistry()
-        self.requests_total = Counter("pdserve_router_requests", "calls by code", ["code"],
-                                      registry=self.registry)
-        self.prompt_tokens = Counter("pdserve_router_prompt_tokens", "prompt tokens", registry=self.registry)
-        self.cached_tokens = Counter("pdserve_router_cached_tokens", "cached tokens", registry=self.registry)
-        self.generated_tokens = Counter("pdserve_router_generated_tokens", "generated",
-                                        registry=self.registry)
+        RouterCounters.__init__(self)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -81,7 +75,7 @@ class FakeOpenAI:
         if refusal is not None:
             return refusal
         if self.fail_if(body):
-            self.requests_total.labels("RESOURCE_EXHAUSTED").inc()
+            self.count_refused()
             return _error(429, "fake server: no KV blocks free", "rate_limit_error", {"Retry-After": "2"})
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -103,10 +97,7 @@ class FakeOpenAI:
             piece = reply_piece(serial, position)
             self.replies[serial] += piece
             await _send(response, {"choices": [{"index": 0, "finish_reason": None, **choice(piece)}]})
-        self.requests_total.labels("OK").inc()
-        self.prompt_tokens.inc(PROMPT_TOKENS)
-        self.cached_tokens.inc(CACHED_TOKENS)
-        self.generated_tokens.inc(n)
+        self.count_served(n)
         extension = {"prefill_worker": "p0", "decode_worker": "d0",
                      "computed_tokens": PROMPT_TOKENS - CACHED_TOKENS,
                      "timings": {"queue_ms": 1.0, "prefill_ms": 2.0, "transfer_ms": 0.0, "ttft_ms": 3.0}}

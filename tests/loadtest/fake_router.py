@@ -29,7 +29,30 @@ def reply_text(request_id: str) -> str:
     return f"reply to {request_id}"
 
 
-class FakeRouter(pb_grpc.GenerationServicer):
+class RouterCounters:
+    """The router's counters that loadtest's server metrics read (pdserve_router_*), on a registry of
+    the fake's own; every served request has PROMPT_TOKENS, CACHED_TOKENS of them cached."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests_total = Counter("pdserve_router_requests", "calls by code", ["code"],
+                                      registry=self.registry)
+        self.prompt_tokens = Counter("pdserve_router_prompt_tokens", "prompt tokens", registry=self.registry)
+        self.cached_tokens = Counter("pdserve_router_cached_tokens", "cached tokens", registry=self.registry)
+        self.generated_tokens = Counter("pdserve_router_generated_tokens", "generated",
+                                        registry=self.registry)
+
+    def count_served(self, generated: int) -> None:
+        self.requests_total.labels("OK").inc()
+        self.prompt_tokens.inc(PROMPT_TOKENS)
+        self.cached_tokens.inc(CACHED_TOKENS)
+        self.generated_tokens.inc(generated)
+
+    def count_refused(self) -> None:
+        self.requests_total.labels("RESOURCE_EXHAUSTED").inc()
+
+
+class FakeRouter(RouterCounters, pb_grpc.GenerationServicer):
     """Knobs: `token_sleep_s` (before each token message), `tokens_per_message`,
     `fail_if(request) -> bool` (abort that call with RESOURCE_EXHAUSTED before any token)."""
 
@@ -39,13 +62,7 @@ class FakeRouter(pb_grpc.GenerationServicer):
         self.requests: list[pb.GenerateRequest] = []
         self.in_flight = self.max_in_flight = 0
         self._lock = threading.Lock()
-        self.registry = CollectorRegistry()
-        self.requests_total = Counter("pdserve_router_requests", "calls by code", ["code"],
-                                      registry=self.registry)
-        self.prompt_tokens = Counter("pdserve_router_prompt_tokens", "prompt tokens", registry=self.registry)
-        self.cached_tokens = Counter("pdserve_router_cached_tokens", "cached tokens", registry=self.registry)
-        self.generated_tokens = Counter("pdserve_router_generated_tokens", "generated",
-                                        registry=self.registry)
+        RouterCounters.__init__(self)
 
     def Generate(self, request, context):  # noqa: N802 (the gRPC method name)
         with self._lock:
@@ -54,7 +71,7 @@ class FakeRouter(pb_grpc.GenerationServicer):
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             if self.fail_if(request):
-                self.requests_total.labels("RESOURCE_EXHAUSTED").inc()
+                self.count_refused()
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "fake router: no KV blocks free")
             yield from self._stream(request)
         finally:
@@ -72,10 +89,7 @@ class FakeRouter(pb_grpc.GenerationServicer):
             yield pb.GenerateResponse(request_id=request.request_id, text=text if sent == 0 else "",
                                       token_ids=list(range(sent, sent + k)))
             sent += k
-        self.requests_total.labels("OK").inc()
-        self.prompt_tokens.inc(PROMPT_TOKENS)
-        self.cached_tokens.inc(CACHED_TOKENS)
-        self.generated_tokens.inc(n)
+        self.count_served(n)
         yield pb.GenerateResponse(
             request_id=request.request_id, finished=True, finish_reason="length",
             usage=pb.Usage(prompt_tokens=PROMPT_TOKENS, cached_tokens=CACHED_TOKENS,
