@@ -29,6 +29,7 @@ import random
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 from unittest import mock
@@ -200,7 +201,6 @@ def run_phases(sides: dict[str, Any], sizes: Sizes, rng: random.Random) -> dict[
 
 def run(args: Any) -> dict[str, Any]:
     from deploy.config import ClusterSpec
-    from deploy.launcher import LocalCluster
     from pdserve.engine.config import EngineConfig, cpu_threads_per_worker
 
     base = QUICK if args.quick else Sizes()
@@ -210,20 +210,30 @@ def run(args: Any) -> dict[str, Any]:
     threads = args.threads or cpu_threads_per_worker(1)  # default: what LocalCluster gives a lone worker
     spec = ClusterSpec(num_prefill=0, num_decode=1, port=0, namespace="bench-cluster",
                        engine=EngineConfig(num_threads=threads))
+    result = compare_on_cluster(
+        spec, lambda _, address: {"cluster": ThroughCluster(address), "in_process": InProcess(spec, threads)},
+        lambda sides: run_phases(sides, sizes, random.Random(args.seed)))
+    return {**result, "threads": threads, "sizes": sizes.__dict__, "quick": args.quick,
+            "targets": {"ttft_overhead": f"<= {TARGET_OVERHEAD}", "itl_overhead": f"<= {TARGET_OVERHEAD}"},
+            "environment": {**environment(threads), "loadavg_at_start": load_at_start}}
+
+
+def compare_on_cluster(spec: Any, make_sides: Callable[[Any, str], dict[str, Any]],
+                       phases: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
+    """Start `pdserve up`'s cluster of `spec`, run `phases` over the sides make_sides(cluster, its router's
+    address) builds, then close every side and stop the cluster, whatever happened."""
+    from deploy.launcher import LocalCluster
+
     cluster = LocalCluster(spec, say=lambda line: progress(f"cluster: {line}"))
     try:
-        remote = ThroughCluster(cluster.start())
-        sides = {"cluster": remote, "in_process": InProcess(spec, threads)}
+        sides = make_sides(cluster, cluster.start())
         try:
-            result = run_phases(sides, sizes, random.Random(args.seed))
+            return phases(sides)
         finally:
             for side in sides.values():
                 side.close()
     finally:
         cluster.stop()
-    return {**result, "threads": threads, "sizes": sizes.__dict__, "quick": args.quick,
-            "targets": {"ttft_overhead": f"<= {TARGET_OVERHEAD}", "itl_overhead": f"<= {TARGET_OVERHEAD}"},
-            "environment": {**environment(threads), "loadavg_at_start": load_at_start}}
 
 
 def report(r: dict[str, Any]) -> str:

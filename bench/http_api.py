@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from bench.cluster import ThroughCluster
+from bench.cluster import ThroughCluster, compare_on_cluster
 from bench.common import (
     bench_parser,
     check_least,
@@ -137,25 +137,18 @@ def run_phases(sides: dict[str, Any], sizes: Sizes, rng: random.Random) -> dict[
 
 def run(args: Any) -> dict[str, Any]:
     from deploy.config import ClusterSpec
-    from deploy.launcher import LocalCluster
 
     base = QUICK if args.quick else Sizes()
     chosen = {k: getattr(args, k) for k in ("requests", "new_tokens", "reps")}
     sizes = replace(base, **{k: v for k, v in chosen.items() if v is not None})
     load_at_start = warn_if_busy(len(os.sched_getaffinity(0)))
     spec = ClusterSpec(num_prefill=0, num_decode=1, port=0, http_port=free_port(), namespace="bench-http")
-    cluster = LocalCluster(spec, say=lambda line: progress(f"cluster: {line}"))
-    try:
-        grpc_side = ThroughCluster(cluster.start())
-        http_side = OverHttp(cluster.router.http_url, cluster.router.config.served_model_name)
-        sides = {"grpc": grpc_side, "http": http_side}
-        try:
-            result = run_phases(sides, sizes, random.Random(args.seed))
-        finally:
-            for side in sides.values():
-                side.close()
-    finally:
-        cluster.stop()
+
+    def sides(cluster: Any, address: str) -> dict[str, Any]:
+        return {"grpc": ThroughCluster(address),
+                "http": OverHttp(cluster.router.http_url, cluster.router.config.served_model_name)}
+
+    result = compare_on_cluster(spec, sides, lambda both: run_phases(both, sizes, random.Random(args.seed)))
     threads = os.cpu_count() or 1
     return {**result, "sizes": sizes.__dict__, "quick": args.quick,
             "targets": {f"http_{m}_ratio_{q}": f"<= {t}" for m in ("ttft", "itl")
