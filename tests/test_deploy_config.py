@@ -18,7 +18,6 @@ from pdserve.engine.config import (
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
-    normalize_kernel,
 )
 from pdserve.security.files import TLSFiles
 from router.config import PlacementConfig, RequestDeadlines
@@ -69,9 +68,10 @@ def test_every_key_lands_on_its_field(tmp_path):
         worker_env: {MALLOC_ARENA_MAX: "4", OMP_WAIT_POLICY: PASSIVE}
     """)
     assert load_config(path) == ClusterSpec(
-        engine=EngineConfig(model_path="/models/llama.gguf", num_threads=1,
-                            cache=CacheConfig(block_size=32, kv_dtype="bfloat16", kv_cache_gib=4, num_blocks=1000),
-                            scheduler=SchedulerConfig(max_num_batched_tokens=4096)),
+        engine=EngineConfig(
+            model_path="/models/llama.gguf", num_threads=1,
+            cache=CacheConfig(block_size=32, kv_dtype="bfloat16", kv_cache_gib=4, num_blocks=1000),
+            scheduler=SchedulerConfig(max_num_batched_tokens=4096)),
         host="0.0.0.0", num_prefill=2, num_decode=3,
         actor_placement="spread", gpus_per_worker=0.5,
         prefill_resources={"prefill": 1.0}, decode_resources={"decode": 0.5, "big_memory": 1.0},
@@ -105,9 +105,9 @@ def test_a_relative_model_path_is_relative_to_the_file(tmp_path):
     ("router: {prot: 1}", "unknown key 'router.prot' (did you mean 'router.port'?)"),
     ("cache: {blocks: 8}", "unknown key 'cache.blocks' (did you mean 'cache.num_blocks'?)"),
     ("gpus: 4", "unknown key 'gpus' (known keys: model, cache, scheduler, torch_threads, linear_kernel, "
-                "attention_kernel, pointwise_kernel, host, prefill, decode, actor_placement, gpus_per_worker, "
-                "router, redis_url, ray_address, namespace, max_restarts, worker_env, tls, auth, audit, "
-                "default_temperature, default_top_p, default_top_k)"),
+                "attention_kernel, pointwise_kernel, host, prefill, decode, actor_placement, "
+                "gpus_per_worker, router, redis_url, ray_address, namespace, max_restarts, worker_env, tls, "
+                "auth, audit, default_temperature, default_top_p, default_top_k)"),
     ("tls: {certificate: a.pem}", "unknown key 'tls.certificate' (did you mean 'tls.cert'?)"),
 ])
 def test_an_unknown_key_is_named_with_the_file_and_a_suggestion(tmp_path, text, message):
@@ -134,8 +134,8 @@ def test_an_unknown_key_is_named_with_the_file_and_a_suggestion(tmp_path, text, 
                       "prefill_timeout_s, migration_limit, got 50051"),
     ("- model: x", "expected a mapping of keys (model, cache, scheduler, torch_threads, linear_kernel, "
                    "attention_kernel, pointwise_kernel, host, prefill, decode, actor_placement, "
-                   "gpus_per_worker, router, redis_url, ray_address, namespace, max_restarts, worker_env, tls, "
-                   "auth, audit, default_temperature, default_top_p, default_top_k), got list"),
+                   "gpus_per_worker, router, redis_url, ray_address, namespace, max_restarts, worker_env, "
+                   "tls, auth, audit, default_temperature, default_top_p, default_top_k), got list"),
     ("tls: {require_client_cert: 1}", "'tls.require_client_cert' must be true or false, got 1 (int)"),
     ("auth: {api_token_file: [a, b]}",
      "'auth.api_token_file' must be a string or null, got ['a', 'b'] (list)"),
