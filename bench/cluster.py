@@ -34,16 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 from unittest import mock
 
-from bench.common import (
-    bench_parser,
-    check_least,
-    environment,
-    format_table,
-    median,
-    progress,
-    run_timed,
-    warn_if_busy,
-)
+from bench import common
 from bench.engine import random_prompt
 
 TARGET_OVERHEAD = 1.10
@@ -69,7 +60,7 @@ def median_gap(stamps: list[float]) -> float:
 # --- the two sides ---------------------------------------------------------------------------
 class InProcess:
     """An LLMEngine configured as the cluster's decode worker, in a process of its own (as the worker
-    is: the router's and the client's threads are not in it) with the worker's environment
+    is: the router's and the client's threads are not in it) with the worker's common.environment
     (spec.worker_environment: OpenMP's wait policy among it), stepped by hand."""
 
     def __init__(self, spec: Any, threads: int) -> None:
@@ -167,8 +158,8 @@ def measure(sides: dict[str, Any], prompts: list[list[int]], new_tokens: int) ->
     out: dict[str, Any] = {}
     for name, side in sides.items():
         tokens, stamps = side.run(prompts, new_tokens)
-        out[name] = {"tokens": tokens, "ttft": median([s[0] for s in stamps]),
-                     "itl": median([median_gap(s) for s in stamps]) if new_tokens > 1 else None}
+        out[name] = {"tokens": tokens, "ttft": common.median([s[0] for s in stamps]),
+                     "itl": common.median([median_gap(s) for s in stamps]) if new_tokens > 1 else None}
     return out
 
 
@@ -178,14 +169,14 @@ def bench_phase(sides: dict[str, Any], label: str, batch: int, prompt_tokens: in
     values: dict[str, list[float]] = {name: [] for name in sides}
     same = True
     for rep in range(reps + 1):  # rep 0 is the warm-up
-        progress(f"{label}: rep {rep}/{reps}")
+        common.progress(f"{label}: rep {rep}/{reps}")
         prompts = [random_prompt(rng, prompt_tokens) for _ in range(batch)]
         rep_result = measure(sides, prompts, new_tokens)
         same &= rep_result["cluster"]["tokens"] == rep_result["in_process"]["tokens"]
         if rep:
             for name in sides:
                 values[name].append(rep_result[name][key])
-    cluster, local = median(values["cluster"]), median(values["in_process"])
+    cluster, local = common.median(values["cluster"]), common.median(values["in_process"])
     return {f"{label}_overhead": cluster / local, f"{label}_cluster_ms": 1e3 * cluster,
             f"{label}_in_process_ms": 1e3 * local, f"{label}_greedy_tokens_identical": same}
 
@@ -206,7 +197,7 @@ def run(args: Any) -> dict[str, Any]:
     base = QUICK if args.quick else Sizes()
     chosen = {k: getattr(args, k) for k in ("prompt_tokens", "new_tokens", "batch", "reps")}
     sizes = replace(base, **{k: v for k, v in chosen.items() if v is not None})
-    load_at_start = warn_if_busy(len(os.sched_getaffinity(0)))
+    load_at_start = common.warn_if_busy(len(os.sched_getaffinity(0)))
     threads = args.threads or cpu_threads_per_worker(1)  # default: what LocalCluster gives a lone worker
     spec = ClusterSpec(num_prefill=0, num_decode=1, port=0, namespace="bench-cluster",
                        engine=EngineConfig(num_threads=threads))
@@ -215,7 +206,7 @@ def run(args: Any) -> dict[str, Any]:
         lambda sides: run_phases(sides, sizes, random.Random(args.seed)))
     return {**result, "threads": threads, "sizes": sizes.__dict__, "quick": args.quick,
             "targets": {"ttft_overhead": f"<= {TARGET_OVERHEAD}", "itl_overhead": f"<= {TARGET_OVERHEAD}"},
-            "environment": {**environment(threads), "loadavg_at_start": load_at_start}}
+            "environment": {**common.environment(threads), "loadavg_at_start": load_at_start}}
 
 
 def compare_on_cluster(spec: Any, make_sides: Callable[[Any, str], dict[str, Any]],
@@ -224,7 +215,7 @@ def compare_on_cluster(spec: Any, make_sides: Callable[[Any, str], dict[str, Any
     address) builds, then close every side and stop the cluster, whatever happened."""
     from deploy.launcher import LocalCluster
 
-    cluster = LocalCluster(spec, say=lambda line: progress(f"cluster: {line}"))
+    cluster = LocalCluster(spec, say=lambda line: common.progress(f"cluster: {line}"))
     try:
         sides = make_sides(cluster, cluster.start())
         try:
@@ -245,13 +236,13 @@ def report(r: dict[str, Any]) -> str:
                      "yes" if x <= TARGET_OVERHEAD else "NO", r[f"{label}_greedy_tokens_identical"]])
     load = r["environment"]["loadavg_at_start"]
     head = f"threads={r['threads']} reps={r['sizes']['reps']} load average at start {load:.2f}"
-    table = format_table(["measure", "cluster ms", "in-process ms", "overhead", "target", "met",
+    table = common.format_table(["measure", "cluster ms", "in-process ms", "overhead", "target", "met",
                           "same tokens"], rows)
     return "\n".join([head, table])
 
 
 def parse_args(argv: list[str] | None = None) -> Any:
-    p = bench_parser("python -m bench.cluster", __doc__)
+    p = common.bench_parser("python -m bench.cluster", __doc__)
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 128-token TTFT prompt, 12 new tokens, 2 streams, 1 rep")
     p.add_argument("--reps", type=int, default=None,
@@ -267,12 +258,12 @@ def parse_args(argv: list[str] | None = None) -> Any:
                         "cores leaves the router and clients a core of their own (default: every core)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default: %(default)s)")
     args = p.parse_args(argv)
-    check_least(p, args, {"reps": 1, "prompt_tokens": 1, "new_tokens": 2, "batch": 1, "threads": 1})
+    common.check_least(p, args, {"reps": 1, "prompt_tokens": 1, "new_tokens": 2, "batch": 1, "threads": 1})
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_timed(run, report, parse_args(argv))
+    common.run_timed(run, report, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -34,17 +34,7 @@ from typing import Any
 
 import torch
 
-from bench.common import (
-    bench_parser,
-    check_least,
-    environment,
-    format_table,
-    median,
-    progress,
-    run_timed,
-    set_threads,
-    warn_if_busy,
-)
+from bench import common
 
 BLOCK_SIZE = 16
 TARGETS = {"host_ttft_ratio": 0.10, "disk_ttft_ratio": 0.25, "host_tier_hit_rate_ratio": 2.0}
@@ -130,8 +120,8 @@ def multi_turn(loaded, s: Sizes, with_host: bool, seed: int) -> dict[str, float]
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from pdserve.engine.weights import load_model
     from router.scoring import ScoringWeights
-    threads = set_threads(args.threads)
-    load = warn_if_busy(threads)
+    threads = common.set_threads(args.threads)
+    load = common.warn_if_busy(threads)
     sizes = QUICK if args.quick else FULL
     if args.prompt_tokens is not None:
         sizes = Sizes(args.prompt_tokens, sizes.conversations, sizes.turns, sizes.turn_tokens)
@@ -140,17 +130,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="pdserve-kv-tiers-") as tmp:
         for rep in range(args.reps):
             for case in times:
-                progress(f"TTFT rep {rep + 1}/{args.reps}: {case}")
+                common.progress(f"TTFT rep {rep + 1}/{args.reps}: {case}")
                 g = torch.Generator().manual_seed(rep)
                 times[case].append(ttft_case(loaded, sizes.prompt_tokens, g, case, f"{tmp}/{rep}"))
-    t = {c: median(v) for c, v in times.items()}
+    t = {c: common.median(v) for c, v in times.items()}
     runs = {True: [], False: []}
     for rep in range(args.reps):
         for with_host in (True, False):
-            progress(f"multi-turn rep {rep + 1}/{args.reps}: host tier {'on' if with_host else 'off'}")
+            common.progress(f"multi-turn rep {rep + 1}/{args.reps}: host tier {'on' if with_host else 'off'}")
             runs[with_host].append(multi_turn(loaded, sizes, with_host, seed=100 + rep))
-    on = {k: median([r[k] for r in runs[True]]) for k in ("hit_rate", "tokens_per_s")}
-    off = {k: median([r[k] for r in runs[False]]) for k in ("hit_rate", "tokens_per_s")}
+    on = {k: common.median([r[k] for r in runs[True]]) for k in ("hit_rate", "tokens_per_s")}
+    off = {k: common.median([r[k] for r in runs[False]]) for k in ("hit_rate", "tokens_per_s")}
     weight = lambda tier: max(0.0, (t[tier] - t["device"]) / (t["cold"] - t["device"]))  # noqa: E731
     result: dict[str, Any] = {
         "prompt_tokens": sizes.prompt_tokens, "reps": args.reps,
@@ -165,7 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "host_tier_throughput_ratio": on["tokens_per_s"] / off["tokens_per_s"],
         "device_blocks": runs[True][0]["device_blocks"],
         "working_set_blocks": runs[True][0]["working_set_blocks"],
-        "loadavg_before": load, **environment(threads),
+        "loadavg_before": load, **common.environment(threads),
     }
     result["targets_met"] = {k: (result[k] >= v if k.endswith("hit_rate_ratio") else result[k] <= v)
                              for k, v in TARGETS.items()}
@@ -176,13 +166,13 @@ def report(r: dict[str, Any]) -> str:
     ttft_rows = [[c, r[f"ttft_{c}_s"] * 1000, r[f"ttft_{c}_s"] / r["ttft_cold_s"]]
                  for c in ("cold", "device", "host", "disk")]
     lines = [f"TTFT of a {r['prompt_tokens']:,}-token prompt, median of {r['reps']} (load average "
-             f"{r['loadavg_1min']:.2f}):", format_table(["prefix", "ms", "x cold"], ttft_rows),
+             f"{r['loadavg_1min']:.2f}):", common.format_table(["prefix", "ms", "x cold"], ttft_rows),
              f"reload / recompute, measured: host {r['host_reload_weight']:.4f}, "
              f"disk {r['disk_reload_weight']:.4f}"
              f"  (router/scoring.py uses host_reload={r['router_host_reload']}, "
              f"disk_reload={r['router_disk_reload']})",
              f"multi-turn, working set {r['working_set_blocks']} blocks, device pool {r['device_blocks']}:",
-             format_table(["host tier", "hit rate", "tokens/s"],
+             common.format_table(["host tier", "hit rate", "tokens/s"],
                           [["on", r["hit_rate_with_host"], r["tokens_per_s_with_host"]],
                            ["off", r["hit_rate_without"], r["tokens_per_s_without"]]]),
              f"hit rate x{r['host_tier_hit_rate_ratio']:.2f}, "
@@ -192,19 +182,19 @@ def report(r: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = bench_parser("python -m bench.kv_tiers", __doc__)
+    p = common.bench_parser("python -m bench.kv_tiers", __doc__)
     p.add_argument("--quick", action="store_true", help="smoke run: a 512-token prompt, 4 chats of 3 turns")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: one per usable core)")
     p.add_argument("--reps", type=int, default=3, help="runs per figure, medians reported (default: 3)")
     p.add_argument("--prompt-tokens", type=int,
                    help=f"the TTFT prompt's tokens (default: {FULL.prompt_tokens})")
     args = p.parse_args(argv)
-    check_least(p, args, {"reps": 1, "prompt_tokens": 2 * BLOCK_SIZE, "threads": 1})
+    common.check_least(p, args, {"reps": 1, "prompt_tokens": 2 * BLOCK_SIZE, "threads": 1})
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_timed(run, report, parse_args(argv))
+    common.run_timed(run, report, parse_args(argv))
 
 
 if __name__ == "__main__":

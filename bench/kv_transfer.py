@@ -51,21 +51,7 @@ from typing import Any
 
 import grpc
 
-from bench.common import (
-    bench_parser,
-    check_least,
-    child_report,
-    environment,
-    format_table,
-    median,
-    progress,
-    publish,
-    ratio,
-    serving_child,
-    set_threads,
-    stop_child,
-    warn_if_busy,
-)
+from bench import common
 from bench.kv_transfer_wire import MIB, Case, keep_freed_memory, measure
 from pdserve.engine.config import KV_DTYPES, CacheConfig, EngineConfig, kv_bytes_per_token
 from pdserve.engine.sequence import SamplingParams
@@ -106,7 +92,7 @@ def serve_worker(role: str, threads: int, kv_dtype: str, num_blocks: int) -> Non
     from pdserve.worker.server import WorkerConfig, WorkerServer
     from prefill_worker.role import PrefillRole
 
-    set_threads(threads)
+    common.set_threads(threads)
     engine = EngineConfig(cache=CacheConfig(block_size=BLOCK_SIZE, kv_dtype=kv_dtype, num_blocks=num_blocks),
                           num_threads=threads)
     server = WorkerServer(WorkerConfig(role, engine), PrefillRole() if role == "prefill" else DecodeRole(),
@@ -126,14 +112,15 @@ class WorkerProcess:
 
     @classmethod
     def spawn(cls, role: str, threads: int, kv_dtype: str, num_blocks: int) -> WorkerProcess:
-        return cls(serving_child(["bench.kv_transfer", "--serve-worker", role, "--threads", str(threads),
-                                  "--kv-dtype", kv_dtype, "--num-blocks", str(num_blocks)]), role)
+        argv = ["bench.kv_transfer", "--serve-worker", role, "--threads", str(threads),
+                "--kv-dtype", kv_dtype, "--num-blocks", str(num_blocks)]
+        return cls(common.serving_child(argv), role)
 
     def wait_ready(self) -> None:
-        self.address, self.device = child_report(self.proc, "address", f"{self.role} worker process")
+        self.address, self.device = common.child_report(self.proc, "address", f"{self.role} worker process")
 
     def stop(self) -> None:
-        stop_child(self.proc, timeout_s=20)
+        common.stop_child(self.proc, timeout_s=20)
 
 
 # --- the two sides ----------------------------------------------------------------------------
@@ -225,7 +212,7 @@ def bench_wire(sizes: Sizes) -> dict[str, Any]:
     keep_freed_memory()  # as bench.kv_transfer_wire's own main does, so its figures reproduce here
     rows = []
     for mib in sizes.wire_mib:
-        progress(f"wire: {mib} MiB float16, gRPC vs raw TCP, {sizes.wire_reps} reps")
+        common.progress(f"wire: {mib} MiB float16, gRPC vs raw TCP, {sizes.wire_reps} reps")
         rows.append(measure(Case(mib, "float16", sizes.wire_reps, 2 * MIB, "raw")))
     headline = rows[-1]
     return {**{k: headline[k] for k in ("grpc_gbps", "tcp_gbps", "ratio", "checksum_overhead")},
@@ -238,7 +225,7 @@ def bench_bytes_per_token(sizes: Sizes, threads: int, kv_dtypes: list[str]) -> d
     body = [FIRST_TOKEN_BASE * 2 + j for j in range(n)]
     per_token: dict[str, float] = {}
     for kv_dtype in kv_dtypes:
-        progress(f"bytes: one {n}-token prefill through a {kv_dtype} prefill and decode worker")
+        common.progress(f"bytes: one {n}-token prefill through a {kv_dtype} prefill and decode worker")
         workers = [WorkerProcess.spawn(role, threads, kv_dtype, 2 * ceil_div(n, BLOCK_SIZE) + 16)
                    for role in ("prefill", "decode")]
         try:
@@ -274,7 +261,7 @@ def check_bytes_against_the_formula(result: dict[str, Any]) -> None:
 def bench_ttft(sizes: Sizes, threads: int, kv_dtype: str) -> dict[str, Any]:
     blocks_per_prompt = ceil_div(sizes.prompt_tokens, BLOCK_SIZE)
     num_blocks = 4 * blocks_per_prompt + 16  # room for a reservation, a local prefill and spare
-    progress(f"ttft: starting a prefill and a decode worker ({threads} torch thread(s) each, "
+    common.progress(f"ttft: starting a prefill and a decode worker ({threads} torch thread(s) each, "
              f"{num_blocks} KV blocks of {kv_dtype})")
     workers = [WorkerProcess.spawn(role, threads, kv_dtype, num_blocks) for role in ("prefill", "decode")]
     try:
@@ -295,7 +282,7 @@ def _run_reps(pair: Pair, sizes: Sizes) -> dict[str, Any]:
     rng = random.Random(0)
     body = [rng.randrange(FIRST_TOKEN_BASE * 2, 49152) for _ in range(sizes.prompt_tokens)]
     requests = iter(range(1_000_000))
-    progress(f"ttft: warm-up, one request each way ({sizes.prompt_tokens:,} tokens)")
+    common.progress(f"ttft: warm-up, one request each way ({sizes.prompt_tokens:,} tokens)")
     k = next(requests)
     pair.disaggregated(f"warm-{k}", prompt_for(body, k))
     k = next(requests)
@@ -304,23 +291,23 @@ def _run_reps(pair: Pair, sizes: Sizes) -> dict[str, Any]:
     local: list[Local] = []
     for rep in range(sizes.reps):
         first = "disaggregated" if rep % 2 == 0 else "local"
-        progress(f"ttft: rep {rep + 1}/{sizes.reps} ({first} first)")
+        common.progress(f"ttft: rep {rep + 1}/{sizes.reps} ({first} first)")
         sides = [("d", pair.disaggregated), ("l", pair.local)]
         for kind, call in sides if rep % 2 == 0 else sides[::-1]:
             k = next(requests)
             result = call(f"{kind}-{k}", prompt_for(body, k))
             (disagg if kind == "d" else local).append(result)
-    disagg_s, local_s = median([r.ttft_s for r in disagg]), median([r.ttft_s for r in local])
+    disagg_s, local_s = common.median([r.ttft_s for r in disagg]), common.median([r.ttft_s for r in local])
     bytes_sent = {r.bytes_sent for r in disagg}
     if len(bytes_sent) != 1:
         raise RuntimeError(f"requests of the same length sent different byte counts: {sorted(bytes_sent)}")
     return {
-        "ttft_ratio": ratio(disagg_s, local_s),
+        "ttft_ratio": common.ratio(disagg_s, local_s),
         "disagg_ttft_ms": disagg_s * 1e3,
         "local_ttft_ms": local_s * 1e3,
-        "disagg_prefill_ms": median([r.prefill_ms for r in disagg]),
-        "transfer_ms": median([r.transfer_ms for r in disagg]),
-        "local_prefill_ms": median([r.prefill_ms for r in local]),
+        "disagg_prefill_ms": common.median([r.prefill_ms for r in disagg]),
+        "transfer_ms": common.median([r.transfer_ms for r in disagg]),
+        "local_prefill_ms": common.median([r.prefill_ms for r in local]),
         "bytes_per_request": bytes_sent.pop(),
         "layer_blocks_per_request": disagg[0].blocks_sent,
         "disagg_ttft_ms_all": [r.ttft_s * 1e3 for r in disagg],
@@ -335,9 +322,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              "bytes_tokens": args.bytes_tokens}
     overrides = {k: v for k, v in given.items() if v is not None}
     sizes = Sizes(**{**asdict(sizes), **overrides})
-    threads = set_threads(args.threads)
+    threads = common.set_threads(args.threads)
     cores = len(os.sched_getaffinity(0))
-    load_at_start = warn_if_busy(threads)
+    load_at_start = common.warn_if_busy(threads)
     result = bench_wire(sizes)
     result.update(bench_ttft(sizes, args.threads, args.kv_dtype))
     result.update(bench_bytes_per_token(sizes, args.threads, args.bytes_dtypes))
@@ -346,18 +333,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              f"({args.threads} torch thread(s) each), with the client and anything else running",
              "wire: bench.kv_transfer_wire, float16 pools of Llama-3-8B-like blocks, codec raw, "
              f"{DEFAULT_MAX_CHUNK_BYTES >> 20} MiB chunks; ttft: SmolLM2-135M, KV in {args.kv_dtype}"]
-    env = {**environment(threads), "loadavg_at_start": load_at_start}
+    env = {**common.environment(threads), "loadavg_at_start": load_at_start}
     return {**result, "prompt_tokens": sizes.prompt_tokens, "kv_dtype": args.kv_dtype,
             "threads_per_process": args.threads, "reps": sizes.reps, "quick": args.quick,
             "sizes": asdict(sizes), "notes": notes, "environment": env}
 
 
 def report(r: dict[str, Any]) -> str:
-    wire = format_table(["MiB", "grpc GB/s", "tcp GB/s", "ratio", "checksum_overhead"],
+    wire = common.format_table(["MiB", "grpc GB/s", "tcp GB/s", "ratio", "checksum_overhead"],
                         [[c["mib"], c["grpc_gbps"], c["tcp_gbps"], c["ratio"], c["checksum_overhead"]]
                          for c in r["wire_cases"]])
     n = r["prompt_tokens"]
-    ttft = format_table(["TTFT", "median ms", "detail"], [
+    ttft = common.format_table(["TTFT", "median ms", "detail"], [
         [f"disaggregated, {n:,} tokens", r["disagg_ttft_ms"],
          f"prefill {r['disagg_prefill_ms']:.1f} ms + wait after last layer {r['transfer_ms']:.1f} ms"],
         [f"local on D, {n:,} tokens", r["local_ttft_ms"], f"prefill {r['local_prefill_ms']:.1f} ms"],
@@ -370,7 +357,7 @@ def report(r: dict[str, Any]) -> str:
         f"KV per request: {r['bytes_per_request'] / 1e6:.1f} MB "
         f"({r['layer_blocks_per_request']:,} layer-blocks, {r['kv_dtype']})", "",
         f"KV bytes sent per prompt token ({r['bytes_tokens']}-token prefills, scales included)",
-        format_table(["dtype", "bytes/token", "x float32's", "x float16's"],
+        common.format_table(["dtype", "bytes/token", "x float32's", "x float16's"],
                      [[d, b, r.get("kv_bytes_per_token_vs_float32", {}).get(d, "-"),
                        r.get("kv_bytes_per_token_vs_float16", {}).get(d, "-")]
                       for d, b in r["kv_bytes_per_token"].items()]), "",
@@ -379,7 +366,7 @@ def report(r: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = bench_parser("python -m bench.kv_transfer", __doc__)
+    p = common.bench_parser("python -m bench.kv_transfer", __doc__)
     p.add_argument("--quick", action="store_true",
                    help="smoke run: wire at 16 and 64 MiB, a 512-token prompt, 1 rep of each")
     p.add_argument("--reps", type=int, default=None,
@@ -401,7 +388,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--serve-worker", choices=["prefill", "decode"], help=argparse.SUPPRESS)
     p.add_argument("--num-blocks", type=int, default=0, help=argparse.SUPPRESS)
     least = {"reps": 1, "prompt_tokens": 1, "bytes_tokens": 1, "threads": 1}
-    args = check_least(p, p.parse_args(argv), least)
+    args = common.check_least(p, p.parse_args(argv), least)
     if args.bytes_tokens is not None and args.bytes_tokens % BLOCK_SIZE:
         p.error(f"--bytes-tokens must be a multiple of the block size {BLOCK_SIZE}, got {args.bytes_tokens}")
     unknown = [d for d in args.bytes_dtypes if d not in KV_DTYPES]
@@ -415,7 +402,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.serve_worker:
         return serve_worker(args.serve_worker, args.threads, args.kv_dtype, args.num_blocks)
     result = run(args)
-    publish(report(result), result, args.json)
+    common.publish(report(result), result, args.json)
 
 
 if __name__ == "__main__":

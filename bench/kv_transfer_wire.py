@@ -58,19 +58,7 @@ from typing import Any
 import grpc
 import torch
 
-from bench.common import (
-    bench_parser,
-    child_report,
-    environment,
-    format_table,
-    median,
-    progress,
-    publish,
-    ratio,
-    serving_child,
-    stop_child,
-    timed,
-)
+from bench import common
 from pdserve.engine.kv_format import KV_FORMATS
 from pdserve.kvwire import (
     KVLayout,
@@ -216,14 +204,14 @@ class ReceiverProcess:
     @classmethod
     def start(cls, mib: int, kv_dtype: str, codec: str, grpc_args: Sequence[str] = (),
               native: bool = True) -> ReceiverProcess:
-        proc = serving_child(["bench.kv_transfer_wire", "--serve", "--mib", str(mib), "--dtype", kv_dtype,
-                              "--codec", codec, *(f"--grpc-arg={a}" for a in grpc_args),
-                              "--kv-blocks", "native" if native else "python"])
-        grpc_port, tcp_port = child_report(proc, "ports", "receiver process")
+        proc = common.serving_child(["bench.kv_transfer_wire", "--serve", "--mib", str(mib), "--dtype",
+                                     kv_dtype, "--codec", codec, *(f"--grpc-arg={a}" for a in grpc_args),
+                                     "--kv-blocks", "native" if native else "python"])
+        grpc_port, tcp_port = common.child_report(proc, "ports", "receiver process")
         return cls(proc, int(grpc_port), int(tcp_port))
 
     def stop(self) -> None:
-        stop_child(self.proc, timeout_s=10)
+        common.stop_child(self.proc, timeout_s=10)
 
 
 # -- measurement ----------------------------------------------------------------------------
@@ -266,7 +254,7 @@ def measure(case: Case) -> dict[str, Any]:
     finally:
         push.close()
         receiver.stop()
-    checksum_s = median([timed(lambda: checksum_all(chunks, layout.block_bytes))[0]
+    checksum_s = common.median([common.timed(lambda: checksum_all(chunks, layout.block_bytes))[0]
                          for _ in range(case.reps)])
     stages = measure_stages(pool, layout, block_ids, case.chunk_bytes, case.reps,
                             torch.zeros_like(pool), case.native) if case.stages else {}
@@ -275,7 +263,7 @@ def measure(case: Case) -> dict[str, Any]:
     return {"mib": case.mib, "kv_dtype": case.kv_dtype, "chunk_kib": case.chunk_bytes // 1024,
             "kv_blocks": "native" if case.native else "python",
             "grpc_gbps": grpc_gbps, "tcp_gbps": tcp_gbps,
-            "ratio": ratio(grpc_gbps, tcp_gbps), "checksum_overhead": 2 * checksum_s / grpc_s,
+            "ratio": common.ratio(grpc_gbps, tcp_gbps), "checksum_overhead": 2 * checksum_s / grpc_s,
             "grpc_s": grpc_s, "tcp_s": tcp_s, "checksum_s": checksum_s, **floor, **stages,
             **cpu.per_gb(nbytes)}
 
@@ -291,7 +279,7 @@ def measure_floor(target: str, pool: torch.Tensor, layout: KVLayout, block_ids: 
         push = channel.stream_unary(DISCARD_METHOD, response_deserializer=pb.PushReply.FromString)
         once = cpu.wrap("floor", lambda: push(iter(messages), timeout=PUSH_TIMEOUT_S))
         once()
-        floor_s = median([timed(once)[0] for _ in range(case.reps)])
+        floor_s = common.median([common.timed(once)[0] for _ in range(case.reps)])
     return {"floor_gbps": case.mib * MIB / floor_s / 1e9, "floor_s": floor_s}
 
 
@@ -329,7 +317,7 @@ def measure_stages(pool: torch.Tensor, layout: KVLayout, block_ids: Sequence[int
     out = {}
     for name, fn in stages.items():
         fn()
-        out[f"stage_{name}_s_per_gb"] = median([timed(fn)[0] for _ in range(reps)]) / gb
+        out[f"stage_{name}_s_per_gb"] = common.median([common.timed(fn)[0] for _ in range(reps)]) / gb
     return out
 
 
@@ -359,7 +347,7 @@ class CPUMeter:
         if not self.available:
             return {}
         gb = nbytes / 1e9
-        return {f"{name}_{end}_cpu_s_per_gb": median([s[i] for s in runs]) / gb
+        return {f"{name}_{end}_cpu_s_per_gb": common.median([s[i] for s in runs]) / gb
                 for name, runs in self.samples.items() for i, end in enumerate(("sender", "receiver"))}
 
     def _receiver_cpu_s(self) -> float:
@@ -401,8 +389,8 @@ class Pusher:
 def alternate(a: Callable[[], None], b: Callable[[], None], reps: int) -> tuple[float, float]:
     """Median seconds of a and of b, after one warm-up each, alternating rep by rep."""
     a(), b()
-    times = [(timed(a)[0], timed(b)[0]) for _ in range(reps)]
-    return median([t for t, _ in times]), median([t for _, t in times])
+    times = [(common.timed(a)[0], common.timed(b)[0]) for _ in range(reps)]
+    return common.median([t for t, _ in times]), common.median([t for _, t in times])
 
 
 def checksum_all(chunks: Sequence[memoryview], block_bytes: int) -> None:
@@ -425,8 +413,9 @@ def main(argv: Sequence[str] | None = None) -> None:
              for path in args.kv_blocks for mib in sizes for chunk in sweep]
     rows = []
     for case in cases:
-        progress(f"{case.mib} MiB {case.kv_dtype}, chunk {case.chunk_bytes // 1024} KiB, {case.reps} reps, "
-                 f"codec {case.codec}, kv blocks {'native' if case.native else 'python'}")
+        path = "native" if case.native else "python"
+        common.progress(f"{case.mib} MiB {case.kv_dtype}, chunk {case.chunk_bytes // 1024} KiB, "
+                        f"{case.reps} reps, codec {case.codec}, kv blocks {path}")
         rows.append(measure(case))
     headline = next((r for r in rows if r["chunk_kib"] * 1024 == default_chunk and r["mib"] == max(sizes)
                      and r["kv_blocks"] == args.kv_blocks[0]), rows[-1])
@@ -435,14 +424,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             *(["floor_gbps"] if args.floor else []),
             *(k for k in rows[0] if k.startswith("stage_")),
             *(k for k in rows[0] if k.endswith("_cpu_s_per_gb")))
-    table = format_table(keys, [[r[k] for k in keys] for r in rows])
+    table = common.format_table(keys, [[r[k] for k in keys] for r in rows])
     result = {**{k: headline[k] for k in ("grpc_gbps", "tcp_gbps", "ratio", "checksum_overhead")},
               "unit": "GB/s", "codec": args.codec,
               "kv_blocks": headline["kv_blocks"], "chunk_mib": headline["chunk_kib"] / 1024, "cases": rows,
-              "environment": environment(torch.get_num_threads())}
+              "environment": common.environment(torch.get_num_threads())}
     if args.chunk_sizes:
         result["chunk_curve_png"] = plot_chunk_curve(rows, args.plot)
-    publish(table, result, args.json)
+    common.publish(table, result, args.json)
 
 
 def plot_chunk_curve(rows: Sequence[dict[str, Any]], path: str) -> str:
@@ -485,7 +474,7 @@ def parse_paths(text: str) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = bench_parser("python -m bench.kv_transfer_wire", __doc__)
+    p = common.bench_parser("python -m bench.kv_transfer_wire", __doc__)
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[64, 512],
                    help="MiB of KV per transfer, comma-separated (default 64,512)")
     # NOTE: the float dtypes only: an int8/fp8 row (head_dim + 4 bytes) makes no whole number of

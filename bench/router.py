@@ -56,17 +56,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bench.common import (
-    bench_parser,
-    check_least,
-    environment,
-    format_table,
-    median,
-    progress,
-    publish,
-    ratio,
-    warn_if_busy,
-)
+from bench import common
 from loadtest.stats import percentile
 from pdserve.engine.hashing import PromptHashes, engine_salt, hash_blocks
 from pdserve.index.base import WorkerKey
@@ -154,7 +144,7 @@ def bench_decision(sizes: Sizes) -> dict[str, Any]:
     url = server.start()
     try:
         writer = RedisPrefixIndex(redis.Redis.from_url(url), namespace)
-        progress(f"decision: populating the index (16 workers, {sizes.long_prompts} long prompts)")
+        common.progress(f"decision: populating the index (16 workers, {sizes.long_prompts} long prompts)")
         workers = [WorkerKey(r.worker_id, r.epoch) for r in records]
         long_prompts = populate_index(writer, workers, salt, sizes, rng)
         backend = RouterRedis.connect(url, namespace)  # as redis_router builds the router's
@@ -241,7 +231,7 @@ def _time_decisions(placer: Placer, directory: WorkerDirectory, backend: Any,
     decode, prefill = directory.candidates("decode"), directory.candidates("prefill")
     for prompt in prompts[:50]:  # warm-up: script load, connections, caches
         placer.place(prompt)
-    progress(f"decision: timing {len(prompts):,} decisions on {len(prompts[0]):,}-token prompts")
+    common.progress(f"decision: timing {len(prompts):,} decisions on {len(prompts[0]):,}-token prompts")
     times: dict[str, list[float]] = {"place": [], "hash": [], "match": [], "score": [], "redis_match": []}
     depths, hashed = [], []
     for prompt in prompts:
@@ -269,15 +259,16 @@ def _time_decisions(placer: Placer, directory: WorkerDirectory, backend: Any,
                            "routing: those decisions are not what this benchmark names")
     ms = {k: [t * 1e3 for t in v] for k, v in times.items()}
     return {
-        "decision_p50_ms": median(ms["place"]), "decision_p99_ms": percentile(ms["place"], 99),
+        "decision_p50_ms": common.median(ms["place"]), "decision_p99_ms": percentile(ms["place"], 99),
         "decision_mean_ms": sum(ms["place"]) / len(ms["place"]),
-        "hash_p50_ms": median(ms["hash"]), "match_p50_ms": median(ms["match"]),
-        "match_p99_ms": percentile(ms["match"], 99), "score_p50_ms": median(ms["score"]),
-        "redis_match_p50_ms": median(ms["redis_match"]),
+        "hash_p50_ms": common.median(ms["hash"]), "match_p50_ms": common.median(ms["match"]),
+        "match_p99_ms": percentile(ms["match"], 99), "score_p50_ms": common.median(ms["score"]),
+        "redis_match_p50_ms": common.median(ms["redis_match"]),
         "redis_match_p99_ms": percentile(ms["redis_match"], 99),
         "decisions": len(prompts), "decision_workers": 16,
         "matched_workers_mean": sum(len(d) for d in depths) / len(depths),
-        "matched_depth_blocks_mean": ratio(sum(sum(d.values()) for d in depths), sum(len(d) for d in depths)),
+        "matched_depth_blocks_mean": common.ratio(sum(sum(d.values()) for d in depths),
+                                                  sum(len(d) for d in depths)),
         # the placer's lazy hashing (hashing.PromptHashes) stops with the match: of the prompt's blocks
         "hashed_blocks_mean": sum(hashed) / len(hashed), "prompt_blocks": len(prompts[0]) // BLOCK_SIZE,
     }
@@ -348,7 +339,7 @@ class PolicyRun:
             "hit_rate": cached / prompt,
             "ideal_hit_rate": sum(ideal) / prompt,
             "ideal_hit_rate_prompts_only": sum(ideal_prompts) / prompt,
-            "hit_rate_vs_ideal": ratio(cached, sum(ideal)),
+            "hit_rate_vs_ideal": common.ratio(cached, sum(ideal)),
             "prompt_tokens": prompt, "cached_tokens": cached, "ideal_cached_tokens": sum(ideal),
             "requests": len(self.turns),
             "remote_prefills": sum(t.prefill_worker is not None for t in self.turns),
@@ -475,13 +466,14 @@ def run_policy(policy: str, sizes: Sizes, tokenizer: Any) -> PolicyRun:
     spec = ClusterSpec(num_prefill=2, num_decode=2, port=0, placement=PlacementConfig(routing=policy),
                        engine=EngineConfig(cache=CacheConfig(num_blocks=sizes.num_blocks)),
                        namespace=f"bench-router-{policy}")
-    cluster = LocalCluster(spec, say=lambda line: progress(f"chat [{policy}] {line}"))
+    cluster = LocalCluster(spec, say=lambda line: common.progress(f"chat [{policy}] {line}"))
     address = cluster.start()
     try:
-        progress(f"chat [{policy}]: warm-up")
+        common.progress(f"chat [{policy}]: warm-up")
         warm_up(cluster, address)
         n = sizes.conversations * sizes.turns
-        progress(f"chat [{policy}]: {sizes.conversations} conversations x {sizes.turns} turns ({n} requests)")
+        common.progress(f"chat [{policy}]: {sizes.conversations} conversations x {sizes.turns} turns "
+                        f"({n} requests)")
         return run_chat(address, tokenizer, sizes, policy)
     finally:
         names = list(cluster.actors)
@@ -519,7 +511,7 @@ def bench_chat(sizes: Sizes) -> dict[str, Any]:
         per_policy: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
         for rep in range(sizes.reps):
             for policy in POLICIES if rep % 2 == 0 else POLICIES[::-1]:
-                progress(f"chat: rep {rep + 1}/{sizes.reps}, policy {policy}")
+                common.progress(f"chat: rep {rep + 1}/{sizes.reps}, policy {policy}")
                 per_policy[policy].append(run_policy(policy, sizes, tokenizer).summary())
     finally:
         ray.shutdown()
@@ -527,15 +519,16 @@ def bench_chat(sizes: Sizes) -> dict[str, Any]:
 
 
 def _chat_result(per_policy: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    med = lambda policy, key: median([s[key] for s in per_policy[policy]])
+    med = lambda policy, key: common.median([s[key] for s in per_policy[policy]])
     prefix, rr = "prefix", "round_robin"
     return {
-        "ttft_ratio_vs_round_robin": ratio(med(prefix, "ttft_ms"), med(rr, "ttft_ms")),
+        "ttft_ratio_vs_round_robin": common.ratio(med(prefix, "ttft_ms"), med(rr, "ttft_ms")),
         "hit_rate_vs_ideal": med(prefix, "hit_rate_vs_ideal"),
         "ttft_ms_prefix": med(prefix, "ttft_ms"), "ttft_ms_round_robin": med(rr, "ttft_ms"),
         "client_ttft_ms_prefix": med(prefix, "client_ttft_ms"),
         "client_ttft_ms_round_robin": med(rr, "client_ttft_ms"),
-        "client_ttft_ratio_vs_round_robin": ratio(med(prefix, "client_ttft_ms"), med(rr, "client_ttft_ms")),
+        "client_ttft_ratio_vs_round_robin": common.ratio(med(prefix, "client_ttft_ms"),
+                                                         med(rr, "client_ttft_ms")),
         "hit_rate_prefix": med(prefix, "hit_rate"), "hit_rate_round_robin": med(rr, "hit_rate"),
         "ideal_hit_rate": med(prefix, "ideal_hit_rate"),
         "ideal_hit_rate_prompts_only": med(prefix, "ideal_hit_rate_prompts_only"),
@@ -551,13 +544,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sizes = QUICK if args.quick else FULL
     if args.reps is not None:
         sizes = Sizes(**{**asdict(sizes), "reps": args.reps})
-    load_at_start = warn_if_busy(1)
+    load_at_start = common.warn_if_busy(1)
     result: dict[str, Any] = {}
     if args.only in (None, "decision"):
         result.update(bench_decision(sizes))
     if args.only in (None, "chat"):
         result.update(bench_chat(sizes))
-    env = {**environment(1), "loadavg_at_start": load_at_start}
+    env = {**common.environment(1), "loadavg_at_start": load_at_start}
     return {**result, "targets": TARGETS, "quick": args.quick, "sizes": asdict(sizes), "environment": env}
 
 
@@ -577,10 +570,10 @@ def report(r: dict[str, Any]) -> str:
                 ["  IndexMirror.match p50", r["match_p50_ms"], "", ""],
                 ["  scoring.choose p50", r["score_p50_ms"], "", ""],
                 ["(Redis MATCH_LUA p50, not in the decision)", r["redis_match_p50_ms"], "", ""]]
-        lines += [head, format_table(["metric", "ms", "target", "met"], rows), ""]
+        lines += [head, common.format_table(["metric", "ms", "target", "met"], rows), ""]
     if "ttft_ratio_vs_round_robin" in r:
         lines += ["chat: prefix routing against round_robin; TTFT means over the workload's requests",
-                  format_table(["metric", "prefix", "round_robin", "prefix / rr", "target", "met"], [
+                  common.format_table(["metric", "prefix", "round_robin", "prefix / rr", "target", "met"], [
                       ["mean TTFT ms, router-side", r["ttft_ms_prefix"], r["ttft_ms_round_robin"],
                        r["ttft_ratio_vs_round_robin"], "<= 0.5",
                        met("ttft_ratio_vs_round_robin", lambda v: v <= 0.5)],
@@ -601,7 +594,7 @@ def report(r: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = bench_parser("python -m bench.router", __doc__)
+    p = common.bench_parser("python -m bench.router", __doc__)
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 300 decisions; chat with 4 conversations x 3 turns of 8-token replies, "
                         "1 rep")
@@ -610,13 +603,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default 2; 1 with --quick)")
     p.add_argument("--only", choices=["decision", "chat"], default=None,
                    help="run one part only (default: both)")
-    return check_least(p, p.parse_args(argv), {"reps": 1})
+    return common.check_least(p, p.parse_args(argv), {"reps": 1})
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     result = run(args)
-    publish(report(result), result, args.json)
+    common.publish(report(result), result, args.json)
 
 
 if __name__ == "__main__":

@@ -37,16 +37,7 @@ import time
 import urllib.request
 from typing import Any
 
-from bench.common import (
-    bench_parser,
-    check_least,
-    environment,
-    format_table,
-    median,
-    progress,
-    run_timed,
-    warn_if_busy,
-)
+from bench import common
 
 THREADS_PER_CLIENT = 4
 WARMUP_S = 1.0
@@ -163,23 +154,23 @@ def run(args: Any) -> dict[str, Any]:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.tiny_model import write_tiny_model
 
-    load_at_start = warn_if_busy(len(os.sched_getaffinity(0)))
+    load_at_start = common.warn_if_busy(len(os.sched_getaffinity(0)))
     reps: list[dict[str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-routers-") as model:
         write_tiny_model(model)
         spec = ClusterSpec(engine=EngineConfig(model_path=model), num_prefill=0, num_decode=1, num_routers=2,
                            port=0, http_port=0, namespace="bench-routers")
-        cluster = LocalCluster(spec, say=lambda line: progress(f"cluster: {line}"))
+        cluster = LocalCluster(spec, say=lambda line: common.progress(f"cluster: {line}"))
         try:
             cluster.start()
             for rep in range(args.reps):
                 order = PHASES if rep % 2 == 0 else PHASES[::-1]
                 results = {}
                 for name in order:
-                    progress(f"rep {rep + 1}/{args.reps}: {name} router(s), {args.clients} clients x "
+                    common.progress(f"rep {rep + 1}/{args.reps}: {name} router(s), {args.clients} clients x "
                              f"{THREADS_PER_CLIENT} threads, {args.seconds:g} s")
                     results[name] = phase(cluster, name, args)
-                    progress(f"  {results[name]['requests_per_s']:.0f} requests/s")
+                    common.progress(f"  {results[name]['requests_per_s']:.0f} requests/s")
                 reps.append(results)
         finally:
             cluster.stop()
@@ -188,19 +179,19 @@ def run(args: Any) -> dict[str, Any]:
 
 def summarize(reps: list[dict[str, dict[str, Any]]], args: Any, load: float) -> dict[str, Any]:
     def med(name: str, key: str) -> float:
-        return median([r[name][key] for r in reps if r[name][key] is not None])
+        return common.median([r[name][key] for r in reps if r[name][key] is not None])
 
     result: dict[str, Any] = {f"{name}_{key}": med(name, key) for name in PHASES
                               for key in ("requests_per_s", "decision_p50_ms", "decision_p99_ms",
                                           "cpu_busy_fraction")}
-    result["throughput_ratio"] = median([r["two"]["requests_per_s"] / r["one"]["requests_per_s"]
+    result["throughput_ratio"] = common.median([r["two"]["requests_per_s"] / r["one"]["requests_per_s"]
                                          for r in reps])
     result["decision_p50_ratio"] = result["two_decision_p50_ms"] / result["one_decision_p50_ms"]
     result["decision_p99_ratio"] = result["two_decision_p99_ms"] / result["one_decision_p99_ms"]
     result["reps"] = reps
     result["sizes"] = {"reps": args.reps, "seconds": args.seconds, "clients": args.clients,
                        "threads_per_client": THREADS_PER_CLIENT}
-    result["environment"] = {**environment(os.cpu_count() or 1), "loadavg_at_start": load,
+    result["environment"] = {**common.environment(os.cpu_count() or 1), "loadavg_at_start": load,
                              "loadavg_at_end": os.getloadavg()[0]}
     return result
 
@@ -215,20 +206,21 @@ def report(r: dict[str, Any]) -> str:
     last = r["reps"][-1]
     cores = "; ".join(f"{name}: " + ", ".join(f"{p} {c:.2f}" for p, c in last[name]["cores_used"].items())
                       for name in PHASES)
-    return "\n".join([head, format_table(["routers (median over reps)", "requests/s", "decision p50 ms",
-                                          "decision p99 ms", "machine CPU busy"], rows),
+    headers = ["routers (median over reps)", "requests/s", "decision p50 ms", "decision p99 ms",
+               "machine CPU busy"]
+    return "\n".join([head, common.format_table(headers, rows),
                       f"cores used by each process, last rep: {cores}"])
 
 
 def parse_args(argv: list[str] | None = None) -> Any:
-    p = bench_parser("python -m bench.routers", __doc__)
+    p = common.bench_parser("python -m bench.routers", __doc__)
     p.add_argument("--quick", action="store_true", help="smoke run: 1 rep of 3 s a phase, 2 clients")
     p.add_argument("--reps", type=int, default=None, help="reps, each both phases (default 3)")
     p.add_argument("--seconds", type=float, default=None, help="measured seconds a phase (default 10)")
     p.add_argument("--clients", type=int, default=None,
                    help=f"client processes, {THREADS_PER_CLIENT} closed-loop threads each (default 4)")
     args = p.parse_args(argv)
-    check_least(p, args, {"reps": 1, "seconds": 1, "clients": 1})
+    common.check_least(p, args, {"reps": 1, "seconds": 1, "clients": 1})
     quick = args.quick
     args.reps = args.reps or (1 if quick else 3)
     args.seconds = args.seconds or (3.0 if quick else 10.0)
@@ -237,7 +229,7 @@ def parse_args(argv: list[str] | None = None) -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_timed(run, report, parse_args(argv))
+    common.run_timed(run, report, parse_args(argv))
 
 
 if __name__ == "__main__":
