@@ -1,12 +1,15 @@
 """`pdserve status`: one table of the cluster, from the router's Admin ClusterStatus call.
 
-    worker      role     node          state     queue  load  KV used        hit rate  sent      received
-    prefill-0   prefill  host/1a2b3c4d serving   0/1    1     12/96 (12%)    41.0%     94.2 MiB  0 B
+    worker     role     node          state    queue  load  KV used      hit rate  ...  kernels
+    prefill-0  prefill  host/1a2b3c4d serving  0/1    1     12/96 (12%)  41.0%     ...  native/native/native
+    kernels on prefill-0: linear native (auto: AVX-512 CPU, extension built); attention native (...); ...
 
 queue is waiting/running on the worker, asked now; load is what this router scores it with: the
 worker's last heartbeat report, shared by every router, plus this router's requests placed there
 since (router/shared_load.py); hit rate is cached / prompt tokens over the requests
-that finished on it; sent/received are KV transfer bytes. No torch: only gRPC.
+that finished on it; sent/received are KV transfer bytes; kernels are the linear/attention/pointwise
+kernels its engine runs, and the lines under the table say why, once for the workers that share them.
+No torch: only gRPC.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pdserve.units import human_bytes
 from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc
 
 COLUMNS = ("worker", "role", "node", "state", "queue", "load", "KV used", "host tier", "disk tier",
-           "hit rate", "index accuracy", "sent", "received", "failed")
+           "hit rate", "index accuracy", "sent", "received", "failed", "kernels")
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -59,7 +62,17 @@ def render(reply: admin_pb2.ClusterStatusReply) -> str:
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     if not reply.workers:
         lines.append("(no live workers registered)")
-    return "\n".join([head, *lines])
+    return "\n".join([head, *lines, *kernel_reasons(reply.workers)])
+
+
+def kernel_reasons(workers) -> list[str]:
+    """One line per distinct choice of kernels: the workers that run it, and why each kernel."""
+    workers_of: dict[str, list[str]] = {}
+    for view in workers:
+        if view.status.kernels:
+            why = "; ".join(f"{k.setting} {k.kernel} ({k.reason})" for k in view.status.kernels)
+            workers_of.setdefault(why, []).append(view.status.worker_id)
+    return [f"kernels on {', '.join(ids)}: {why}" for why, ids in workers_of.items()]
 
 
 def worker_row(view: admin_pb2.WorkerView) -> tuple[str, ...]:
@@ -76,4 +89,5 @@ def worker_row(view: admin_pb2.WorkerView) -> tuple[str, ...]:
     accuracy = f"{view.index_accuracy:.2f}" if view.HasField("index_accuracy") else "-"
     return (s.worker_id, s.role, s.node, view.state, f"{s.waiting_requests}/{s.active_requests}",
             str(view.estimated_load), kv, host, disk, hit,
-            accuracy, human_bytes(s.bytes_sent), human_bytes(s.bytes_received), str(failed))
+            accuracy, human_bytes(s.bytes_sent), human_bytes(s.bytes_received), str(failed),
+            "/".join(k.kernel for k in s.kernels) or "-")

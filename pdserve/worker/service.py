@@ -127,6 +127,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         status.kv_audit_evicted_total, status.kv_audit_seconds_total = audit.evicted, audit.seconds
         loop = self.parts.loop
         status.steps_total, status.step_seconds_total = loop.steps_total, loop.step_seconds_total
+        status.kernels.extend(worker_pb2.KernelChoice(setting=c.setting, kernel=c.kernel, reason=c.reason)
+                              for c in engine.kernels.all())
         self._fill_role_status(status)
         status.MergeFrom(self.identity)
         return status

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdserve.engine.block_pool import TierUsage
 from pdserve.engine.events import Tier
-from pdserve.status_cli import COLUMNS, worker_row
+from pdserve.status_cli import COLUMNS, kernel_reasons, worker_row
 from pdserve.worker.metrics import status_metrics
 from pdserve.worker.service import fill_tiers
 from protos.pdserve.v1 import admin_pb2, worker_pb2
@@ -25,3 +25,21 @@ def test_tier_usage_fills_status_table_and_metrics():
     off = dict(zip(COLUMNS, worker_row(admin_pb2.WorkerView(status=worker_pb2.WorkerStatus(num_blocks=1),
                                                                state="live"))))
     assert off["host tier"] == "off"
+
+
+def test_the_status_table_names_each_workers_kernels_and_says_why_once_per_choice():
+    def view(worker_id: str, linear: str, reason: str) -> admin_pb2.WorkerView:
+        status = worker_pb2.WorkerStatus(worker_id=worker_id, num_blocks=1)
+        status.kernels.add(setting="linear", kernel=linear, reason=reason)
+        status.kernels.add(setting="attention", kernel="sdpa", reason="set: attention_kernel sdpa")
+        return admin_pb2.WorkerView(status=status, state="live")
+
+    native = "auto: AVX-512 CPU, extension built"
+    matmul = "set: linear_kernel matmul"
+    workers = [view("p0", "native", native), view("d0", "native", native), view("d1", "matmul", matmul)]
+    assert dict(zip(COLUMNS, worker_row(workers[2])))["kernels"] == "matmul/sdpa"
+    assert kernel_reasons(workers) == [
+        f"kernels on p0, d0: linear native ({native}); attention sdpa (set: attention_kernel sdpa)",
+        f"kernels on d1: linear matmul ({matmul}); attention sdpa (set: attention_kernel sdpa)"]
+    unknown = admin_pb2.WorkerView(status=worker_pb2.WorkerStatus(num_blocks=1), state="live")
+    assert dict(zip(COLUMNS, worker_row(unknown)))["kernels"] == "-" and kernel_reasons([unknown]) == []

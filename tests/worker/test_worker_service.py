@@ -217,3 +217,20 @@ def test_kv_channels_are_bounded_least_recently_used_closed_first(monkeypatch):
     with pytest.raises(ValueError, match="[Cc]losed"):  # gRPC's words differ between call styles
         second.push(iter(()), timeout_s=1)
     decode_channels.close()
+
+
+def test_status_says_which_kernels_the_engine_runs_and_why(workers):
+    prefill, _ = workers
+    status = stub(prefill).Status(worker_pb2.StatusRequest(), timeout=10)
+    assert [(k.setting, k.kernel, k.reason) for k in status.kernels] == [
+        (c.setting, c.kernel, c.reason) for c in prefill.engine.kernels.all()]
+    assert [k.setting for k in status.kernels] == ["linear", "attention", "pointwise"]
+
+
+def test_the_worker_logs_its_kernels_once_when_its_engine_loads(tiny_loaded, caplog):
+    engine = EngineConfig(cache=CacheConfig(num_blocks=8), device="cpu", linear_kernel="matmul")
+    with caplog.at_level("INFO", logger="pdserve.worker.server"):
+        server = worker_server(WorkerConfig("decode", engine, worker_id="logged-0"), tiny_loaded)
+    lines = [r.getMessage() for r in caplog.records if "kernels" in r.getMessage()]
+    assert lines == [f"worker logged-0: kernels {server.engine.kernels.describe()}"]
+    assert "linear matmul (set: linear_kernel matmul)" in lines[0]

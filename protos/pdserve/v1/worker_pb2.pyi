@@ -110,7 +110,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "node", "epoch", "active_requests", "waiting_requests", "num_blocks", "free_blocks", "cached_blocks", "used_blocks", "parked_transfers", "held_blocks", "bytes_sent", "bytes_received", "transfer_outcomes", "model_fingerprint", "block_size", "prompt_tokens_total", "cached_tokens_total", "generated_tokens_total", "metrics_address", "serving", "send_outcomes", "preemptions_total", "kv_audited_blocks_total", "kv_audit_mismatches_total", "kv_audit_evicted_total", "kv_audit_seconds_total", "host_blocks", "host_used_blocks", "disk_blocks", "disk_used_blocks", "host_cached_tokens_total", "disk_cached_tokens_total", "steps_total", "step_seconds_total")
+    __slots__ = ("worker_id", "role", "address", "node", "epoch", "active_requests", "waiting_requests", "num_blocks", "free_blocks", "cached_blocks", "used_blocks", "parked_transfers", "held_blocks", "bytes_sent", "bytes_received", "transfer_outcomes", "model_fingerprint", "block_size", "prompt_tokens_total", "cached_tokens_total", "generated_tokens_total", "metrics_address", "serving", "send_outcomes", "preemptions_total", "kv_audited_blocks_total", "kv_audit_mismatches_total", "kv_audit_evicted_total", "kv_audit_seconds_total", "host_blocks", "host_used_blocks", "disk_blocks", "disk_used_blocks", "host_cached_tokens_total", "disk_cached_tokens_total", "steps_total", "step_seconds_total", "kernels")
     class TransferOutcomesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +162,7 @@ class WorkerStatus(_message.Message):
     DISK_CACHED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -199,7 +200,18 @@ class WorkerStatus(_message.Message):
     disk_cached_tokens_total: int
     steps_total: int
     step_seconds_total: float
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., epoch: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., parked_transfers: _Optional[int] = ..., held_blocks: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., transfer_outcomes: _Optional[_Mapping[str, int]] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., metrics_address: _Optional[str] = ..., serving: _Optional[bool] = ..., send_outcomes: _Optional[_Mapping[str, int]] = ..., preemptions_total: _Optional[int] = ..., kv_audited_blocks_total: _Optional[int] = ..., kv_audit_mismatches_total: _Optional[int] = ..., kv_audit_evicted_total: _Optional[int] = ..., kv_audit_seconds_total: _Optional[float] = ..., host_blocks: _Optional[int] = ..., host_used_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., disk_used_blocks: _Optional[int] = ..., host_cached_tokens_total: _Optional[int] = ..., disk_cached_tokens_total: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_seconds_total: _Optional[float] = ...) -> None: ...
+    kernels: _containers.RepeatedCompositeFieldContainer[KernelChoice]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., epoch: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., parked_transfers: _Optional[int] = ..., held_blocks: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., transfer_outcomes: _Optional[_Mapping[str, int]] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., metrics_address: _Optional[str] = ..., serving: _Optional[bool] = ..., send_outcomes: _Optional[_Mapping[str, int]] = ..., preemptions_total: _Optional[int] = ..., kv_audited_blocks_total: _Optional[int] = ..., kv_audit_mismatches_total: _Optional[int] = ..., kv_audit_evicted_total: _Optional[int] = ..., kv_audit_seconds_total: _Optional[float] = ..., host_blocks: _Optional[int] = ..., host_used_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., disk_used_blocks: _Optional[int] = ..., host_cached_tokens_total: _Optional[int] = ..., disk_cached_tokens_total: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_seconds_total: _Optional[float] = ..., kernels: _Optional[_Iterable[_Union[KernelChoice, _Mapping]]] = ...) -> None: ...
+
+class KernelChoice(_message.Message):
+    __slots__ = ("setting", "kernel", "reason")
+    SETTING_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    setting: str
+    kernel: str
+    reason: str
+    def __init__(self, setting: _Optional[str] = ..., kernel: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StepsRequest(_message.Message):
     __slots__ = ("after",)
