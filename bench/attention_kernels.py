@@ -38,7 +38,16 @@ from typing import Any
 
 import torch
 
-from bench.common import bench_parser, environment, format_table, publish, set_threads, warn_if_busy
+from bench.common import (
+    add_threads_flag,
+    bench_parser,
+    check_least,
+    environment,
+    format_table,
+    publish,
+    set_threads,
+    warn_if_busy,
+)
 from pdserve.engine import cpu_kernels
 from pdserve.engine.kv_format import KV_FORMATS
 from pdserve.engine.model import AttentionMetadata, LlamaModel, PrefillSegment
@@ -198,16 +207,13 @@ def report(r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = bench_parser("python -m bench.attention_kernels", __doc__)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: one per usable CPU core)")
+    add_threads_flag(p)
     p.add_argument("--reps", type=int, default=5,
                    help="passes over the 30 layers per kernel, alternating; medians (default: %(default)s)")
     p.add_argument("--only", choices=("decode", "prefill", "paths"), default=None,
                    help="run only the decode cases, the prefill cases (sdpa against avx2), or the "
                         "prefill kernel's two paths (default: all three)")
-    args = p.parse_args(argv)
-    if args.reps < 1:
-        p.error(f"--reps must be >= 1, got {args.reps}")
+    args = check_least(p, p.parse_args(argv), {"reps": 1})
     result = run(args)
     publish(report(result), result, args.json)
 

@@ -257,9 +257,8 @@ def parse_args(argv: list[str] | None = None) -> Any:
                    help="torch threads of the worker and of the in-process engine alike; fewer than the "
                         "cores leaves the router and clients a core of their own (default: every core)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default: %(default)s)")
-    args = p.parse_args(argv)
-    common.check_least(p, args, {"reps": 1, "prompt_tokens": 1, "new_tokens": 2, "batch": 1, "threads": 1})
-    return args
+    least = {"reps": 1, "prompt_tokens": 1, "new_tokens": 2, "batch": 1, "threads": 1}
+    return common.check_least(p, p.parse_args(argv), least)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -155,6 +155,11 @@ def bench_parser(prog: str, doc: str) -> argparse.ArgumentParser:
     return p
 
 
+def add_threads_flag(p: argparse.ArgumentParser, what: str = "torch intra-op threads") -> None:
+    """--threads N, None when not given: set_threads then takes one per usable CPU core."""
+    p.add_argument("--threads", type=int, default=None, help=f"{what} (default: one per usable CPU core)")
+
+
 def check_least(p: argparse.ArgumentParser, args: argparse.Namespace,
                 least: dict[str, int]) -> argparse.Namespace:
     """`args`, after a usage error naming the flag when a given value is below its least (None: not

@@ -25,6 +25,7 @@ from typing import Any
 
 from bench.common import (
     add_kernel_flags,
+    add_threads_flag,
     bench_parser,
     check_least,
     environment,
@@ -121,15 +122,13 @@ def report(r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = bench_parser("python -m bench.cpu_allocator", __doc__)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: one per usable CPU core)")
+    add_threads_flag(p)
     p.add_argument("--reps", type=int, default=3,
                    help="child processes per side, alternating; medians (default: %(default)s)")
     add_kernel_flags(p)
     p.add_argument("--child", choices=SIDES, help="(internal) run one side in this process, print its JSON")
     p.add_argument("--seed", type=int, default=0, help="(internal, with --child) the prompt's seed")
-    args = p.parse_args(argv)
-    check_least(p, args, {"reps": 1})
+    args = check_least(p, p.parse_args(argv), {"reps": 1})
     if args.child:
         print(json.dumps(child(args.child, set_threads(args.threads), kernel_settings(args), args.seed)))
         return

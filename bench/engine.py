@@ -37,7 +37,9 @@ import torch
 
 from bench.common import (
     add_kernel_flags,
+    add_threads_flag,
     bench_parser,
+    check_least,
     copy_bandwidth,
     environment,
     format_table,
@@ -495,17 +497,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="smoke run (under ~2 minutes): shorter prompts (prefill 128/512, warm TTFT 512), "
                         "8 concurrent requests, 16 decode tokens, 1 rep; size-named keys follow the sizes "
                         "(e.g. prefill_ratio_128, concurrent_ratio_8)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads for both sides (default: one per usable CPU core)")
+    add_threads_flag(p, "torch intra-op threads for both sides")
     add_kernel_flags(p)
     p.add_argument("--reps", type=int, default=None,
                    help="measured repetitions per phase after one warm-up; medians are reported "
                         f"(default {FULL.reps}, concurrent phase {FULL.concurrent_reps}; "
                         f"--quick {QUICK.reps})")
-    args = p.parse_args(argv)
-    if args.reps is not None and args.reps < 1:
-        p.error(f"--reps must be >= 1, got {args.reps}")
-    return args
+    return check_least(p, p.parse_args(argv), {"reps": 1})
 
 
 def main(argv: list[str] | None = None) -> None:

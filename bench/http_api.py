@@ -181,9 +181,7 @@ def parse_args(argv: list[str] | None = None) -> Any:
     p.add_argument("--new-tokens", type=int, default=None,
                    help=f"tokens of the ITL stream, per side per rep (default {Sizes.new_tokens})")
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default: %(default)s)")
-    args = p.parse_args(argv)
-    check_least(p, args, {"reps": 1, "requests": 1, "new_tokens": 2})
-    return args
+    return check_least(p, p.parse_args(argv), {"reps": 1, "requests": 1, "new_tokens": 2})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import (
+    add_threads_flag,
     bench_parser,
     environment,
     format_table,
@@ -274,7 +275,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = bench_parser("python -m bench.kv_quant", __doc__)
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 4 prompts, 16 new tokens, 512 text tokens (the figures mean little)")
-    p.add_argument("--threads", type=int, help="torch intra-op threads (default: one per usable core)")
+    add_threads_flag(p)
     p.add_argument("--prompts", type=int,
                    help=f"chat prompts for greedy agreement and logit error, at most {len(PROMPTS)} "
                         f"(default: {FULL.prompts}; --quick: {QUICK.prompts})")

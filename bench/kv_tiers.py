@@ -184,13 +184,12 @@ def report(r: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = common.bench_parser("python -m bench.kv_tiers", __doc__)
     p.add_argument("--quick", action="store_true", help="smoke run: a 512-token prompt, 4 chats of 3 turns")
-    p.add_argument("--threads", type=int, help="torch intra-op threads (default: one per usable core)")
+    common.add_threads_flag(p)
     p.add_argument("--reps", type=int, default=3, help="runs per figure, medians reported (default: 3)")
     p.add_argument("--prompt-tokens", type=int,
                    help=f"the TTFT prompt's tokens (default: {FULL.prompt_tokens})")
-    args = p.parse_args(argv)
-    common.check_least(p, args, {"reps": 1, "prompt_tokens": 2 * BLOCK_SIZE, "threads": 1})
-    return args
+    least = {"reps": 1, "prompt_tokens": 2 * BLOCK_SIZE, "threads": 1}
+    return common.check_least(p, p.parse_args(argv), least)
 
 
 def main(argv: list[str] | None = None) -> None:

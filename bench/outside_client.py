@@ -554,8 +554,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "config file)")
     p.add_argument("--venv", type=Path, default=OUT / "aiperf-venv",
                    help="AIPerf's virtualenv, created there on first use (default: bench/out/aiperf-venv)")
-    args = p.parse_args(argv)
-    check_least(p, args, {"concurrency": 1, "reps": 1})
+    args = check_least(p, p.parse_args(argv), {"concurrency": 1, "reps": 1})
     if args.api_token_env and args.api_token_env not in os.environ:
         p.error(f"--api-token-env {args.api_token_env}: that variable is not set")
     return args

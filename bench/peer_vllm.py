@@ -62,6 +62,7 @@ import torch
 from bench.common import (
     add_kernel_flags,
     bench_parser,
+    check_least,
     ensure_venv,
     environment,
     format_table,
@@ -534,10 +535,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_kernel_flags(p)
     p.add_argument("--venv", type=Path, default=OUT / "vllm-venv",
                    help="vLLM's virtualenv, created there on first use (default bench/out/vllm-venv)")
-    args = p.parse_args(argv)
-    if args.reps is not None and args.reps < 1:
-        p.error(f"--reps must be >= 1, got {args.reps}")
-    return args
+    return check_least(p, p.parse_args(argv), {"reps": 1})
 
 
 def main(argv: list[str] | None = None) -> None:

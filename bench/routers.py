@@ -219,8 +219,7 @@ def parse_args(argv: list[str] | None = None) -> Any:
     p.add_argument("--seconds", type=float, default=None, help="measured seconds a phase (default 10)")
     p.add_argument("--clients", type=int, default=None,
                    help=f"client processes, {THREADS_PER_CLIENT} closed-loop threads each (default 4)")
-    args = p.parse_args(argv)
-    common.check_least(p, args, {"reps": 1, "seconds": 1, "clients": 1})
+    args = common.check_least(p, p.parse_args(argv), {"reps": 1, "seconds": 1, "clients": 1})
     quick = args.quick
     args.reps = args.reps or (1 if quick else 3)
     args.seconds = args.seconds or (3.0 if quick else 10.0)
