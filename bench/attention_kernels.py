@@ -5,8 +5,8 @@ pdserve's paged kernels, for decode rows and for prefill chunks.
 
 Decode: for B decode rows (1, 8, 32) with context lengths drawn as bench.engine's concurrent mix
 draws prompts (32-512 tokens), and one row of 2,048. Prefill: one chunk of N new tokens after C
-cached ones, bench.engine's cases and those of the engine's profiles (14 after 544 and after 1,920,
-128 after 1,920, and fresh prompts of 512 and 2,048). A pool of 16-token blocks holds every row's K/V,
+cached ones: 14 after 544 and after 1,920 (bench.engine's suffix), 128 after 1,920 (its warm TTFT),
+and fresh prompts of 512 and 2,048. A pool of 16-token blocks holds every row's K/V,
 the blocks shuffled over the pool as a long-running engine leaves them. Each kernel attends the
 same queries over 30 distinct pool layers in turn, so that each call reads its rows from memory as
 a model's layers do:
