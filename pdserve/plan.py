@@ -9,17 +9,24 @@ Given a memory budget, sequences_that_fit counts whole sequences of `tokens`
 tokens; tokens_that_fit counts tokens however they are split among sequences.
 Pure arithmetic: no torch. A model's shape can be read from a Hugging Face
 folder (config.json) or a GGUF file's metadata.
+
+With a model, the plan also counts the weights a worker keeps beside its KV cache:
+
+    weight bytes = parameters x 4    (float32, one copy of each: pdserve/engine/linear.py; a tied
+                                      embedding is kept once, in the lm_head's native panels)
+                   + vocab x hidden x 4 where a tied model runs linear_kernel matmul or onednn
+                                     (they keep the embedding table beside their copy of the head)
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pdserve.engine.config import KV_DTYPE_TABLE, KV_DTYPES, kv_bytes_per_token
-from pdserve.units import GIB
+from pdserve.units import GIB, human_bytes
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,7 @@ class KVPlan:
     host_tokens_that_fit: int | None = None
     disk_gib: float | None = None  # the disk tier (--disk-cache-gib)
     disk_tokens_that_fit: int | None = None
+    weights: WeightPlan | None = None  # set when the plan is for a model (plan_for_model)
 
     def as_dict(self) -> dict[str, object]:
         """Flat, JSON-ready; the *_that_fit keys appear only when a memory budget was given."""
@@ -71,7 +79,29 @@ class KVPlan:
             if getattr(self, f"{tier}_gib") is not None:
                 out[f"{tier}_gib"] = getattr(self, f"{tier}_gib")
                 out[f"{tier}_tokens_that_fit"] = getattr(self, f"{tier}_tokens_that_fit")
+        if self.weights is not None:
+            out["weight_bytes"] = self.weights.bytes_resident
+            out["weight_bytes_tied_table"] = self.weights.tied_table_bytes
         return out
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """The float32 weights a worker keeps resident (the module docstring's formula)."""
+
+    parameters: int  # the model's parameters, a tied embedding counted once
+    tied_table_bytes: int  # a tied model on matmul/onednn keeps this much more (0: untied)
+
+    @property
+    def bytes_resident(self) -> int:
+        """On the default kernels (auto: native where the CPU and the extension run it)."""
+        return 4 * self.parameters
+
+    def describe(self) -> str:
+        table = human_bytes(self.tied_table_bytes, 2)
+        tied = f"; tied, so linear_kernel matmul or onednn keep {table} more" if self.tied_table_bytes else ""
+        return (f"{self.bytes_resident:,} B ({human_bytes(self.bytes_resident, 2)}) per worker, float32, "
+                f"each once{tied}")
 
 
 def _require_positive_int(name: str, flag: str, value: object) -> None:
@@ -144,10 +174,54 @@ def plan_for_model(
     host_gib: float | None = None,
     disk_gib: float | None = None,
 ) -> KVPlan:
-    """plan_kv with the shape read from a Hugging Face model folder or a .gguf file."""
+    """plan_kv with the shape read from a Hugging Face model folder or a .gguf file, and the weights
+    counted beside it."""
     shape = read_kv_shape(path)
-    return plan_kv(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype, tokens, sequences, memory_gib,
+    plan = plan_kv(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype, tokens, sequences, memory_gib,
                    host_gib, disk_gib)
+    return replace(plan, weights=read_weight_plan(path))
+
+
+def read_weight_plan(path: str | Path) -> WeightPlan:
+    """The weights of the model at `path` (a folder with config.json, or a .gguf): read_kv_shape's
+    checks apply first."""
+    p = Path(path)
+    read_kv_shape(p)
+    if p.is_dir():
+        return _weights_from_config_json(p / "config.json")
+    return _weights_from_gguf(p)
+
+
+def _weights_from_config_json(config_path: Path) -> WeightPlan:
+    """Llama's parameters from its config.json: embedding, per layer q/k/v/o, gate/up/down and two
+    norms, the final norm, and an untied lm_head."""
+    config = json.loads(config_path.read_text())
+
+    def field(key: str) -> int:
+        if config.get(key) is None:
+            raise ValueError(f"{config_path}: missing {key!r}, needed to count the weights")
+        return int(config[key])
+
+    hidden, vocab, layers = field("hidden_size"), field("vocab_size"), field("num_hidden_layers")
+    heads = field("num_attention_heads")
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    per_layer = attention + 3 * hidden * field("intermediate_size") + 2 * hidden
+    tied = bool(config.get("tie_word_embeddings", False))
+    embedding = vocab * hidden
+    parameters = embedding * (1 if tied else 2) + layers * per_layer + hidden
+    return WeightPlan(parameters, 4 * embedding if tied else 0)
+
+
+def _weights_from_gguf(gguf_path: Path) -> WeightPlan:
+    """Every tensor's elements, as the loader dequantizes them to float32; tied where the file has no
+    output.weight (the loader's rule, pdserve/engine/weights.py)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_elements) for t in GGUFReader(str(gguf_path)).tensors}
+    tied = "output.weight" not in tensors
+    return WeightPlan(sum(tensors.values()), 4 * tensors.get("token_embd.weight", 0) if tied else 0)
 
 
 def read_kv_shape(path: str | Path) -> KVShape:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from deploy import cli
-from pdserve.plan import KVPlan, KVShape, plan_kv, read_kv_shape
+from pdserve.plan import KVPlan, KVShape, plan_kv, read_kv_shape, read_weight_plan
 
 MIB, GIB = 2**20, 2**30
 
@@ -238,3 +238,21 @@ def test_plan_counts_what_the_host_and_disk_tiers_hold():
     assert plan.as_dict()["host_tokens_that_fit"] == plan.host_tokens_that_fit
     with pytest.raises(ValueError, match=r"host_gib \(--host-gib\) must be a finite number > 0"):
         plan_kv(30, 3, 64, "float32", 2048, host_gib=0.0)
+
+
+def test_plan_counts_the_weights_a_worker_keeps_once_each_in_float32(capsys):
+    assert cli.main(["plan", "--model", str(smollm2_gguf()), "--tokens", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["weight_bytes"] == 4 * 134_515_008  # SmolLM2-135M's parameters, the tied embedding once
+    assert out["weight_bytes_tied_table"] == 4 * 49_152 * 576  # kept twice on matmul/onednn
+
+
+def test_the_weights_counted_from_config_json_are_the_loaded_models(tiny_model_dir, tiny_loaded):
+    weights = read_weight_plan(tiny_model_dir)
+    assert weights.parameters == sum(t.numel() for t in tiny_loaded.state_dict.values())
+    assert weights.tied_table_bytes == 0  # the tiny model is untied
+
+
+def test_the_plan_table_names_the_weights_beside_the_kv(capsys):
+    assert cli.main(["plan", "--model", str(smollm2_gguf()), "--tokens", "8"]) == 0
+    assert "weights: 538,060,032 B (513.13 MiB) per worker, float32, each once" in capsys.readouterr().out
