@@ -76,16 +76,26 @@ def loadtest_config(args: argparse.Namespace, router: str, label: str):
                           progress=not args.json, label=label)
 
 
+def cluster_spec(args: argparse.Namespace, name: str) -> Any:
+    """`pdserve up`'s cluster for topology `name`: least-load routing, prompts under
+    --min-remote-prefill-tokens prefilled on the decode worker, 1,024 KV blocks a worker."""
+    from deploy.config import ClusterSpec
+    from pdserve.engine.config import CacheConfig, EngineConfig
+    from router.config import PlacementConfig
+
+    num_prefill, num_decode = TOPOLOGIES[name]
+    threshold = args.min_remote_prefill_tokens
+    placement = PlacementConfig(routing="least_load", min_remote_prefill_tokens=threshold)
+    return ClusterSpec(num_prefill=num_prefill, num_decode=num_decode, port=0, placement=placement,
+                       engine=EngineConfig(cache=CacheConfig(num_blocks=1024)), namespace=f"disagg-{name}")
+
+
 def run_topology(args: argparse.Namespace, name: str) -> tuple[dict[str, Any], list]:
-    from deploy.launcher import ClusterSpec
     from loadtest.report import write_outputs
     from loadtest.runner import run_loadtest_async
     from sim.real import warmed_cluster
 
-    num_prefill, num_decode = TOPOLOGIES[name]
-    spec = ClusterSpec(num_prefill=num_prefill, num_decode=num_decode, port=0, routing="least_load",
-                       min_remote_prefill_tokens=args.min_remote_prefill_tokens, num_blocks=1024,
-                       namespace=f"disagg-{name}")
+    spec = cluster_spec(args, name)
     with warmed_cluster(spec, say=lambda line: progress(f"{name}: {line}"), warm_tokens=300) as (_, router):
         progress(f"{name}: running {args.requests} requests at {args.rate}/s")
         import asyncio
