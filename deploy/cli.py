@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(commands)
     _add_chat(commands)
     _add_up(commands)
+    _add_down(commands)
     _add_status(commands)
     _add_audit(commands)
     _add_loadtest(commands)
@@ -131,6 +132,8 @@ def _run_plan(args: argparse.Namespace) -> int:
                            ("disk", plan.disk_gib, plan.disk_tokens_that_fit)):
         if gib is not None:
             print(f"  {tier} tier of {gib:g} GiB: {fit:,} tokens of evicted prefixes, loaded back on a hit")
+    if plan.weights is not None:
+        print(f"weights: {plan.weights.describe()}")
     return 0
 
 
@@ -264,6 +267,11 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
     _add_up_settings(p)
     p.add_argument("--no-sample", action="store_true",
                    help="do not answer the sample chat after start-up")
+    p.add_argument("--detach", action="store_true",
+                   help="run every router, worker and the embedded Redis as a detached Ray actor (on a Ray "
+                        "head of the cluster's own unless --address), print the routers and how to stop "
+                        "them, and exit: the cluster outlives this command; `pdserve down` stops it "
+                        "(deploy/detached.py)")
     p.set_defaults(handler=_run_up)
 
 
@@ -350,6 +358,31 @@ def _run_up(args: argparse.Namespace) -> int:
     from deploy.up import run_up
 
     return run_up(args)
+
+
+# --- down ---------------------------------------------------------------------------------------
+
+def _add_down(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "down", help="stop a cluster started with `pdserve up --detach`",
+        description="Stop everything `pdserve up --detach` started: its routers, workers and embedded Redis "
+                    "(gracefully, then killed) and the Ray head it started, if it started one. Name the "
+                    "cluster by any of its routers, or by its Ray namespace and address.")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--router", metavar="HOST:PORT",
+                       help="any router of the cluster: it names its Ray address and namespace")
+    which.add_argument("--namespace", metavar="NAME",
+                       help="the cluster's Ray namespace (`pdserve up --namespace`), with --address")
+    p.add_argument("--address", metavar="HOST:PORT",
+                   help="with --namespace: the Ray address `pdserve up --detach` printed, or `auto`")
+    add_client_security_arguments(p)
+    p.set_defaults(handler=_run_down)
+
+
+def _run_down(args: argparse.Namespace) -> int:
+    from deploy.detached import run_down
+
+    return run_down(args)
 
 
 # --- status -------------------------------------------------------------------------------------

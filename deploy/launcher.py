@@ -13,6 +13,9 @@
     stop:   routers, actors (graceful, then killed), Ray (if we started it), Redis (if we
             started it); Ctrl-C and SIGTERM both lead here, leaving no process or port.
 
+`pdserve up --detach` (deploy/detached.py) is a LocalCluster whose every process is a detached actor,
+router 0 included (lifetime), on a Ray head of its own: the cluster outlives this process.
+
 The router gets the whole SecurityConfig (TLS, API tokens, cluster secret); each worker gets
 the TLS file paths and the secret's value in its WorkerSpec and builds its own. A Redis URL
 is only ever printed or logged redacted (its password as ***). The run keeps the embedded
@@ -54,9 +57,10 @@ def sampling_defaults_in_force(loaded: LoadedModel, spec: ClusterSpec) -> Sampli
 
 
 class LocalCluster:
-    def __init__(self, spec: ClusterSpec, say=print) -> None:
+    def __init__(self, spec: ClusterSpec, say=print, lifetime: str | None = None) -> None:
         self.spec = spec
         self.say = say
+        self.lifetime = lifetime  # every actor's; "detached" outlives this process (deploy/detached.py)
         self.redis_url = ""
         self.redis_server: RedisServer | None = None
         self.actors: dict[str, object] = {}
@@ -76,20 +80,9 @@ class LocalCluster:
             raise
 
     def _start(self) -> str:
-        self.security = self._read_security()
-        self.say(f"security {self.security.describe()}")
-        for warning in self.security.exposure_warnings(self.spec.host, public=False):
-            self.say(f"warning  workers: {warning}")  # the router logs its own
+        self._start_security()
         self.redis_url, self.redis_server = ensure_redis(self.spec.redis_url)
-        if self.redis_server is None:
-            if (warning := redis_exposure_warning(self.redis_url)) is not None:
-                self.say(f"warning  redis: {warning}")
-            check_redis_credentials(self.redis_url)  # a refused password fails here, the URL redacted
-        embedded = (f" (embedded; generated password in {self.redis_server.config_path})"
-                    if self.redis_server else "")
-        self.say(f"redis    {redact_redis_url(self.redis_url)}{embedded}")
-        client = redis.Redis.from_url(self.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
-        self.registry = WorkerRegistry(client, self.spec.namespace)
+        self._connect_redis(self.redis_server.config_path if self.redis_server else None)
         self._init_ray()
         # NOTE: loaded here for the router's tokenizer, context length and sampling defaults; for a
         # GGUF this also converts it once, so N workers on this machine load the cached safetensors
@@ -129,6 +122,24 @@ class LocalCluster:
         self.say(f"  try:   curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
                  f"-d '{body}'")
 
+    def _start_security(self) -> None:
+        self.security = self._read_security()
+        self.say(f"security {self.security.describe()}")
+        for warning in self.security.exposure_warnings(self.spec.host, public=False):
+            self.say(f"warning  workers: {warning}")  # the router logs its own
+
+    def _connect_redis(self, embedded_config: str | None) -> None:
+        """The registry on self.redis_url: the embedded Redis (embedded_config: its redis.conf, holding the
+        password we generated) or the user's (warned about beyond loopback, its credentials checked)."""
+        if embedded_config is None:
+            if (warning := redis_exposure_warning(self.redis_url)) is not None:
+                self.say(f"warning  redis: {warning}")
+            check_redis_credentials(self.redis_url)  # a refused password fails here, the URL redacted
+        embedded = f" (embedded; generated password in {embedded_config})" if embedded_config else ""
+        self.say(f"redis    {redact_redis_url(self.redis_url)}{embedded}")
+        client = redis.Redis.from_url(self.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self.registry = WorkerRegistry(client, self.spec.namespace)
+
     def _read_security(self) -> SecurityConfig:
         """The router's SecurityConfig from the spec's files; ValueError names a bad flag or file."""
         s = self.spec
@@ -153,18 +164,19 @@ class LocalCluster:
                             deadlines=s.deadlines, migration=s.migration, cache_isolation=s.cache_isolation,
                             security=self.security, sampling_defaults=sampling_defaults)
 
-    def _start_replicas(self, config: RouterConfig) -> None:
-        """Routers 1..N-1 as Ray actors, router i on router 0's ports + i (a free port stays free)."""
+    def _start_replicas(self, config: RouterConfig, first: int = 1) -> None:
+        """Routers first..N-1 as Ray actors, router i on router 0's ports + i (a free port stays free)."""
         import ray
 
-        for i in range(1, self.spec.num_routers):
+        for i in range(first, self.spec.num_routers):
             name = f"router-{i}"
             replica = replace(config, port=_offset(config.port, i), http_port=_offset(config.http_port, i),
                               metrics_port=_offset(config.metrics_port, i))
             spec = RouterSpec(name, replica, self.spec.engine.model_path, self.redis_url, self.spec.namespace)
             self.replicas[name] = ray.remote(RouterActor).options(
                 name=name, namespace=self.spec.namespace, max_restarts=self.spec.max_restarts,
-                max_concurrency=4, num_cpus=0, runtime_env={"env_vars": self.spec.worker_environment},
+                lifetime=self.lifetime, max_concurrency=4, num_cpus=0,
+                runtime_env={"env_vars": self.spec.worker_environment},
             ).remote(spec)
         for name, actor in self.replicas.items():
             self.replica_info[name] = ray.get(actor.describe.remote(), timeout=self.spec.startup_timeout_s)
@@ -200,7 +212,8 @@ class LocalCluster:
             counts[role] += 1
             self.actors[worker_id] = self._actor_class(role).options(
                 name=worker_id, namespace=self.spec.namespace, max_restarts=self.spec.max_restarts,
-                max_concurrency=16, runtime_env={"env_vars": self.spec.worker_environment},
+                lifetime=self.lifetime, max_concurrency=16,
+                runtime_env={"env_vars": self.spec.worker_environment},
                 num_cpus=0 if gpus else 1, num_gpus=gpus,
                 resources=self.spec.actor_resources.get(role, {}),
                 scheduling_strategy=self.spec.scheduling_strategy,
@@ -252,12 +265,16 @@ class LocalCluster:
     def wait_until_live(self, timeout_s: float = 60.0) -> None:
         """Every worker actor registered in Redis (a restarted one under its new epoch), and the
         router's directory read again."""
+        self.wait_until_registered(timeout_s)
+        self.router.directory.refresh()
+
+    def wait_until_registered(self, timeout_s: float) -> None:
+        """Every worker actor registered in Redis (a restarted one under its new epoch)."""
         deadline = time.monotonic() + timeout_s
         want = set(self.actors)
         while True:
             live = {w.worker_id for w in self.registry.live_workers()}
             if want <= live:
-                self.router.directory.refresh()
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"workers {sorted(want - live)} did not register in Redis within "

@@ -29,6 +29,10 @@ survive exec), and the restarted redis-server died of a kernel SIGALRM 3 s after
 PING (the soak's first redis-down fault, traced with strace). Without a preexec_fn, subprocess
 uses vfork+exec and no code of this process runs in the child
 (tests/index/test_redis_server.py::test_fork_handlers_do_not_reach_the_server).
+
+`pdserve up --detach` runs the embedded server inside a RedisActor, a detached Ray actor: the server
+is that actor's child, so it outlives the launcher and ends when `pdserve down` stops the actor (or
+Ray kills it: the death signal).
 """
 
 from __future__ import annotations
@@ -255,6 +259,28 @@ def _quoted(value: str) -> str:
 def generate_password() -> str:
     """256 random bits, URL-safe (it travels in the Redis URL)."""
     return secrets.token_urlsafe(32)
+
+
+class RedisActor:
+    """The embedded Redis of a detached cluster (deploy/detached.py), with a password it generates.
+
+    NOTE: a plain actor (max_concurrency 1) runs __init__ and every method on its main thread, which
+    lives as long as the actor: the thread the server's death signal is tied to.
+    """
+
+    def __init__(self) -> None:
+        self.server = RedisServer(password=generate_password())
+        self.server.start()
+
+    def url(self) -> str:
+        """The URL with its password: hand it on, print it redacted."""
+        return self.server.url
+
+    def config_path(self) -> str | None:
+        return self.server.config_path
+
+    def stop(self) -> None:
+        self.server.stop()
 
 
 def ensure_redis(url: str | None) -> tuple[str, RedisServer | None]:

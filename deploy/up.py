@@ -51,6 +51,10 @@ def client_flags(spec: ClusterSpec, num_tokens: int) -> str:
 
 
 def run_up(args: argparse.Namespace) -> int:
+    if args.detach:
+        from deploy.detached import run_up_detached
+
+        return run_up_detached(args)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     cluster = LocalCluster(spec_from_args(args))

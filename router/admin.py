@@ -30,10 +30,23 @@ NO_DEADLINE_S = 1e9  # time_remaining() beyond this: the caller set no deadline
 
 
 @dataclass(frozen=True)
+class RayHome:
+    """The Ray cluster (GCS address) and namespace a router runs in as an actor; empty for a router in
+    the `pdserve up` process. `pdserve down --router` reads it from ClusterStatus (deploy/detached.py)."""
+
+    address: str = ""
+    namespace: str = ""
+
+
+NOT_IN_RAY = RayHome()
+
+
+@dataclass(frozen=True)
 class RouterIdentity:
     address: str
     metrics_address: str
     routing_policy: str
+    ray_home: RayHome = NOT_IN_RAY
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
@@ -51,7 +64,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         reply = admin_pb2.ClusterStatusReply(
             router_address=me.address, metrics_address=me.metrics_address, routing_policy=me.routing_policy,
             requests_in_flight=int(self._in_flight()),
-            index_available=self.placer.breaker.state is not BreakerState.OPEN)
+            index_available=self.placer.breaker.state is not BreakerState.OPEN,
+            ray_address=me.ray_home.address, ray_namespace=me.ray_home.namespace)
         workers = sorted(self.directory.workers(), key=lambda w: (w.role != "prefill", w.worker_id))
         for view in self._pool.map(self._view, workers):
             reply.workers.append(view)

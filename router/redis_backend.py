@@ -32,6 +32,7 @@ from pdserve.index.mirror import IndexMirror
 from pdserve.index.redis_index import RedisPrefixIndex
 from pdserve.index.registry import WorkerRegistry
 from pdserve.security.redis_auth import redis_exposure_warning
+from router.admin import NOT_IN_RAY, RayHome
 from router.server import RouterConfig, RouterServer
 
 log = logging.getLogger(__name__)
@@ -72,11 +73,11 @@ class RouterRedis:
 
 
 def redis_router(config: RouterConfig, tokenizer: Tokenizer, redis_url: str, namespace: str,
-                 rng: random.Random | None = None) -> RouterServer:
+                 rng: random.Random | None = None, ray_home: RayHome = NOT_IN_RAY) -> RouterServer:
     """A RouterServer (not started) whose workers and prefix index come from the Redis at redis_url."""
     if (warning := redis_exposure_warning(redis_url)) is not None:
         log.warning("router: %s", warning)
     backend = RouterRedis.connect(redis_url, namespace)
     return RouterServer(config, tokenizer, backend.registry.live_workers, match=backend.mirror.match,
                         load_of=backend.registry.load_of, sweep=backend.sweep, rng=rng,
-                        companions=[backend.mirror])
+                        companions=[backend.mirror], ray_home=ray_home)

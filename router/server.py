@@ -37,7 +37,7 @@ from pdserve.grpc_options import ConnectionPolicy, server_options
 from pdserve.metrics import MetricsEndpoint
 from pdserve.security import SecurityConfig
 from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
-from router.admin import AdminServicer, RouterIdentity
+from router.admin import NOT_IN_RAY, AdminServicer, RayHome, RouterIdentity
 from router.config import MigrationPolicy, PlacementConfig, RequestDeadlines
 from router.http.server import HttpFrontDoor, ModelCard
 from router.limits import RequestLimits
@@ -99,8 +99,9 @@ class RouterServer:
                  live_workers: Callable[[], Sequence[WorkerRecord]], *, match: MatchFn | None = None,
                  load_of: Callable[[str], dict[str, int]] | None = None,
                  sweep: Callable[[], object] | None = None, rng: random.Random | None = None,
-                 companions: Sequence[Companion] = ()) -> None:
+                 companions: Sequence[Companion] = (), ray_home: RayHome = NOT_IN_RAY) -> None:
         self.config = config
+        self.ray_home = ray_home
         self.companions = list(companions)  # started before the port opens, stopped after it closes
         self.security = config.security or SecurityConfig()
         if config.cache_isolation == "token" and not self.security.api_tokens:
@@ -148,7 +149,8 @@ class RouterServer:
         return self.metrics_endpoint.address if self.metrics_endpoint is not None else ""
 
     def identity(self) -> RouterIdentity:
-        return RouterIdentity(self.address, self.metrics_address, self.config.placement.routing)
+        return RouterIdentity(self.address, self.metrics_address, self.config.placement.routing,
+                              self.ray_home)
 
     def start(self) -> str:
         threads = self.threads()

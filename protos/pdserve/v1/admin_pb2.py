@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pdserve.v1 import worker_pb2 as protos_dot_pdserve_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/pdserve/v1/admin.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/worker.proto\"\x16\n\x14\x43lusterStatusRequest\"\xee\x01\n\nWorkerView\x12(\n\x06status\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12\r\n\x05state\x18\x02 \x01(\t\x12\x18\n\x10router_in_flight\x18\x03 \x01(\r\x12\x1b\n\x0eindex_accuracy\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x1a\n\rreported_load\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x17\n\x0fload_report_seq\x18\x06 \x01(\x04\x12\x16\n\x0e\x65stimated_load\x18\x07 \x01(\rB\x11\n\x0f_index_accuracyB\x10\n\x0e_reported_load\"\xbb\x01\n\x12\x43lusterStatusReply\x12\x16\n\x0erouter_address\x18\x01 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x02 \x01(\t\x12\x16\n\x0erouting_policy\x18\x03 \x01(\t\x12\x1a\n\x12requests_in_flight\x18\x04 \x01(\r\x12\x17\n\x0findex_available\x18\x05 \x01(\x08\x12\'\n\x07workers\x18\x06 \x03(\x0b\x32\x16.pdserve.v1.WorkerView\"%\n\x13\x41uditClusterRequest\x12\x0e\n\x06sample\x18\x01 \x01(\r\"\x84\x01\n\x0bWorkerAudit\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12%\n\x05\x61udit\x18\x06 \x01(\x0b\x32\x16.pdserve.v1.AuditReply\"=\n\x11\x41uditClusterReply\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.WorkerAudit2\xaa\x01\n\x05\x41\x64min\x12Q\n\rClusterStatus\x12 .pdserve.v1.ClusterStatusRequest\x1a\x1e.pdserve.v1.ClusterStatusReply\x12N\n\x0c\x41uditCluster\x12\x1f.pdserve.v1.AuditClusterRequest\x1a\x1d.pdserve.v1.AuditClusterReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/pdserve/v1/admin.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/worker.proto\"\x16\n\x14\x43lusterStatusRequest\"\xee\x01\n\nWorkerView\x12(\n\x06status\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12\r\n\x05state\x18\x02 \x01(\t\x12\x18\n\x10router_in_flight\x18\x03 \x01(\r\x12\x1b\n\x0eindex_accuracy\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x1a\n\rreported_load\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x17\n\x0fload_report_seq\x18\x06 \x01(\x04\x12\x16\n\x0e\x65stimated_load\x18\x07 \x01(\rB\x11\n\x0f_index_accuracyB\x10\n\x0e_reported_load\"\xe7\x01\n\x12\x43lusterStatusReply\x12\x16\n\x0erouter_address\x18\x01 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x02 \x01(\t\x12\x16\n\x0erouting_policy\x18\x03 \x01(\t\x12\x1a\n\x12requests_in_flight\x18\x04 \x01(\r\x12\x17\n\x0findex_available\x18\x05 \x01(\x08\x12\'\n\x07workers\x18\x06 \x03(\x0b\x32\x16.pdserve.v1.WorkerView\x12\x13\n\x0bray_address\x18\x07 \x01(\t\x12\x15\n\rray_namespace\x18\x08 \x01(\t\"%\n\x13\x41uditClusterRequest\x12\x0e\n\x06sample\x18\x01 \x01(\r\"\x84\x01\n\x0bWorkerAudit\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12%\n\x05\x61udit\x18\x06 \x01(\x0b\x32\x16.pdserve.v1.AuditReply\"=\n\x11\x41uditClusterReply\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.WorkerAudit2\xaa\x01\n\x05\x41\x64min\x12Q\n\rClusterStatus\x12 .pdserve.v1.ClusterStatusRequest\x1a\x1e.pdserve.v1.ClusterStatusReply\x12N\n\x0c\x41uditCluster\x12\x1f.pdserve.v1.AuditClusterRequest\x1a\x1d.pdserve.v1.AuditClusterReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,13 +37,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERVIEW']._serialized_start=102
   _globals['_WORKERVIEW']._serialized_end=340
   _globals['_CLUSTERSTATUSREPLY']._serialized_start=343
-  _globals['_CLUSTERSTATUSREPLY']._serialized_end=530
-  _globals['_AUDITCLUSTERREQUEST']._serialized_start=532
-  _globals['_AUDITCLUSTERREQUEST']._serialized_end=569
-  _globals['_WORKERAUDIT']._serialized_start=572
-  _globals['_WORKERAUDIT']._serialized_end=704
-  _globals['_AUDITCLUSTERREPLY']._serialized_start=706
-  _globals['_AUDITCLUSTERREPLY']._serialized_end=767
-  _globals['_ADMIN']._serialized_start=770
-  _globals['_ADMIN']._serialized_end=940
+  _globals['_CLUSTERSTATUSREPLY']._serialized_end=574
+  _globals['_AUDITCLUSTERREQUEST']._serialized_start=576
+  _globals['_AUDITCLUSTERREQUEST']._serialized_end=613
+  _globals['_WORKERAUDIT']._serialized_start=616
+  _globals['_WORKERAUDIT']._serialized_end=748
+  _globals['_AUDITCLUSTERREPLY']._serialized_start=750
+  _globals['_AUDITCLUSTERREPLY']._serialized_end=811
+  _globals['_ADMIN']._serialized_start=814
+  _globals['_ADMIN']._serialized_end=984
 # @@protoc_insertion_point(module_scope)

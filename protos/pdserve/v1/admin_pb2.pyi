@@ -30,20 +30,24 @@ class WorkerView(_message.Message):
     def __init__(self, status: _Optional[_Union[_worker_pb2.WorkerStatus, _Mapping]] = ..., state: _Optional[str] = ..., router_in_flight: _Optional[int] = ..., index_accuracy: _Optional[float] = ..., reported_load: _Optional[int] = ..., load_report_seq: _Optional[int] = ..., estimated_load: _Optional[int] = ...) -> None: ...
 
 class ClusterStatusReply(_message.Message):
-    __slots__ = ("router_address", "metrics_address", "routing_policy", "requests_in_flight", "index_available", "workers")
+    __slots__ = ("router_address", "metrics_address", "routing_policy", "requests_in_flight", "index_available", "workers", "ray_address", "ray_namespace")
     ROUTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROUTING_POLICY_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     INDEX_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    RAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RAY_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     router_address: str
     metrics_address: str
     routing_policy: str
     requests_in_flight: int
     index_available: bool
     workers: _containers.RepeatedCompositeFieldContainer[WorkerView]
-    def __init__(self, router_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., routing_policy: _Optional[str] = ..., requests_in_flight: _Optional[int] = ..., index_available: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerView, _Mapping]]] = ...) -> None: ...
+    ray_address: str
+    ray_namespace: str
+    def __init__(self, router_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., routing_policy: _Optional[str] = ..., requests_in_flight: _Optional[int] = ..., index_available: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerView, _Mapping]]] = ..., ray_address: _Optional[str] = ..., ray_namespace: _Optional[str] = ...) -> None: ...
 
 class AuditClusterRequest(_message.Message):
     __slots__ = ("sample",)
