@@ -1,59 +1,61 @@
 """pdserve's own AVX2 (and, where the CPU has it, AVX-512) CPU kernels, built from C++ into one torch
-extension on first use.
+extension on first use: the `native` value of each kernel setting (what EngineConfig's auto picks
+where they build: pdserve/engine/kernel_choice.py).
 
-    gemv.cpp               torch.ops.pdserve.gemv: y = x @ W.T for a few rows of x, W [out, in]
-                           float32 (the `avx2` linear kernel, pdserve/engine/linear.py)
+    panel_matmul.cpp       torch.ops.pdserve.pack_panels, panel_matmul: y = x @ W.T for any rows of x,
+    (+ _lanes.h)           W packed at load into panels of output columns (the native linear kernel,
+                           pdserve/engine/linear.py)
     decode_attention.cpp   torch.ops.pdserve.paged_decode_attention: one query per sequence over its
-                           K/V rows in the paged pool, read through its block table (the `avx2`
+                           K/V rows in the paged pool, read through its block table (the native
                            attention kernel, pdserve/engine/model.py)
     prefill_attention.cpp  torch.ops.pdserve.paged_prefill_attention: a prefill chunk's queries over
-    (+ _lanes.h)           its sequence's rows in the pool, causal, flash-style (the same `avx2`
+    (+ _lanes.h)           its sequence's rows in the pool, causal, flash-style (the same native
                            attention kernel, for prefill chunks)
-    panel_matmul.cpp       torch.ops.pdserve.pack_panels, panel_matmul: y = x @ W.T for tens of rows
-    (+ _lanes.h)           of x, W packed at load into panels of output columns (the `avx2` linear
-                           kernel between the GEMV's rows and oneDNN's)
     pointwise.cpp          torch.ops.pdserve.rms_norm, add_rms_norm_, silu_and_mul, rotary_: the work
-                           between a layer's products, one pass each (the `avx2` pointwise kernel,
+                           between a layer's products, one pass each (the native pointwise kernel,
                            pdserve/engine/pointwise.py)
     kv_blocks.cpp          pack_layer_frame, verify_write_layer, checksum (kv_blocks()): KV blocks to
     (+ xxh3.h)             and from the wire, each block copied and hashed in one pass (pdserve/kvwire.py;
-                           not opt-in: every CPU pool takes it where the extension builds)
+                           not a setting: every CPU pool takes it where the extension builds)
+    gemv.cpp               torch.ops.pdserve.gemv: y = x @ W.T over W as stored, for a few rows; no
+                           longer run by the engine (the panels serve those rows from the one copy
+                           they keep), kept as bench.matmul_kernels' reference. It also holds
+                           use_avx512(), the instruction-set switch every kernel asks.
 
     gemv(), panel_matmul(), paged_decode_attention(), paged_prefill_attention(), kv_blocks()
                                        the operators, or None where they cannot be built or run here
     paged_prefill_attention_on(path)   the prefill attention on its lanes or tiled path only
     prefill_attention_lane_rows()      the query rows a KV head up to which a chunk takes the lanes path
-    gemv_isa()                         avx512 or avx2: which of its paths gemv runs on this CPU
+    gemv_isa()                         avx512 or avx2: which of their paths the kernels run on this CPU
     unavailable()                      why not, in words (None when they work)
     python -m pdserve.engine.cpu_kernels   builds them now (`make setup` does), and says where or why not
 
-NOTE: why a GEMV of our own. A decode step at batch 1 is a stream of the model's weights through
-matrix-vector products, and it is bound by memory bandwidth. On the 2-core AMD EPYC machines this
-project runs on, torch's MKL GEMV and oneDNN's read SmolLM2's weights at 9-19 GB/s where a plain
-read of the same bytes (`w.sum()`) runs at 17-24 GB/s; the GEMV reads them at 12-21 GB/s, and
-from 2 to 32 rows it led oneDNN 1.1-2.2x on AVX2-only CPUs (python -m bench.matmul_kernels), up to
-8 rows in 16 lanes where the CPU has AVX-512 (linear.max_gemv_rows). bench.engine's batch-1 decode
-step took 47-56 ms with it against oneDNN's 59 ms (docs/benchmarks.md, 2026-12-03).
+NOTE: why a matmul of our own. A decode step at batch 1 is a stream of the model's weights through
+matrix-vector products, bound by memory bandwidth, and MKL's and oneDNN's fp32 kernels read the
+weights there well below the rate a plain read of the same bytes reaches; from tens to hundreds of
+rows (decode batches, short chunks) a product is still close to bound by reading W. The panels read
+it in order at every row count (python -m bench.matmul_kernels; docs/benchmarks.md).
 
 NOTE: why a decode attention of our own. torch's SDPA wants K/V as dense tensors, so every decode
-step gathered each sequence's blocks into a padded copy, layer by layer: at 32 concurrent requests
-that gather was 21% of a step and SDPA over the copy 26% (python -m bench.profile_engine,
-docs/benchmarks.md). The kernel reads the rows where they lie, once, as vLLM's CPU backend's paged
-attention does.
+step gathered each sequence's blocks into a padded copy, layer by layer, and at 32 concurrent
+requests the gather and SDPA over the copy were close to half a step (python -m
+bench.profile_engine, docs/benchmarks.md). The kernel reads the rows where they lie, once, as vLLM's
+CPU backend's paged attention does.
 
 NOTE: why a prefill attention of our own. A chunk after a cached prefix had its whole context
 gathered out of the pool every layer and attended with an explicit mask, and torch's flash SDPA ran
-at about a third of the products' FLOP rate on 2026-12-04's CPU: attention was 55% of a 128-token
-prefill after 1,920 cached tokens (bench.profile_engine). The kernel reads key tiles where they
-lie, shares each one among a KV head's query heads and 12 query rows (6 in 8 lanes), and keeps an
-online softmax (vLLM's CPU backend also runs its own prefill attention over the paged cache). A
-short chunk (a few queries after a long cached prefix) takes its lanes path instead, with no
-transposed copy of the keys: the same bits, 2.0-2.5x faster for 14 queries after 1,920 rows.
-python -m bench.attention_kernels --only prefill times it against the gather + SDPA path.
+well below the products' FLOP rate: attention was most of a short prefill after a long cached prefix
+(bench.profile_engine). The kernel reads key tiles where they lie, shares each one among a KV head's
+query heads and 12 query rows (6 in 8 lanes), and keeps an online softmax (vLLM's CPU backend also
+runs its own prefill attention over the paged cache). A short chunk (a few queries after a long
+cached prefix) takes its lanes path instead, with no transposed copy of the keys: the same bits,
+faster (python -m bench.attention_kernels --only prefill times both against the gather + SDPA path).
 
-The engine's operators sum in their own order, in 8 or 16 lanes, so none is bit-equal to torch's
-kernels: they serve opt-in settings only, run under the exactness suite (tests/engine/test_linear_kernels.py,
-tests/engine/test_attention_kernels.py).
+The operators sum in their own order, in 8 or 16 lanes, so none is bit-equal to torch's kernels:
+the exactness suite runs the engine on them (every test on the default kernels, and
+tests/engine/test_linear_kernels.py, test_attention_kernels.py, test_pointwise.py by name), against
+the no-cache reference on the same kernels; tests/engine/test_oracle.py pins torch's to meet
+transformers at 1e-4.
 
 Built with torch's C++ extension tooling (g++ and ninja) into torch's extension cache, under a name
 that carries a digest of the sources, the flags and torch's version: an edit or another torch
@@ -90,7 +92,7 @@ PagedPrefillAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int,
 
 
 class PanelMatmul:
-    """pdserve::panel_matmul as the avx2 linear kernel calls it: pack(W) once at load, then
+    """pdserve::panel_matmul as the native linear kernel calls it: pack(W) once at load, then
     panel(x, panels, out) = x @ W.T, out being W's row count."""
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
@@ -126,7 +128,7 @@ def _load() -> ModuleType | str:
     tool = _missing_tool()
     if tool:
         return (f"building pdserve's CPU kernels needs {tool} on PATH; install it, "
-                "or use the onednn/sdpa kernels")
+                "or set the kernels to matmul/sdpa/torch (auto does so by itself)")
     from torch.utils.cpp_extension import load
 
     try:
@@ -134,7 +136,7 @@ def _load() -> ModuleType | str:
                     extra_ldflags=["-fopenmp"], verbose=False)
     except (RuntimeError, OSError, ImportError) as e:  # a compiler error, or a broken cache entry
         log.warning("building pdserve's CPU kernels failed: %s", e)
-        return f"building pdserve's CPU kernels failed ({e}); use the onednn/sdpa kernels"
+        return f"building pdserve's CPU kernels failed ({e}); set the kernels to matmul/sdpa/torch or auto"
 
 
 def _build() -> str | None:
@@ -155,7 +157,7 @@ def gemv() -> Gemv | None:
 
 
 def gemv_isa() -> str | None:
-    """The instruction set pdserve::gemv runs here, avx512 or avx2 (PDSERVE_CPU_ISA=avx2 caps it)."""
+    """The instruction set pdserve's kernels run here, avx512 or avx2 (PDSERVE_CPU_ISA=avx2 caps it)."""
     return None if _build() else torch.ops.pdserve.gemv_isa()
 
 

@@ -1,4 +1,7 @@
-// pdserve's GEMV: y = x @ W.T for a few rows of x, streaming W once (pdserve/engine/linear.py).
+// pdserve's GEMV: y = x @ W.T for a few rows of x, streaming W once, as stored. The engine no longer
+// runs it (the native linear kernel's panels serve those rows from the one copy of W they keep,
+// panel_matmul.cpp); bench.matmul_kernels keeps it as a reference. This file also holds
+// use_avx512(), the instruction-set switch every kernel asks, and the operator library's definition.
 //
 // W is [out, in] float32, row-major. Output rows are cut into groups of 4 and the groups shared
 // out to torch's intra-op threads; each group's 4 weight rows are read once from memory and dotted

@@ -4,8 +4,8 @@
 // xxh3_64 in the frame's header. In Python that was a pass per step over every byte: the sender
 // gathered the blocks into a staging buffer, hashed them there, then joined header and payload into
 // the message gRPC sends; the receiver hashed the received blocks, then copied them into the pool.
-// On one core each pass costs 0.08-0.18 s a GB (`python -m bench.kv_transfer_wire --stages`), as
-// much again as gRPC's own work (docs/benchmarks.md, "KV transfer"). Here each block is copied and
+// Each pass cost about as much again as gRPC's own work (`python -m bench.kv_transfer_wire --stages`;
+// docs/benchmarks.md, "KV transfer"). Here each block is copied and
 // hashed while it sits in L1:
 //
 //   pack_layer_frame     the whole KVChunk message in one new bytes object: the message's prefix

@@ -1,18 +1,18 @@
-// pdserve's panel matmul: y = x @ W.T for a batch of tens of rows of x (a short prefill chunk, a
-// suffix after a cached prefix, a decode batch), streaming W once per call from a layout packed at
-// load (pdserve/engine/linear.py's avx2 kernel runs it between the GEMV's rows and oneDNN's).
+// pdserve's panel matmul: y = x @ W.T for any number of rows of x (a decode step's one row a
+// sequence, a short suffix after a cached prefix, a prefill chunk of thousands), streaming W once
+// per block of rows from a layout packed at load: the native linear kernel (pdserve/engine/linear.py)
+// runs it at every row count, from the one copy of W it keeps.
 //
-// Why: from 8 to a few hundred rows a product is still close to bound by reading W, and oneDNN
-// and the GEMV read it well below the rate a plain read of it reaches (14 rows, 2 threads: oneDNN
-// 14-16 GB/s, the GEMV 12-24, a plain read 23-44; python -m bench.matmul_kernels, 2026-12-06 07:39). Here W [out, in] is packed as panels of P output columns
+// Why: up to a few hundred rows a product is close to bound by reading W, and oneDNN and a GEMV over
+// W as stored read it well below the rate a plain read of it reaches (python -m bench.matmul_kernels;
+// docs/benchmarks.md). Here W [out, in] is packed as panels of P output columns
 // (P = 2 vectors: 32 on AVX-512, 16 on AVX2), each panel [in][P] contiguous, so one pass over a
 // panel streams its bytes in order. For each block of up to kBlockRows rows of x, a step over `in`
 // loads the panel's 2 vectors at that input and broadcasts each row's x into 2 FMAs: 2 x 14 sums in
 // 28 of AVX-512's 32 registers (2 x 6 of AVX2's 16), so a block of rows costs one read of the
 // panel, and the blocks after the first read it from L2. A prefetch runs kPrefetchSteps steps ahead
-// of the loads: without it the core did not keep enough reads in flight (14 rows of gate_up, 2
-// threads, 30 weights that the Xeon of 2026-12-06 held in its 480 MB L3: 12 GB/s without, 18-26
-// with; streamed from memory, 19-20 GB/s at any distance from 8 to 64 steps).
+// of the loads: without it the core did not keep enough reads in flight when the weights sat in a
+// large L3 (from memory, the distance mattered little).
 //
 // Each output sums `in` in a fixed order (stretches of kStretch inputs, each in one lane, then the
 // stretches in order): it depends neither on the other rows of x, nor on the blocking, nor on the
@@ -34,8 +34,8 @@ namespace {
 constexpr int kPanelVectors = 2;
 constexpr int64_t kPrefetchSteps = 8;
 // Inputs a stretch sums in one register before its sum joins the output's: one chain over all of
-// `in` (1,536 for down) rounded 1.3x oneDNN's error against float64; in stretches, the chains are
-// 128 + in / 128 long and the mean error 0.44x oneDNN's (6.6e-6 against 1.5e-5 on down's shape).
+// `in` (1,536 for down) rounded worse than oneDNN against float64; in stretches the chains are
+// 128 + in / 128 long, and the mean error fell below oneDNN's on down's shape.
 constexpr int64_t kStretch = 128;
 
 #pragma GCC push_options

@@ -1,6 +1,6 @@
 // pdserve's fused pointwise ops: the element-by-element work between a layer's products, one pass
 // over the rows each instead of torch's five to eight (pdserve/engine/pointwise.py calls them under
-// pointwise_kernel avx2).
+// pointwise_kernel native).
 //
 //   rms_norm(x, w, eps)             -> w * (x / sqrt(mean(x^2) + eps)), row by row
 //   add_rms_norm_(x, res, w, eps)      res += x, then x = rms_norm(res): the residual add of a
@@ -8,9 +8,9 @@
 //   silu_and_mul(gate_up)           -> silu(gate) * up, gate_up [T, 2I] as the fused product gives it
 //   rotary_(qkv, cos, sin, heads)      rotate-half RoPE of the first `heads` heads of each row, in place
 //
-// Why: at 2,048 tokens torch's elementwise ops were 14% of a cold prefill's op time on one thread
-// (python -m bench.profile_engine): mul, add, silu, pow, mean, cat and neg each read and wrote
-// arrays of 5-25 MB. At batch 1 they are some 20 op calls a layer. vLLM's CPU build runs fused
+// Why: in a long cold prefill torch's elementwise ops are a sizeable share of the op time (python -m
+// bench.profile_engine): mul, add, silu, pow, mean, cat and neg each read and write arrays of
+// megabytes. At batch 1 they are some 20 op calls a layer. vLLM's CPU build runs fused
 // kernels of the same four (its fused_add_rms_norm, silu_and_mul and rotary_embedding).
 //
 // Exactness: rotary_ and the residual sum are bit-equal to torch's ops (a product, a product, a sum,

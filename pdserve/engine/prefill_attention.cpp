@@ -1,11 +1,11 @@
 // pdserve's paged prefill attention: the queries of one prefill chunk (positions start .. start+T-1 of
 // one sequence) over every K/V row of the sequence up to each query, causal, read where the rows lie
 // in the paged pool (pdserve/engine/cpu_kernels.py builds it; pdserve/engine/model.py calls it under
-// attention_kernel avx2).
+// attention_kernel native).
 //
 // Why: torch's SDPA wants K/V as dense tensors, so a chunk after a cached prefix gathered the whole
 // context from the pool, layer by layer, and attended with a boolean mask; and torch's flash SDPA
-// ran at a third of the products' rate on 2026-12-04's CPU. This kernel is a flash attention over
+// ran well below the products' FLOP rate (bench.profile_engine). This kernel is a flash attention over
 // the pool: key tiles of two vectors (32 keys on AVX-512, 16 on AVX2), transposed once per call and
 // shared by every query head of their KV head and by 12 query rows at a time (6 on AVX2), an online
 // softmax, and the values read from the pool. The body (prefill_attention_lanes.h) is compiled for
@@ -37,10 +37,9 @@ bool use_avx512();  // gemv.cpp: AVX-512F here, and not capped by PDSERVE_CPU_IS
 namespace {
 
 // Query rows a KV head up to which the lanes path runs: SmolLM2's 128 queries (3 rows each). After
-// 1,920 cached rows the lanes path led from 1 to 128 queries (1.15-2.46x), 256 after 1,792 by
-// 1.08-1.13x, and a fresh 128-query chunk tied (0.95-1.10x) (1 and 2 threads, python -m
-// bench.attention_kernels --only paths, 2026-12-06 10:19, docs/benchmarks.md). Past 384 rows the tiled
-// path runs: 256 queries led by little, and the lanes path was not timed on longer chunks.
+// a long cached prefix the lanes path led from 1 to 128 queries and by less at 256, and a fresh
+// 128-query chunk tied (python -m bench.attention_kernels --only paths; docs/benchmarks.md). Past 384
+// rows the tiled path runs: the lanes path was not timed on longer chunks.
 constexpr int64_t kLaneRowsMax = 384;
 
 // One call's shapes and where its rows are: the pool layer is cache[K|V, block, offset, kv_head, d].

@@ -286,8 +286,8 @@ inline Item item_rows(const Problem& p, int64_t k, int64_t row_tiles, float* q_b
 // the tile's probability sum below re-creates row_sums' order (the vector's halves added, then their
 // halves, down to one lane), so a row gets the same bits on either path, and which path a chunk
 // takes never shows in its output (tests/engine/test_attention_kernels.py checks it bit for bit).
-// python -m bench.attention_kernels --only paths times the two: 14 queries after 1,920 rows 2.0-2.5x
-// faster on this path (1 and 2 threads, 2026-12-06 10:19).
+// python -m bench.attention_kernels --only paths times the two: a few queries after a long cached
+// prefix run faster on this path.
 
 constexpr int kKeysAtOnce = 8;  // keys scored together: 8 sums a vector of rows, the queries and a broadcast
 
@@ -319,8 +319,8 @@ inline void score_lanes(const Problem& p, const LaneItem& item, int64_t kv_head,
     // dimension: a row lies wherever its block does, and the hardware's prefetchers, which follow
     // strides, lose it at every block. Asked for all at once at the tile's start (a loop of 256 on
     // SmolLM2), the requests filled the core's line fill buffers and the loop stalled: a quarter of
-    // the lanes path's samples under `perf record` (14 queries after 1,920 rows went 0.46 -> 0.42 ms a
-    // layer spread out like this, 2 threads; one-off A/B builds, 2026-12-06).
+    // the lanes path's samples under `perf record`; spread out like this, a few queries after a long
+    // prefix ran faster (one-off A/B builds).
     const char* ahead[2 * kKeysAtOnce];
     for (int j = 0; j < kKeysAtOnce; ++j) {
       const int64_t t = std::min<int64_t>(key0 + T + j0 + j, item.last_position);
