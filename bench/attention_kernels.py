@@ -14,11 +14,11 @@ a model's layers do:
         blocks gathered into a dense copy, torch's SDPA with a mask. Prefill: the context's blocks
         gathered and a masked SDPA, or a causal SDPA over the chunk's own K/V when nothing is cached
         (pdserve/engine/model.py)
-  avx2  pdserve::paged_decode_attention over the block tables (pdserve/engine/decode_attention.cpp),
+  native  pdserve::paged_decode_attention over the block tables (pdserve/engine/decode_attention.cpp),
         pdserve::paged_prefill_attention over the chunk's (pdserve/engine/prefill_attention.cpp)
-The two alternate rep by rep. Reported: medians of --reps passes, per layer; ratio = sdpa ÷ avx2
-(how many times faster the paged kernel is); the K/V bytes the rows hold ÷ avx2's time (decode) or
-the attention's FLOPs ÷ avx2's time (prefill); and the largest difference between the two outputs.
+The two alternate rep by rep. Reported: medians of --reps passes, per layer; ratio = sdpa ÷ native
+(how many times faster the paged kernel is); the K/V bytes the rows hold ÷ native's time (decode) or
+the attention's FLOPs ÷ native's time (prefill); and the largest difference between the two outputs.
 
 Paths: the paged prefill attention's two paths on chunks of 1 to 128 queries after 1,920 cached
 rows, 256 after 1,792, 14 after 544 and 128 fresh, alternating the same way: tiled (every key
@@ -135,8 +135,8 @@ def prefill_on(path: str):
 
 
 # per kind: the two sides, the first the baseline (ratio = first ÷ second)
-SIDES = {"decode": {"sdpa": sdpa_attention, "avx2": paged_attention},
-         "prefill": {"sdpa": sdpa_prefill, "avx2": paged_prefill},
+SIDES = {"decode": {"sdpa": sdpa_attention, "native": paged_attention},
+         "prefill": {"sdpa": sdpa_prefill, "native": paged_prefill},
          "paths": {"tiled": prefill_on("tiled"), "lanes": prefill_on("lanes")}}
 
 
@@ -191,8 +191,8 @@ def run(args: Any) -> dict[str, Any]:
 
 def report(r: dict[str, Any]) -> str:
     tables = []
-    for kind, head, rate in (("decode", "rows x context", "avx2 K/V GB/s"),
-                             ("prefill", "new after cached", "avx2 GFLOP/s"),
+    for kind, head, rate in (("decode", "rows x context", "native K/V GB/s"),
+                             ("prefill", "new after cached", "native GFLOP/s"),
                              ("paths", "new after cached", "lanes GFLOP/s")):
         base, ours = SIDES[kind]
         rows = [[c["case"], c["context_tokens"], c[f"{base}_ms_per_layer"], c[f"{ours}_ms_per_layer"],
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=5,
                    help="passes over the 30 layers per kernel, alternating; medians (default: %(default)s)")
     p.add_argument("--only", choices=("decode", "prefill", "paths"), default=None,
-                   help="run only the decode cases, the prefill cases (sdpa against avx2), or the "
+                   help="run only the decode cases, the prefill cases (sdpa against native), or the "
                         "prefill kernel's two paths (default: all three)")
     args = check_least(p, p.parse_args(argv), {"reps": 1})
     result = run(args)

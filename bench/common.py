@@ -194,34 +194,43 @@ def run_timed(run: Callable[[Any], dict[str, Any]], report: Callable[[dict[str, 
     publish(report(result), result, args.json)
 
 
+KERNEL_AUTO_HELP = ("auto picks native where the CPU and pdserve's built extension run it, else torch's "
+                    "(pdserve/engine/kernel_choice.py); avx2 is native's old name")
 LINEAR_KERNEL_HELP = ("pdserve's matmul kernel (EngineConfig.linear_kernel, pdserve/engine/linear.py): "
                       "matmul is torch's own, as transformers runs it; onednn is oneDNN, as vLLM's CPU build "
-                      "calls it, faster on x86 CPUs; avx2 is oneDNN plus pdserve's own GEMV for products of "
-                      "up to 32 rows, and where the CPU has AVX-512 the GEMV to 2 rows and pdserve's panel "
-                      "matmul to 128, in 16 lanes (pdserve/engine/gemv.cpp, panel_matmul.cpp) "
+                      "calls it; native is pdserve's panel matmul at every row count, 16 lanes where the CPU "
+                      f"has AVX-512 (pdserve/engine/panel_matmul.cpp); {KERNEL_AUTO_HELP} "
                       "(default: %(default)s)")
 ATTENTION_KERNEL_HELP = ("pdserve's attention (EngineConfig.attention_kernel, "
                          "pdserve/engine/model.py): sdpa is torch's, over each sequence's blocks gathered "
-                         "into a dense copy; avx2 is pdserve's own paged kernels for decode rows and "
+                         "into a dense copy; native is pdserve's own paged kernels for decode rows and "
                          "prefill chunks, reading the rows where they lie in the pool "
-                         "(pdserve/engine/decode_attention.cpp, prefill_attention.cpp) "
-                         "(default: %(default)s)")
+                         "(pdserve/engine/decode_attention.cpp, prefill_attention.cpp); "
+                         f"{KERNEL_AUTO_HELP} (default: %(default)s)")
 POINTWISE_KERNEL_HELP = ("RMSNorm, the residual add, RoPE and SiLU·up (EngineConfig.pointwise_kernel, "
                          "pdserve/engine/pointwise.py): torch is torch's ops, as transformers runs them; "
-                         "avx2 is pdserve's fused kernels, one pass over the rows each "
-                         "(pdserve/engine/pointwise.cpp) (default: %(default)s)")
+                         "native is pdserve's fused kernels, one pass over the rows each "
+                         f"(pdserve/engine/pointwise.cpp); {KERNEL_AUTO_HELP} (default: %(default)s)")
 KERNEL_FLAGS = ("linear_kernel", "attention_kernel", "pointwise_kernel")
 
 
 def add_kernel_flags(p: argparse.ArgumentParser) -> None:
-    """--linear-kernel, --attention-kernel and --pointwise-kernel, as EngineConfig names them."""
-    from pdserve.engine.config import ATTENTION_KERNELS, LINEAR_KERNELS, POINTWISE_KERNELS
+    """--linear-kernel, --attention-kernel and --pointwise-kernel, as EngineConfig names them, with its
+    defaults (auto): no flag runs what a user gets."""
+    from pdserve.engine.config import (
+        ATTENTION_KERNELS,
+        KERNEL_ALIASES,
+        LINEAR_KERNELS,
+        POINTWISE_KERNELS,
+        EngineConfig,
+    )
 
-    p.add_argument("--linear-kernel", choices=LINEAR_KERNELS, default="matmul", help=LINEAR_KERNEL_HELP)
-    p.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default="sdpa",
-                   help=ATTENTION_KERNEL_HELP)
-    p.add_argument("--pointwise-kernel", choices=POINTWISE_KERNELS, default="torch",
-                   help=POINTWISE_KERNEL_HELP)
+    default = EngineConfig()
+    for name, known, text in (("linear_kernel", LINEAR_KERNELS, LINEAR_KERNEL_HELP),
+                              ("attention_kernel", ATTENTION_KERNELS, ATTENTION_KERNEL_HELP),
+                              ("pointwise_kernel", POINTWISE_KERNELS, POINTWISE_KERNEL_HELP)):
+        p.add_argument("--" + name.replace("_", "-"), choices=(*known, *KERNEL_ALIASES),
+                       default=getattr(default, name), help=text)
 
 
 def kernel_settings(args: Any) -> dict[str, str]:

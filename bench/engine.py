@@ -92,8 +92,8 @@ class Ours:
     """LLMEngine, driven one step at a time so that token timestamps are exact."""
 
     def __init__(self, loaded: Any, num_blocks: int, block_size: int, threads: int, *,
-                 linear_kernel: str = "matmul", attention_kernel: str = "sdpa",
-                 pointwise_kernel: str = "torch", retain_freed_memory: bool = True) -> None:
+                 linear_kernel: str = "auto", attention_kernel: str = "auto",
+                 pointwise_kernel: str = "auto", retain_freed_memory: bool = True) -> None:
         from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
         from pdserve.engine.llm_engine import LLMEngine
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_dtype="float32",
@@ -429,7 +429,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     assert not ours.engine.leaked_blocks()
     import transformers
     env = {**environment(threads), "loadavg_at_start": load_at_start}
-    return {**result, "threads": threads, **kernel_settings(args), "torch": torch.__version__,
+    return {**result, "threads": threads, **kernel_settings(args),
+            "kernels_chosen": ours.engine.kernels.describe(), "torch": torch.__version__,
             "transformers": transformers.__version__, "reps": sizes.reps,
             "concurrent_reps": sizes.concurrent_reps, "quick": args.quick, "sizes": asdict(sizes),
             "environment": env}
@@ -486,6 +487,7 @@ def report(r: dict[str, Any]) -> str:
             f"attention_kernel={r.get('attention_kernel', 'sdpa')} "
             f"pointwise_kernel={r.get('pointwise_kernel', 'torch')} torch={r['torch']} "
             f"transformers={r['transformers']} reps={r['reps']} "
+            f"(kernels run: {r.get('kernels_chosen', 'as set')}) "
             f"(concurrent {r['concurrent_reps']}); greedy tokens equal to transformers': "
             f"{r['decode_greedy_tokens_match']}")
     return "\n".join([head, table, peak])

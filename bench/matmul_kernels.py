@@ -14,9 +14,9 @@ layers do: MatmulLinear and OneDNNLinear of pdserve/engine/linear.py (the weight
 oneDNN's layout), onednn_unpacked (oneDNN given W as stored, reordering it in every call: what
 OneDNNLinear ran before 2026-12-06), and pdserve::gemv (pdserve/engine/gemv.cpp) and
 pdserve::panel_matmul (pdserve/engine/panel_matmul.cpp, its panels packed once) at every row count
-where they build. avx2 runs the GEMV up to its crossover, the panels up to max_panel_rows() where
-the CPU has AVX-512, and oneDNN above: where the gemv, panel and onednn columns cross is what sets
-them, per CPU capability (pdserve/engine/linear.py).
+where they build. The native linear kernel (what auto picks) runs the panels at every row count,
+from the one copy of each weight it keeps: the panel column against the gemv and onednn ones is
+what that choice rests on (pdserve/engine/linear.py).
 Reported: the best of --reps passes (the least disturbed by other processes) as GFLOP/s and the
 weight bytes streamed per second; ratio = oneDNN / matmul; and, for reference, the bytes per second
 of a plain read of the same weights (w.sum()), the bandwidth a GEMV can approach.
@@ -52,7 +52,7 @@ def best_seconds(fn: Any, reps: int, copies: int) -> float:
 
 
 class GemvAtAnyRows:
-    """pdserve::gemv as a Linear, at every row count (the engine's avx2 kernel stops at max_gemv_rows())."""
+    """pdserve::gemv as a Linear, at every row count (a reference: the engine no longer runs it)."""
 
     name = "gemv"
 
@@ -67,8 +67,7 @@ class GemvAtAnyRows:
 
 
 class PanelsAtAnyRows:
-    """pdserve::panel_matmul as a Linear, at every row count (the engine's avx2 kernel runs it from
-    the GEMV's last row to max_panel_rows())."""
+    """pdserve::panel_matmul as a Linear, at every row count (as the engine's native kernel runs it)."""
 
     name = "panel"
 
