@@ -42,7 +42,9 @@ from pdserve.engine.weights import LoadedModel, load_model, served_model_name
 from pdserve.index.registry import WorkerRegistry
 from pdserve.security import SecurityConfig, TLSConfig, read_secret, read_secrets_file
 from pdserve.security.redis_auth import check_redis_credentials, redact_redis_url, redis_exposure_warning
+from pdserve.status_cli import describe_kernels
 from pdserve.worker.actor import WorkerSpec
+from protos.pdserve.v1 import worker_pb2
 from router.actor import RouterActor, RouterSpec
 from router.redis_backend import redis_router
 from router.server import RouterConfig, RouterServer
@@ -225,6 +227,8 @@ class LocalCluster:
         deadline = self.spec.startup_timeout_s
         for worker_id, actor in self.actors.items():
             self.say(f"  {worker_id:<10} {ray.get(actor.address.remote(), timeout=deadline)}")
+        first = worker_pb2.WorkerStatus.FromString(ray.get(next(iter(self.actors.values())).status.remote()))
+        self.say(f"kernels  {describe_kernels(first)} (pdserve status: every worker's)")
 
     def _warn_unplaceable(self, roles: list[str]) -> None:
         """Say so when no node offers a resource a role needs: its actors wait, maybe for an autoscaler."""

@@ -24,7 +24,7 @@ from google.protobuf.json_format import MessageToDict
 
 from pdserve.client_security import security_from_args
 from pdserve.units import human_bytes
-from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc
+from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc, worker_pb2
 
 COLUMNS = ("worker", "role", "node", "state", "queue", "load", "KV used", "host tier", "disk tier",
            "hit rate", "index accuracy", "sent", "received", "failed", "kernels")
@@ -70,9 +70,13 @@ def kernel_reasons(workers) -> list[str]:
     workers_of: dict[str, list[str]] = {}
     for view in workers:
         if view.status.kernels:
-            why = "; ".join(f"{k.setting} {k.kernel} ({k.reason})" for k in view.status.kernels)
-            workers_of.setdefault(why, []).append(view.status.worker_id)
+            workers_of.setdefault(describe_kernels(view.status), []).append(view.status.worker_id)
     return [f"kernels on {', '.join(ids)}: {why}" for why, ids in workers_of.items()]
+
+
+def describe_kernels(status: worker_pb2.WorkerStatus) -> str:
+    """A worker's kernels and why each, as its log says them (pdserve/engine/kernel_choice.py)."""
+    return "; ".join(f"{k.setting} {k.kernel} ({k.reason})" for k in status.kernels)
 
 
 def worker_row(view: admin_pb2.WorkerView) -> tuple[str, ...]:

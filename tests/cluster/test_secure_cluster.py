@@ -35,6 +35,7 @@ def test_a_secured_cluster_serves_token_holders_and_members_only(ray_session, de
     cluster.start()
     try:
         assert "security TLS on · 1 API token · cluster secret on" in said
+        assert [line for line in said if line.startswith("kernels  linear ")]  # what the first worker runs
         user = cluster.client_security()
         with PdserveClient(cluster.router.address, timeout_s=300, **client_kwargs(user)) as client:
             done = client.generate(token_ids=list(range(300, 360)), temperature=0, max_tokens=4,
