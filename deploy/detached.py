@@ -3,10 +3,11 @@
 In the foreground, `pdserve up` is the Ray driver that owns every actor and runs router 0 itself, so a
 SIGKILL of it ends the whole cluster. Detached, nothing the cluster needs belongs to the launcher:
 
-    Ray head   `ray start --head` in a session of its own (unless --address): its GCS, raylet and
-               workers are nobody's children. Its temp dir (/tmp/pdserve-ray-*) or its GCS address
-               is on the command line of every process it starts but Ray's workers, which are its
-               raylet's children: that is how `down` finds them all.
+    Ray head   `ray start --head` in a session of its own (unless --address), with token
+               authentication: its GCS, raylet and workers are nobody's children. Its temp dir
+               (/tmp/pdserve-ray-*) or its GCS address is on the command line of every process it
+               starts but Ray's workers, which are its raylet's children: that is how `down` finds
+               them all.
     record     detached actor `pdserve-cluster`: what `down` undoes beyond the actors (the head, when
                `up` started one). Made first, so a launcher killed while starting still
                leaves a cluster that `down` can stop.
@@ -56,62 +57,43 @@ REDIS_ACTOR = "redis"
 HEAD_TEMP_PREFIX = "pdserve-ray-"
 HEAD_START_TIMEOUT_S = 120.0
 RAY_AUTH_MODE = "RAY_AUTH_MODE"
+RAY_CLI = [sys.executable, "-m", "ray.scripts.scripts"]  # `ray`, whether or not the venv is on PATH
 HEAD_STOP_TIMEOUT_S = 3.0  # then SIGKILL: its GCS and raylet take 10 s and more to drain nothing
 
 
 @dataclass(frozen=True)
-class ClusterRecord:
-    """What `pdserve down` must know beyond the named actors."""
-
-    namespace: str
-    ray_head: RayHead | None  # the Ray head `up --detach` started; None: it joined a running Ray
-
-
-class RecordActor:
-    def __init__(self, record: ClusterRecord) -> None:
-        self._record = record
-
-    def record(self) -> ClusterRecord:
-        return self._record
-
-
-@dataclass(frozen=True)
 class RayHead:
-    """A Ray head of the cluster's own: `ray start --head`, every process of it naming temp_dir."""
+    """A Ray head of the cluster's own: `ray start --head`, every process of it naming temp_dir or address."""
 
     temp_dir: str
     address: str = ""  # its GCS, host:port
 
     @classmethod
     def start(cls, num_cpus: int) -> RayHead:
-        # NOTE: free ports for the two services `ray start` would otherwise bind on fixed ports (10001
-        # and 52365), so that two heads on one machine do not collide.
         head = cls(tempfile.mkdtemp(prefix=HEAD_TEMP_PREFIX))
-        ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
-        # NOTE: with token authentication unless RAY_AUTH_MODE says otherwise: the GCS listens beyond
-        # loopback. The token is Ray's own (~/.ray/auth_token, made here if missing; never printed).
-        env = {**os.environ, RAY_AUTH_MODE: os.environ.get(RAY_AUTH_MODE, "token")}
-        if env[RAY_AUTH_MODE] == "token":
-            subprocess.run([*ray_cli, "get-auth-token", "--generate"], capture_output=True, check=True,
-                           timeout=60)
-        command = [*ray_cli, "start", "--head", f"--port={free_port()}",
-                   f"--temp-dir={head.temp_dir}", f"--num-cpus={num_cpus}",
-                   f"--object-store-memory={256 << 20}", "--include-dashboard=false", "--disable-usage-stats",
-                   f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}"]
         try:
             # NOTE: in a session of its own: a Ctrl-C or hang-up in the launcher's terminal never reaches it
-            run = subprocess.run(command, capture_output=True, text=True, timeout=HEAD_START_TIMEOUT_S,
-                                 env=env, start_new_session=True)
+            run = subprocess.run(head._start_command(num_cpus), capture_output=True, text=True,
+                                 timeout=HEAD_START_TIMEOUT_S, env=_head_environment(),
+                                 start_new_session=True)
         except subprocess.TimeoutExpired:
             head.stop()
             raise RuntimeError(f"`ray start --head` did not finish within {HEAD_START_TIMEOUT_S:.0f} s; "
-                               f"its logs are in {head.temp_dir}") from None
+                               "give a running Ray with --address instead") from None
         if run.returncode != 0:
             head.stop()
             raise RuntimeError(f"`ray start --head` failed (exit {run.returncode}); give a running Ray with "
                                "--address instead, or read its output:\n"
                                f"{run.stdout[-2000:]}{run.stderr[-2000:]}")
         return cls(head.temp_dir, Path(head.temp_dir, "ray_current_cluster").read_text().strip())
+
+    def _start_command(self, num_cpus: int) -> list[str]:
+        # NOTE: free ports for the two services `ray start` would otherwise bind on fixed ones (10001,
+        # 52365), so that two heads on one machine do not collide.
+        return [*RAY_CLI, "start", "--head", f"--port={free_port()}", f"--temp-dir={self.temp_dir}",
+                f"--num-cpus={num_cpus}", f"--object-store-memory={256 << 20}", "--include-dashboard=false",
+                "--disable-usage-stats", f"--ray-client-server-port={free_port()}",
+                f"--dashboard-agent-listen-port={free_port()}"]
 
     def processes(self) -> list[psutil.Process]:
         """Every live process of this head: those whose arguments name its temp dir or GCS address (the
@@ -140,6 +122,31 @@ class RayHead:
         return in_dir or (bool(self.address) and arg.endswith(f"={self.address}"))
 
 
+def _head_environment() -> dict[str, str]:
+    """The head's environment: token authentication unless RAY_AUTH_MODE says otherwise, since its GCS
+    listens beyond loopback. The token is Ray's own (~/.ray/auth_token), made here if missing, never
+    printed."""
+    env = {**os.environ, RAY_AUTH_MODE: os.environ.get(RAY_AUTH_MODE, "token")}
+    if env[RAY_AUTH_MODE] == "token":
+        subprocess.run([*RAY_CLI, "get-auth-token", "--generate"], capture_output=True, check=True,
+                       timeout=60)
+    return env
+
+
+@dataclass(frozen=True)
+class ClusterRecord:
+    """What `pdserve down` must know beyond the named actors."""
+
+    namespace: str
+    ray_head: RayHead | None  # the Ray head `up --detach` started; None: it joined a running Ray
+
+
+class RecordActor:
+    def __init__(self, record: ClusterRecord) -> None:
+        self._record = record
+
+    def record(self) -> ClusterRecord:
+        return self._record
 
 
 def _alive(proc: psutil.Process) -> bool:
