@@ -221,7 +221,8 @@ class DetachedCluster(LocalCluster):
                              f"`pdserve down --namespace {namespace} --address {address}`, or give this one "
                              "another --namespace")
         where = f"its own head, logs in {self.head.temp_dir}" if self.head else "attached"
-        self.say(f"ray      {ray.get_runtime_context().gcs_address} ({where}), namespace {namespace}")
+        auth = "token authentication" if os.environ.get(RAY_AUTH_MODE) == "token" else "no authentication"
+        self.say(f"ray      {ray.get_runtime_context().gcs_address} ({where}; {auth}), namespace {namespace}")
 
     def _keep_record(self) -> None:
         import ray
@@ -341,7 +342,13 @@ def join_ray(address: str, namespace: str) -> None:
         maybe_enable_token_auth_if_token_available,
     )
 
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    ray_says = logging.getLogger(maybe_enable_token_auth_if_token_available.__module__)
+    level = ray_says.level
+    ray_says.setLevel(logging.ERROR)  # its warning that it enabled tokens: the `ray` line says so
+    try:
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    finally:
+        ray_says.setLevel(level)
     ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level=logging.WARNING)
 
 
