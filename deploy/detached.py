@@ -137,7 +137,6 @@ def _head_environment() -> dict[str, str]:
 class ClusterRecord:
     """What `pdserve down` must know beyond the named actors."""
 
-    namespace: str
     ray_head: RayHead | None  # the Ray head `up --detach` started; None: it joined a running Ray
 
 
@@ -227,7 +226,7 @@ class DetachedCluster(LocalCluster):
     def _keep_record(self) -> None:
         import ray
 
-        record = ClusterRecord(self.spec.namespace, self.head)
+        record = ClusterRecord(self.head)
         self.record_actor = ray.remote(RecordActor).options(
             name=RECORD_ACTOR, namespace=self.spec.namespace, lifetime="detached", num_cpus=0).remote(record)
         ray.get(self.record_actor.record.remote(), timeout=self.spec.startup_timeout_s)
