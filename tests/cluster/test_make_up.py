@@ -86,8 +86,10 @@ def check_status(port: int) -> None:
     command = [sys.executable, "-m", "deploy.cli", "status", "--router", f"127.0.0.1:{port}"]
     status = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stderr
-    rows = {line.split()[0]: line.split() for line in status.stdout.splitlines()[2:]}
+    lines = status.stdout.splitlines()[2:]
+    rows = {line.split()[0]: line.split() for line in lines if not line.startswith("kernels on ")}
     assert set(rows) == {"prefill-0", "decode-0"}
+    assert any(line.startswith("kernels on prefill-0, decode-0: linear ") for line in lines), status.stdout
     assert all(row[3] == "serving" for row in rows.values()), status.stdout
 
 
