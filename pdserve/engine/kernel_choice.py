@@ -57,11 +57,10 @@ class KernelChoices:
 def choose_kernels(linear: str, attention: str, pointwise: str, support: KernelSupport) -> KernelChoices:
     """Each setting's kernel: an explicit one as set, auto resolved against `support`."""
     native_reason, torch_reason = _native_or_why_not(support)
-    if support.kv_dtype not in NATIVE_ATTENTION_KV_DTYPES and torch_reason is None:
-        attention_torch_reason: str | None = (f"kv_dtype {support.kv_dtype}: the native attention reads "
-                                              f"{', '.join(NATIVE_ATTENTION_KV_DTYPES)} K/V rows only")
-    else:
-        attention_torch_reason = torch_reason
+    attention_torch_reason = torch_reason
+    if torch_reason is None and support.kv_dtype not in NATIVE_ATTENTION_KV_DTYPES:
+        attention_torch_reason = (f"auto: kv_dtype {support.kv_dtype}: the native attention reads "
+                                  f"{', '.join(NATIVE_ATTENTION_KV_DTYPES)} K/V rows only")
     return KernelChoices(_choose("linear", linear, native_reason, torch_reason),
                          _choose("attention", attention, native_reason, attention_torch_reason),
                          _choose("pointwise", pointwise, native_reason, torch_reason))
@@ -88,7 +87,7 @@ def _choose(setting: str, requested: str, native_reason: str, torch_reason: str 
 
 def find_support(device_type: str, kv_dtype: str) -> KernelSupport:
     """This machine's answers: torch's CPU capability, and whether the extension builds (it is built
-    here on first use: seconds once, cached after)."""
+    here on first use where `make setup` did not: a minute or two once, cached after)."""
     import torch
 
     from pdserve.engine import cpu_kernels

@@ -22,8 +22,11 @@ NOTE: why one layout for every row count. A decode step's products (one to a few
 bound by reading W, and a prefill chunk's (hundreds to thousands of rows) by FMAs. The panel layout
 serves both: one pass over a panel streams it in order for the few rows, and for many rows a block
 of rows reuses each panel from L2. The GEMV (pdserve/engine/gemv.cpp, over W as stored) and oneDNN's
-packed layout each needed a copy of W of their own beside the panels, for no gain at any row count
-in the bench above: the panels ran at or above both from 1 row to 512, and close to oneDNN at 2,048.
+packed layout each needed a copy of W of their own beside the panels, and gained little or nothing
+for it in the bench above: the panels ran at or above the GEMV at every row count, and at or above
+oneDNN up to about a hundred rows, within a few percent of it beyond; in 8 lanes likewise (timed with
+the kernels capped to AVX2 on an AVX-512 CPU: PDSERVE_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2; no
+AVX2-only CPU timed yet).
 """
 
 from __future__ import annotations
