@@ -93,7 +93,7 @@ def cluster_spec(args: argparse.Namespace, name: str) -> Any:
 def run_topology(args: argparse.Namespace, name: str) -> tuple[dict[str, Any], list]:
     from loadtest.report import write_outputs
     from loadtest.runner import run_loadtest_async
-    from sim.real import warmed_cluster
+    from sim.measure.real import warmed_cluster
 
     spec = cluster_spec(args, name)
     with warmed_cluster(spec, say=lambda line: progress(f"{name}: {line}"), warm_tokens=300) as (_, router):

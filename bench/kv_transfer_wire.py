@@ -35,7 +35,7 @@ Codecs (same method, same protobuf bytes on the wire, so either end may use eith
   raw    pdserve/transfer/kvchunk.py, what production uses: KVChunk's two length-delimited
          fields written and read by hand, one copy on the sender, zero-copy on the receiver
 
-The pool, its receiver and the frames are sim/wire.py's, which `pdserve sim calibrate` times alone;
+The pool, its receiver and the frames are sim/measure/wire.py's, which `pdserve sim calibrate` times alone;
 bench/kv_transfer.py calls measure as it is.
 """
 
@@ -72,7 +72,7 @@ from pdserve.transfer.kvchunk import parse_kv_chunk, serialize_kv_chunk
 from prefill_worker.channels import GrpcKVChannel
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 from protos.pdserve.v1 import kv_transfer_pb2_grpc as pb_grpc
-from sim.wire import (
+from sim.measure.wire import (
     FINGERPRINT,
     GRPC_OPTIONS,
     MIB,

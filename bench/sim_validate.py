@@ -26,7 +26,7 @@ from typing import Any
 
 from bench.common import check_least, progress
 from pdserve.engine.scheduler import StepShape
-from sim.real import TOPOLOGIES
+from sim.measure.real import TOPOLOGIES
 
 WORKLOADS = {
     "synthetic": {"input_tokens": 128, "output_tokens": 24},
@@ -144,7 +144,7 @@ def real_steps_entry(trace: list[list], costs_path: str) -> dict[str, Any]:
 def run_topology(
     name: str, runs: list[tuple[str, float, int]], args: argparse.Namespace
 ) -> list[dict[str, Any]]:
-    from sim.real import Load, real_cluster, run_load, traced_steps
+    from sim.measure.real import Load, real_cluster, run_load, traced_steps
 
     rows = []
     with real_cluster(name, say=progress) as (cluster, router):

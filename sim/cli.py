@@ -203,8 +203,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def _calibrate(args: argparse.Namespace) -> int:
     from pdserve.engine.config import cpu_threads_per_worker
-    from sim.calibrate import calibrate
     from sim.costs import save_costs
+    from sim.measure.calibrate import calibrate
 
     threads = cpu_threads_per_worker(2) if args.threads is None else args.threads
     if threads < 1:
@@ -225,7 +225,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _calibrate_in_cluster(args: argparse.Namespace, threads: int):
     """The cost model fitted in a running cluster; None (after saying why) for flags it cannot take."""
     from pdserve.engine.config import cpu_threads_per_worker
-    from sim.calibrate_cluster import calibrate_in_cluster
+    from sim.measure.calibrate_cluster import calibrate_in_cluster
 
     if args.quick or threads != cpu_threads_per_worker(2):
         print(f"pdserve sim calibrate: --in-cluster times the workers `pdserve up` starts here, "

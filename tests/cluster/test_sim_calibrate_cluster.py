@@ -9,8 +9,8 @@ warm-up's steps, which pay for torch's lazy set-up, are not among them).
 from __future__ import annotations
 
 from pdserve.engine.config import cpu_threads_per_worker
-from sim.calibrate_cluster import calibrate_in_cluster
-from sim.real import Load
+from sim.measure.calibrate_cluster import calibrate_in_cluster
+from sim.measure.real import Load
 
 # token ids, not chat text: exact prompt lengths (random ids: no prefix of one is cached by another)
 LOAD = Load("synthetic", {"input_tokens": 40, "output_tokens": 8, "token_ids": True}, rate=2.0, requests=6,

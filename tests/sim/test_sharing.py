@@ -1,11 +1,12 @@
-"""sim/sharing.py: the pair measurement's probes run the steps they name, and its ratios are engine 0's
-medians together over alone (the two engine processes themselves are `pdserve sim calibrate`'s run)."""
+"""sim/measure/sharing.py: the pair measurement's probes run the steps they name, and its ratios are
+engine 0's medians together over alone (the two engine processes themselves are `pdserve sim calibrate`'s
+run)."""
 
 from __future__ import annotations
 
 import pytest
 
-from sim.sharing import pair_ratios, probe
+from sim.measure.sharing import pair_ratios, probe
 from tests.conftest import assert_no_leaks, make_engine
 
 

@@ -1,4 +1,4 @@
-"""sim/wire.py: the KV push `pdserve sim calibrate` times, through production's channel into a pool in
+"""sim/measure/wire.py: the KV push `pdserve sim calibrate` times, through production's channel into a pool in
 another process, and the receiver's refusal of a transfer that lost a chunk."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.kvwire import KVLayout, WireError
-from sim.wire import FINGERPRINT, MIB, PoolReceiver, make_pool, push_seconds, transfer_frames
+from sim.measure.wire import FINGERPRINT, MIB, PoolReceiver, make_pool, push_seconds, transfer_frames
 
 
 def test_the_receiver_fails_closed_on_a_missing_chunk():

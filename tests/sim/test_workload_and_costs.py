@@ -96,8 +96,8 @@ def test_the_token_curve_interpolates_between_its_knots_and_extends_its_last_seg
 def test_calibration_fits_the_curve_and_attention_terms_back_from_steps_they_timed():
     """fit_step_costs recovers known costs exactly from steps timed by them; a knot no step falls
     near is left out of the curve rather than fitted to 0."""
-    from sim.calibrate import fit_step_costs
     from sim.costs import StepCosts
+    from sim.measure.calibrate import fit_step_costs
     truth = StepCosts(0.0, 0.0, prefill_attn_s=0.002, decode_context_s=0.01,
                       token_curve=((1, 0.04), (4, 0.12), (8, 0.13), (32, 0.2), (128, 0.45)))
     # (prefill tokens, attention pairs / 1000, decoding sequences, their context / 1000)
@@ -116,7 +116,7 @@ def test_calibration_fits_the_curve_and_attention_terms_back_from_steps_they_tim
 
 
 def test_calibration_keeps_each_steps_time_over_the_fits_as_the_spread():
-    from sim.calibrate import fit_step_costs
+    from sim.measure.calibrate import fit_step_costs
     samples = [[0, 0, 1, 0.0]] * 4 + [[0, 0, 4, 0.0]] * 4  # two shapes, four steps each
     times = [0.040 * f for f in (0.9, 1.0, 1.0, 1.3)] + [0.100 * f for f in (1.0, 0.95, 1.05, 1.0)]
     fitted, _ = fit_step_costs(samples, times, knots=(1, 4))

@@ -7,7 +7,7 @@
     traced_steps(cluster, after) every worker's traced steps since `after` (Worker.Steps): TracedStep
 
 bench/sim_validate.py compares the simulator with these runs; `pdserve sim calibrate --in-cluster`
-(sim/calibrate_cluster.py) fits the step costs to the steps they trace. Not pure: it starts Ray,
+(sim/measure/calibrate_cluster.py) fits the step costs to the steps they trace. Not pure: it starts Ray,
 Redis and the workers, so it is imported only where a command needs it.
 """
 

@@ -1,25 +1,25 @@
 """`pdserve sim calibrate --in-cluster`: fit the step costs to the steps a running cluster takes.
 
-The engine-alone calibration (sim/calibrate.py) times LLMEngine.step in a process of its own. In a
+The engine-alone calibration (sim/measure/calibrate.py) times LLMEngine.step in a process of its own. In a
 running cluster the same steps took 5-30% longer, more under load (docs/simulator.md, validation
 of 2026-12-06): each worker's gRPC threads stream tokens and KV frames beside its engine thread, and
 the router, the load tester, Ray and Redis share the cores. Those costs are what the simulator has to
 predict, and only a running cluster has them. So this calibration:
 
-    1. starts the real cluster (sim/real.py) in each of `topologies`: 1 prefill + 1 decode, and
+    1. starts the real cluster (sim/measure/real.py) in each of `topologies`: 1 prefill + 1 decode, and
        2 colocated (the two shapes bench.sim_validate checks);
     2. sends CALIBRATION_LOADS through its router: shapes that span the cost model's terms (short
        prompts at a rate that batches decode rows, long prompts one at a time, prompts behind a
        cached system prompt, a multi-turn chat), with seeds and sizes other than the validation's,
        so the validation stays a test of the model, not of its fit;
     3. reads every step each worker ran from its step trace (Worker.Steps: what the step computed
-       and its wall time) and fits sim/costs.py's formula to them (sim/calibrate.py
+       and its wall time) and fits sim/costs.py's formula to them (sim/measure/calibrate.py
        fit_step_costs), spread included.
 
 Two workers' contention is inside those times, so shared_machine_slowdown is 0 (it would count it
 twice). The same runs give each request's time outside the workers: its TTFT at the client less
 the prefill and transfer time the router's timings report; the median is the file's
-request.overhead_s (sim/costs.py). Transfer costs are measured as sim/calibrate.py measures them;
+request.overhead_s (sim/costs.py). Transfer costs are measured as sim/measure/calibrate.py measures them;
 blocks per worker are the workers' own (WorkerStatus.num_blocks).
 """
 
@@ -34,9 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from sim.calibrate import SAMPLE_COLUMNS, features, fit_step_costs, measure_transfer
 from sim.costs import CostModel, Hardware, RequestCosts
-from sim.real import TOPOLOGIES, Load, TracedStep
+from sim.measure.calibrate import SAMPLE_COLUMNS, features, fit_step_costs, measure_transfer
+from sim.measure.real import TOPOLOGIES, Load, TracedStep
 
 CALIBRATION_LOADS = (
     Load("synthetic", {"input_tokens": 48, "output_tokens": 32}, rate=3.0, requests=24, seed=101),
@@ -98,7 +98,7 @@ def _source(threads: int, loads: tuple[Load, ...], traced: _Traced, relative: np
     overheads = traced.overheads
     return {
         "note": "measured on this machine by `pdserve sim calibrate --in-cluster`: the steps of a running "
-                "cluster's workers under the calibration loads (sim/calibrate_cluster.py)",
+                "cluster's workers under the calibration loads (sim/measure/calibrate_cluster.py)",
         "calibrated_in": "cluster",
         "host": platform.node(),
         "cpu": platform.processor() or platform.machine(),
@@ -133,7 +133,7 @@ def _trace_topology(topology: str, loads: tuple[Load, ...],
     """Every step the workers of a fresh `topology` cluster ran under `loads` (not the warm-up's),
     each request's time outside the workers (outside_the_workers), and the blocks of its smallest
     worker pool."""
-    from sim.real import real_cluster, run_load, traced_steps, worker_blocks
+    from sim.measure.real import real_cluster, run_load, traced_steps, worker_blocks
 
     with real_cluster(topology, say) as (cluster, router):
         _, after = traced_steps(cluster, {})  # the warm-up's steps pay for torch's lazy set-up: skip them

@@ -7,10 +7,10 @@
               fitted to them by least squares with non-negative coefficients: a token curve (the
               step's cost by the rows its matmuls multiply, at CURVE_KNOTS) plus the attention terms
               (fit_step_costs)
-    sharing   sim/sharing.py's pair measurement (not with --quick): two engine processes
+    sharing   sim/measure/sharing.py's pair measurement (not with --quick): two engine processes
               stepping together against one alone; the mean of its three ratios, less 1, is the
               step's shared_machine_slowdown (sim/costs.py)
-    transfer  sim/wire.py's gRPC push of a small and a large KV payload between two processes:
+    transfer  sim/measure/wire.py's gRPC push of a small and a large KV payload between two processes:
               bandwidth from the large one, per-frame latency from what the small one took beyond
               its bytes / bandwidth
     hardware  bytes per token and blocks per worker from the model's config and CacheConfig
@@ -184,18 +184,18 @@ def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def measure_transfer(progress: bool) -> TransferCosts:
-    from sim.wire import MIB, push_seconds
+    from sim.measure.wire import MIB, push_seconds
 
     seconds = {mib: push_seconds(mib, "float32", reps=3, chunk_bytes=2 * MIB)
                for mib in tqdm(WIRE_MIB, desc="calibrate: KV transfer (gRPC)", disable=not progress)}
     bandwidth = WIRE_MIB[-1] * MIB / seconds[WIRE_MIB[-1]]
-    frames = 32  # sim.wire.make_pool's layers: one frame per layer at least
+    frames = 32  # sim.measure.wire.make_pool's layers: one frame per layer at least
     latency = max(0.0, (seconds[WIRE_MIB[0]] - WIRE_MIB[0] * MIB / bandwidth) / frames)
     return TransferCosts(bandwidth, latency)
 
 
 def _measure_sharing(threads: int, progress: bool) -> dict[str, Any]:
-    from sim.sharing import measure_pair
+    from sim.measure.sharing import measure_pair
 
     pair = measure_pair(threads, say=_say if progress else lambda _: None)
     ratios = {k: round(v, 3) for k, v in pair.items() if k.endswith("_together_over_alone")}
