@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.setup-done
 PROTOS := $(wildcard protos/*.proto protos/pdserve/v1/*.proto)
 
 # Benchmarks run by `make bench`, in order; add a module with `BENCH_MODULES += bench.<name>`.
-BENCH_MODULES := bench.matmul_kernels bench.engine bench.kv_transfer bench.router bench.cluster bench.http_api bench.disagg bench.kv_quant bench.kv_tiers bench.routers bench.omp_wait_policy bench.cpu_allocator
+BENCH_MODULES := bench.matmul_kernels bench.engine bench.kv_transfer bench.router bench.cluster bench.http_api bench.disagg bench.kv_quant bench.kv_tiers bench.routers bench.omp_wait_policy bench.cpu_allocator bench.worker_memory
 
 .DEFAULT_GOAL := help
 .PHONY: help setup protos test test-fast up bench bench-peer lint clean distclean
