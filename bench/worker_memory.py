@@ -5,7 +5,7 @@ pool, and a runtime allowance.
     budget = weights x 1.3 + KV pool + 300 MB           (the figure docs/benchmarks.md's row states)
     ratio  = the worker's RSS ÷ budget                  (<= 1: within it)
 
-RSS is read with psutil from each worker actor's process (Ray's state API gives its pid) once the
+RSS is read with psutil from each worker actor's process (found by its `ray::` title) once the
 cluster answers, and again after it has served `--requests` greedy requests, so the KV pool's pages
 and the transfer path have been touched.
 """
@@ -48,13 +48,16 @@ def budget_of(spec: Any) -> Budget:
 
 
 def worker_rss() -> dict[str, int]:
-    """Each live worker actor's resident bytes, by actor class and pid."""
+    """Each worker actor's resident bytes, by its process title (Ray names an actor's process
+    `ray::<class>`) and pid."""
     import psutil
-    from ray.util.state import list_actors
 
-    alive = list_actors(filters=[("state", "=", "ALIVE")], detail=True)
-    return {f"{a.class_name}:{a.pid}": psutil.Process(a.pid).memory_info().rss
-            for a in alive if a.class_name in ("PrefillWorker", "DecodeWorker")}
+    found = {}
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        title = (process.info["cmdline"] or [""])[0]
+        if title.startswith(("ray::PrefillWorker", "ray::DecodeWorker")):
+            found[f"{title.split()[0].split('.')[0]}:{process.info['pid']}"] = process.memory_info().rss
+    return found
 
 
 def serve_requests(router: str, count: int) -> None:
