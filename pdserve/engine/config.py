@@ -44,7 +44,8 @@ KV_DTYPES = tuple(KV_DTYPE_TABLE)
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder (names follow Hugging Face's config.json)."""
+    """Shape of a decoder of one of pdserve's families (names follow Hugging Face's config.json);
+    the family's own parts are in pdserve/engine/families.py, the checkpoint's here."""
 
     vocab_size: int
     hidden_size: int
@@ -59,8 +60,23 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "llama"  # a family of pdserve/engine/families.py
+    # RoPE of the full-attention layers: default, linear (positions / factor) or llama3 (low and high
+    # frequencies scaled apart, around original_max_position_embeddings)
+    rope_scaling: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 0
+    rope_freq_factors: tuple[float, ...] = ()  # a GGUF's rope_freqs: each inverse frequency divided by one
+    rope_local_theta: float | None = None  # the sliding layers' own theta, plain RoPE (Gemma 3); None: same
+    sliding_window: int | None = None  # a query attends the last sliding_window positions, itself included
+    sliding_layers: tuple[int, ...] = ()  # the layers that use the window (the loaders list them all)
+    query_pre_attn_scalar: float | None = None  # attention scales by its -1/2 power; None: head_dim's
 
     def __post_init__(self) -> None:
+        for name in ("eos_token_ids", "rope_freq_factors", "sliding_layers"):  # JSON gives lists back
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) < 1:
@@ -69,6 +85,25 @@ class ModelConfig:
             raise ValueError(
                 f"model config: num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})")
+
+        if self.rope_scaling not in ("default", "linear", "llama3"):
+            raise ValueError(f"model config: rope_scaling must be default, linear or llama3, got "
+                             f"{self.rope_scaling!r}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"model config: sliding_window must be >= 1, got {self.sliding_window}")
+        if self.sliding_layers and self.sliding_window is None:
+            raise ValueError("model config: sliding_layers are listed but sliding_window is not set")
+        outside = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
+        if outside:
+            raise ValueError(f"model config: sliding_layers {outside} are not layers of {self.num_layers}")
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window layer `layer` attends within, or None (the whole context)."""
+        return self.sliding_window if layer in self.sliding_layers else None
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def kv_bytes_per_token(self, kv_dtype: str) -> int:
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, kv_dtype)

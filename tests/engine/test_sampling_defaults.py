@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.engine.gguf_weights import gguf_sampling_defaults
 from pdserve.engine.sampling_defaults import (
     NEUTRAL,
     SMOLLM2_MODEL_CARD,
@@ -16,7 +17,7 @@ from pdserve.engine.sampling_defaults import (
     SamplingOverrides,
     from_generation_config,
 )
-from pdserve.engine.weights import default_model_path, gguf_sampling_defaults, load_model
+from pdserve.engine.weights import default_model_path, load_model
 from pdserve.field_error import FieldError
 
 
