@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from pdserve.engine import sampling_defaults as sd
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.families import FAMILIES, Family, family_of_hf
 from pdserve.engine.sampling_defaults import SamplingDefaults
 from pdserve.engine.tokenizer import Tokenizer, read_gguf_metadata, read_json_file
 from pdserve.field_error import FieldError
@@ -180,37 +181,121 @@ def hf_sampling_defaults(generation: Mapping[str, Any], directory: Path | str = 
 
 def hf_model_config(raw: Mapping[str, Any], tokenizer: Tokenizer, *, source: Path | str = ".",
                     generation_eos: int | list[int] | None = None) -> ModelConfig:
-    """ModelConfig from a Hugging Face config.json (Llama) and generation_config.json's eos ids."""
-    if raw.get("model_type") != "llama":
-        raise ValueError(f"{source}/config.json: model_type is {raw.get('model_type')!r}; "
-                         "pdserve runs 'llama' checkpoints (LlamaForCausalLM)")
-    for flag in ("attention_bias", "mlp_bias"):
-        if raw.get(flag):
-            raise ValueError(f"{source}/config.json: {flag} is true; pdserve's Llama has no biases")
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"{source}/config.json: rope type {rope.get('rope_type', rope.get('type'))!r} "
-                         "is not supported; pdserve implements plain RoPE only")
+    """ModelConfig from a Hugging Face config.json of one of pdserve's families, and
+    generation_config.json's eos ids. Anything the family's model would compute differently from
+    what pdserve runs is refused here, naming the field (docs/models.md)."""
+    where = f"{source}/config.json"
+    family = family_of_hf(raw.get("model_type"), where)
+    _refuse_unsupported_parts(raw, family, where)
     try:
         hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+        layers = int(raw["num_hidden_layers"])
+        max_positions = int(raw.get("max_position_embeddings", 2048))
+        window, sliding_layers = _sliding_window(raw, family, layers, max_positions, where)
         return ModelConfig(
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            max_position_embeddings=max_positions,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.name == "gemma3")),
             bos_token_id=_first_set(raw.get("bos_token_id"), tokenizer.bos_token_id),
             eos_token_ids=_eos_ids(raw.get("eos_token_id"), generation_eos, tokenizer=tokenizer),
+            architecture=family.name,
+            sliding_window=window,
+            sliding_layers=sliding_layers,
+            query_pre_attn_scalar=(float(raw.get("query_pre_attn_scalar", 256))
+                                   if family.name == "gemma3" else None),
+            **_rope_fields(raw, family, where),
         )
     except KeyError as missing:
-        raise ValueError(f"{source}/config.json lacks {missing.args[0]}; "
-                         "it is needed to build the model") from None
+        raise ValueError(f"{where} lacks {missing.args[0]}; it is needed to build the model") from None
+
+
+_ACTIVATIONS = {"silu": ("silu",), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh")}
+
+
+def _refuse_unsupported_parts(raw: Mapping[str, Any], family: Family, where: str) -> None:
+    """Refuse the config fields that would make the family's model compute what pdserve does not."""
+    def refuse(field: str, why: str) -> ValueError:
+        return ValueError(f"{where}: {field} is {raw.get(field)!r}; {why} (docs/models.md)")
+
+    if raw.get("mlp_bias") or (raw.get("attention_bias") and not family.qkv_bias):
+        field = "mlp_bias" if raw.get("mlp_bias") else "attention_bias"
+        raise refuse(field, f"pdserve's {family.name} has no biases there")
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+    if act not in _ACTIVATIONS[family.activation]:
+        raise refuse("hidden_activation" if "hidden_activation" in raw else "hidden_act",
+                     f"{family.name} runs {' or '.join(_ACTIVATIONS[family.activation])}")
+    for field in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if raw.get(field) is not None:
+            raise refuse(field, "pdserve does not soft-cap logits")
+    if raw.get("use_bidirectional_attention"):
+        raise refuse("use_bidirectional_attention", "pdserve serves causal decoders")
+    if raw.get("use_sliding_window"):
+        raise refuse("use_sliding_window", f"pdserve runs {family.name} with full attention on every "
+                     "layer, as its released checkpoints are; set it to false")
+
+
+def _sliding_window(raw: Mapping[str, Any], family: Family, layers: int, max_positions: int,
+                    where: str) -> tuple[int | None, tuple[int, ...]]:
+    """(window, the layers that use it): Gemma 3's local layers; every layer of a windowed Mistral."""
+    window = raw.get("sliding_window")
+    if family.name in ("qwen2", "qwen3", "llama") or window is None:
+        return None, ()  # Qwen's window is off unless use_sliding_window, refused above
+    if family.name == "mistral":
+        return (None, ()) if window >= max_positions else (int(window), tuple(range(layers)))
+    types = raw.get("layer_types")
+    if types is None:
+        pattern = int(raw.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"{where}: layer_types must name sliding_attention or full_attention for each of "
+                         f"the {layers} layers")
+    return int(window), tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+
+
+_DEFAULT_THETA = {"gemma3": 1_000_000.0}
+
+
+def _rope_parameters(raw: Mapping[str, Any], layer_type: str) -> Mapping[str, Any]:
+    """One layer type's rope parameters, from transformers' rope_parameters (flat, or by layer type
+    as Gemma 3 writes them) or the older rope_scaling."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, Mapping) and isinstance(params.get(layer_type), Mapping):
+        return params[layer_type]
+    if isinstance(params, Mapping) and ("rope_type" in params or "rope_theta" in params):
+        return params
+    return raw.get("rope_scaling") or {}
+
+
+def _rope_fields(raw: Mapping[str, Any], family: Family, where: str) -> dict[str, Any]:
+    """ModelConfig's rope fields: the full-attention layers' theta and scaling, and the sliding
+    layers' own theta where the family has one (Gemma 3's rope_local_base_freq)."""
+    full = _rope_parameters(raw, "full_attention")
+    kind = full.get("rope_type", full.get("type", "default"))
+    if kind not in ("default", "linear", "llama3"):
+        raise ValueError(f"{where}: rope type {kind!r} is not supported; pdserve runs default, linear and "
+                         "llama3 RoPE (docs/models.md)")
+    if float(full.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ValueError(f"{where}: partial_rotary_factor is not 1; pdserve rotates the whole head")
+    theta = full.get("rope_theta") or raw.get("rope_theta") or _DEFAULT_THETA.get(family.name, 1e4)
+    fields: dict[str, Any] = {"rope_theta": float(theta), "rope_scaling": kind}
+    if kind in ("linear", "llama3"):
+        fields["rope_factor"] = float(full["factor"])
+    if kind == "llama3":
+        fields |= {"rope_low_freq_factor": float(full["low_freq_factor"]),
+                   "rope_high_freq_factor": float(full["high_freq_factor"]),
+                   "rope_original_max_positions": int(full["original_max_position_embeddings"])}
+    if family.name == "gemma3":
+        local = _rope_parameters(raw, "sliding_attention")
+        theta = local.get("rope_theta") if local is not full else None
+        fields["rope_local_theta"] = float(theta or raw.get("rope_local_base_freq", 10_000.0))
+    return fields
 
 
 def _first_set(*values: int | None) -> int | None:
@@ -225,25 +310,34 @@ def _eos_ids(*values: int | list[int] | None, tokenizer: Tokenizer) -> tuple[int
 
 # --- shared ----------------------------------------------------------------------------------
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama of this config has, with its (out, in) shape."""
-    h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    """Every tensor a model of this config and its family has, with its (out, in) shape."""
+    family = FAMILIES[config.architecture]
+    h, d = config.hidden_size, config.head_dim
+    q, kv = config.num_heads * d, config.num_kv_heads * d
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
     for i in range(config.num_layers):
-        p = f"model.layers.{i}."
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
         shapes |= {
             p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
+            a + "q_proj.weight": (q, h),
+            a + "k_proj.weight": (kv, h),
+            a + "v_proj.weight": (kv, h),
+            a + "o_proj.weight": (h, q),
             p + "post_attention_layernorm.weight": (h,),
             p + "mlp.gate_proj.weight": (config.intermediate_size, h),
             p + "mlp.up_proj.weight": (config.intermediate_size, h),
             p + "mlp.down_proj.weight": (h, config.intermediate_size),
         }
+        if family.qkv_bias:
+            shapes |= {a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)}
+        if family.qk_norm:
+            shapes |= {a + "q_norm.weight": (d,), a + "k_norm.weight": (d,)}
+        if family.post_norms:
+            shapes |= {p + "pre_feedforward_layernorm.weight": (h,),
+                       p + "post_feedforward_layernorm.weight": (h,)}
     return shapes
 
 
