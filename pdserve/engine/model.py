@@ -1,7 +1,11 @@
-"""A Llama-family decoder over a paged KV cache.
+"""The decoder of every family pdserve serves, over a paged KV cache.
 
-RMSNorm, RoPE (configurable theta), grouped-query attention, SwiGLU, tied or
-untied embeddings. One forward runs a flat batch of T tokens that mixes
+Llama's: RMSNorm, RoPE, grouped-query attention, a gated MLP, tied or untied embeddings; and
+what each family adds, switched on by its row of pdserve/engine/families.py: q/k/v biases
+(Qwen2), an RMSNorm over each q and k head (Qwen3, Gemma 3), norms by (1 + w), post-sublayer
+norms, scaled embeddings and GELU-tanh (Gemma 3); and by the checkpoint's ModelConfig: llama3 or
+linear rope scaling, a sliding window on some layers with their own rope theta (Gemma 3, Mistral),
+an attention scale of query_pre_attn_scalar. One forward runs a flat batch of T tokens that mixes
 decode tokens and prefill chunks of several sequences:
 
     hidden [T, d] --(per layer)--> q,k,v --RoPE--> write k,v at slot_mapping
@@ -13,6 +17,10 @@ decode tokens and prefill chunks of several sequences:
                                      chunk (sdpa: fresh K/V when the chunk starts
                                      at 0, else gathered and masked)
     --> norm --> lm_head on the sampled rows only
+
+A windowed layer's query at position p attends positions p - window < s <= p, on every path (the
+paged kernels skip the rows before, the SDPA paths mask them), as transformers' sliding_window
+does; every block stays in the pool, so a window changes the math but not yet the memory.
 
 KV cache layout: kv[layer, 0|1, block, offset, kv_head, row], so the K (or V)
 rows of one block of one layer are contiguous bytes, which is what the KV wire
@@ -29,6 +37,7 @@ other formats.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,10 +47,11 @@ import torch.nn.functional as F
 from pdserve.engine import cpu_kernels
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.cpu_kernels import PagedDecodeAttention, PagedPrefillAttention
+from pdserve.engine.families import FAMILIES
 from pdserve.engine.kv_format import KV_FORMATS, KVFormat, format_of
 from pdserve.engine.linear import Linear, MatmulLinear, NativeLinear, PanelWeight, PreparedWeight
 from pdserve.engine.own_rows import OwnRows, attend_with_own_rows, own_rows_at, with_own_rows
-from pdserve.engine.pointwise import TorchPointwise
+from pdserve.engine.pointwise import Rotation, TorchPointwise
 from pdserve.units import ceil_div
 
 
@@ -85,9 +95,32 @@ class DecodeGroup:
     own_positions: torch.Tensor  # [g] long, each row's own token's position (context length - 1)
 
 
+def inverse_frequencies(config: ModelConfig, theta: float, scaled: bool) -> torch.Tensor:
+    """RoPE's head_dim / 2 inverse frequencies at theta, with the config's scaling where `scaled`
+    (transformers' _compute_llama3_parameters and linear scaling, op for op; a GGUF's rope_freqs
+    divide them as llama.cpp does)."""
+    d = config.head_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if not scaled:
+        return inv_freq
+    if config.rope_freq_factors:
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    if config.rope_scaling == "linear":
+        return inv_freq / config.rope_factor
+    if config.rope_scaling != "llama3":
+        return inv_freq
+    factor, low, high = config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
+    old_context = config.rope_original_max_positions
+    wavelen = 2 * math.pi / inv_freq
+    scaled_freq = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled_freq / factor + smooth * scaled_freq
+    medium = ~(wavelen < old_context / high) * ~(wavelen > old_context / low)
+    return torch.where(medium, smoothed, scaled_freq)
+
+
 class RotaryEmbedding:
-    def __init__(self, head_dim: int, max_positions: int, theta: float, device: torch.device):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, device: torch.device):
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -112,9 +145,28 @@ def sdpa_4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return out.squeeze(0).transpose(0, 1)
 
 
-def _context_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
-    """[B, 1, 1, width] True where a decode query may attend (its own context, not padding)."""
-    return (torch.arange(width, device=lens.device)[None, :] < lens[:, None])[:, None, None, :]
+def _context_mask(lens: torch.Tensor, width: int, window: int | None = None) -> torch.Tensor:
+    """[B, 1, 1, width] True where a decode query may attend: its own context, not padding, and
+    within the window when there is one (the query is at position len - 1)."""
+    keys = torch.arange(width, device=lens.device)[None, :]
+    mask = keys < lens[:, None]
+    if window is not None:
+        mask &= keys > lens[:, None] - 1 - window
+    return mask[:, None, None, :]
+
+
+def _window_arg(window: int | None) -> tuple[int, ...]:
+    """TEMPORARY until the kernels take a window: the paged kernels' window argument, where there is one."""
+    return () if window is None else (window,)
+
+
+def causal_mask(start: int, q_len: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[q_len, start + q_len] True where the query at start + i may attend: the keys up to it, and
+    within the window when there is one."""
+    q_pos = torch.arange(start, start + q_len, device=device)[:, None]
+    keys = torch.arange(start + q_len, device=device)[None, :]
+    mask = keys <= q_pos
+    return mask & (keys > q_pos - window) if window is not None else mask
 
 
 @dataclass(frozen=True)
@@ -171,13 +223,15 @@ class EmbeddingTable:
 
 
 class LlamaModel:
-    """Weights plus the forward pass. Stateless apart from the weights."""
+    """Weights plus the forward pass, for any family of pdserve/engine/families.py (Llama's layout
+    with the family's parts switched on). Stateless apart from the weights."""
 
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor],
                  device: torch.device, linear: Linear | None = None,
                  paged_attention: PagedAttention | None = None,
                  pointwise: TorchPointwise | None = None) -> None:
         self.config = config
+        self.family = FAMILIES[config.architecture]
         self.device = device
         self.linear = linear or MatmulLinear()
         self.pointwise = pointwise or TorchPointwise()
@@ -185,49 +239,86 @@ class LlamaModel:
         c = config
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
-        self.scale = c.head_dim ** -0.5
+        self.scale = c.attention_scale
+        self.windows = [c.window_of(i) for i in range(c.num_layers)]
         sd = {k: v.to(device=device, dtype=torch.float32) for k, v in state_dict.items()}
         # NOTE: every matmul weight is stored as self.linear wants it (pdserve/engine/linear.py), and
         # only so: nothing here keeps the weights as loaded, so they are freed with the loaded model.
         embed = sd["model.embed_tokens.weight"]
         self.lm_head = self.linear.prepare(embed if c.tie_word_embeddings else sd["lm_head.weight"])
         self.embed = EmbeddingTable.of(embed, self.lm_head if c.tie_word_embeddings else None)
-        self.final_norm = owned(sd["model.norm.weight"])
+        # Gemma 3 scales its embeddings by sqrt(hidden), rounded to the weights' dtype as transformers does
+        self.embed_scale = (torch.tensor(c.hidden_size ** 0.5, dtype=torch.float32, device=device)
+                            if self.family.scale_embeddings else None)
+        self.final_norm = self._norm(sd["model.norm.weight"])
         self.layers = [self._layer_weights(sd, i) for i in range(c.num_layers)]
-        self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, device)
+        self.rope = RotaryEmbedding(inverse_frequencies(c, c.rope_theta, scaled=True),
+                                    c.max_position_embeddings, device)
+        # the sliding layers' own table (Gemma 3's local theta), else the one above
+        self.local_rope = (RotaryEmbedding(inverse_frequencies(c, c.rope_local_theta, scaled=False),
+                                           c.max_position_embeddings, device)
+                           if c.rope_local_theta is not None and c.sliding_layers else None)
+
+    def _norm(self, weight: torch.Tensor) -> torch.Tensor:
+        """A norm's scale as the model multiplies by it: the family's offset + w (Gemma: 1 + w,
+        the sum transformers computes at each call, computed once here)."""
+        return owned(weight) if not self.family.norm_offset else self.family.norm_offset + weight
 
     def _layer_weights(self, sd: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
-        prepare = self.linear.prepare
-        return {
-            # NOTE: fused projections: one GEMM for q/k/v and one for gate/up.
+        prepare, c = self.linear.prepare, self.config
+        # NOTE: fused projections: one GEMM for q/k/v and one for gate/up.
+        weights = {
             "qkv": prepare(torch.cat([sd[a + "q_proj.weight"], sd[a + "k_proj.weight"],
                                       sd[a + "v_proj.weight"]])),
             "o": prepare(sd[a + "o_proj.weight"]),
             "gate_up": prepare(torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]])),
             "down": prepare(sd[m + "down_proj.weight"]),
-            "ln1": owned(sd[p + "input_layernorm.weight"]),
-            "ln2": owned(sd[p + "post_attention_layernorm.weight"]),
+            "ln1": self._norm(sd[p + "input_layernorm.weight"]),
         }
+        if self.family.post_norms:  # Gemma: post_attention_layernorm norms the attention's output
+            weights |= {"post_attention": self._norm(sd[p + "post_attention_layernorm.weight"]),
+                        "ln2": self._norm(sd[p + "pre_feedforward_layernorm.weight"]),
+                        "post_mlp": self._norm(sd[p + "post_feedforward_layernorm.weight"])}
+        else:
+            weights["ln2"] = self._norm(sd[p + "post_attention_layernorm.weight"])
+        if self.family.qkv_bias:
+            weights["qkv_bias"] = torch.cat([sd[a + "q_proj.bias"], sd[a + "k_proj.bias"],
+                                             sd[a + "v_proj.bias"]])
+        if self.family.qk_norm:  # one [H + KVH, D] scale: q's weight on each query head, then k's
+            weights["qk_norm"] = torch.cat([self._norm(sd[a + "q_norm.weight"]).expand(c.num_heads, -1),
+                                            self._norm(sd[a + "k_norm.weight"]).expand(c.num_kv_heads, -1)])
+        return weights
+
+    def _rotations(self, positions: torch.Tensor) -> list[Rotation]:
+        """Each layer's cos/sin rows at these positions (looked up once per table per step)."""
+        full = self.rope.at(positions)
+        local = self.local_rope.at(positions) if self.local_rope is not None else full
+        return [local if window is not None else full for window in self.windows]
 
     # --- paged forward ---------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor, logit_rows: torch.Tensor,
                 on_layer_done: LayerDoneCallback | None = None) -> torch.Tensor:
         """Run T tokens through the model; returns float32 logits for logit_rows only."""
-        h = self.embed.rows(input_ids)
+        h = self._embed(input_ids)
         # NOTE: per-step tensors shared by every layer are built once here, not per layer:
         # at batch 1 a decode step is dominated by the count of small ops, not by FLOPs.
-        rot = self.rope.at(positions)
+        rotations = self._rotations(positions)
         fmt = format_of(kv_cache.dtype)
-        decode_groups = (self._decode_groups(meta, kv_cache.shape[3])
-                         if meta.num_decode and self.paged_attention is None else [])
+        decode_groups = ({window: self._decode_groups(meta, kv_cache.shape[3], window)
+                          for window in set(self.windows)}
+                         if meta.num_decode and self.paged_attention is None else {})
         norm, eps = self.pointwise, self.config.rms_norm_eps
         residual = None  # the sum of the embeddings and every sublayer's output so far
         for i, w in enumerate(self.layers):
             x, residual = norm.add_rms_norm(h, residual, w["ln1"], eps)
-            h = self._attention(x, rot, w, kv_cache[i], fmt, meta, decode_groups)
+            window = self.windows[i]
+            h = self._attention(x, rotations[i], w, kv_cache[i], fmt, meta, decode_groups.get(window, []),
+                                window)
+            if "post_attention" in w:
+                h = norm.rms_norm(h, w["post_attention"], eps)
             x, residual = norm.add_rms_norm(h, residual, w["ln2"], eps)
             h = self._mlp(x, w)
             if on_layer_done is not None:
@@ -235,19 +326,37 @@ class LlamaModel:
         h = norm.rms_norm(residual[logit_rows] + h[logit_rows], self.final_norm, eps)
         return self.linear(h, self.lm_head)
 
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed.rows(ids)
+        return h * self.embed_scale if self.embed_scale is not None else h
+
     def _mlp(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.linear(self.pointwise.silu_and_mul(self.linear(x, w["gate_up"])), w["down"])
+        gate_up = self.linear(x, w["gate_up"])
+        act = (self.pointwise.silu_and_mul(gate_up) if self.family.activation == "silu"
+               else self.pointwise.gelu_tanh_and_mul(gate_up))
+        out = self.linear(act, w["down"])
+        if "post_mlp" in w:
+            return self.pointwise.rms_norm(out, w["post_mlp"], self.config.rms_norm_eps)
+        return out
 
     def _qkv(self, x: torch.Tensor, rot, w: dict[str, torch.Tensor]):
-        """q [T, H, D] and k [T, KVH, D] rotated, v [T, KVH, D]; q and k rotate as one tensor."""
+        """q [T, H, D] and k [T, KVH, D] rotated, v [T, KVH, D]; q and k rotate as one tensor
+        (each head normed first where the family norms them)."""
         c = self.config
         qkv = self.linear(x, w["qkv"])
-        qk = self.pointwise.rotary(qkv, rot, c.num_heads + c.num_kv_heads, c.head_dim)
+        if "qkv_bias" in w:
+            qkv = qkv + w["qkv_bias"]
+        heads = c.num_heads + c.num_kv_heads
+        if "qk_norm" in w:
+            qk = qkv[:, :heads * c.head_dim].view(-1, heads, c.head_dim)
+            qkv[:, :heads * c.head_dim] = TorchPointwise.rms_norm(self.pointwise, qk, w["qk_norm"],
+                                                                  c.rms_norm_eps).flatten(1)
+        qk = self.pointwise.rotary(qkv, rot, heads, c.head_dim)
         q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
         return q, k, qkv[:, self.q_size + self.kv_size:].view(-1, c.num_kv_heads, c.head_dim)
 
     def _attention(self, x, rot, w, layer_cache: torch.Tensor, fmt: KVFormat, meta: AttentionMetadata,
-                   decode_groups: list[DecodeGroup]):
+                   decode_groups: list[DecodeGroup], window: int | None = None):
         q, k, v = self._qkv(x, rot, w)
         # NOTE: attention runs in the rows' basis (int8: Hadamard-rotated; kv_format.py), so the
         # queries and fresh K/V rotate once and the output rotates back once, never a cached row.
@@ -261,21 +370,23 @@ class LlamaModel:
         k, v = fmt.load_rotated(k_rows), fmt.load_rotated(v_rows)
         nd = meta.num_decode
         if not meta.prefills:  # a decode-only step: no output to assemble
-            out = self._decode_attention(q, layer_cache, fmt, meta, decode_groups, own)
+            out = self._decode_attention(q, layer_cache, fmt, meta, decode_groups, own, window)
             return self.linear(fmt.unrotate(out).reshape(-1, self.q_size), w["o"])
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode_attention(q[:nd], layer_cache, fmt, meta, decode_groups,
-                                              own_rows_at(own, slice(0, nd)))
+                                              own_rows_at(own, slice(0, nd)), window)
         for seg in meta.prefills:
             rows = slice(seg.q_start, seg.q_start + seg.q_len)
             out[rows] = self._prefill_attention(q[rows], k[rows], v[rows], seg, layer_cache, fmt,
-                                                own_rows_at(own, rows))
+                                                own_rows_at(own, rows), window)
         return self.linear(fmt.unrotate(out).reshape(-1, self.q_size), w["o"])
 
     @staticmethod
-    def _decode_groups(meta: AttentionMetadata, block_size: int) -> list[DecodeGroup]:
-        """The decode rows sorted by context length, cut into groups of DECODE_GROUP_ROWS.
+    def _decode_groups(meta: AttentionMetadata, block_size: int,
+                       window: int | None = None) -> list[DecodeGroup]:
+        """The decode rows sorted by context length, cut into groups of DECODE_GROUP_ROWS; each
+        group's mask leaves out padding and, for a windowed layer, the keys before the window.
 
         NOTE: each group gathers only as many blocks as its longest row needs, so a short
         sequence next to a long one no longer pays for the long one's padding. Masked keys
@@ -283,24 +394,26 @@ class LlamaModel:
         """
         lens, tables = meta.decode_context_lens, meta.decode_block_tables
         if len(lens) <= DECODE_GROUP_ROWS:
-            return [DecodeGroup(None, tables, _context_mask(lens, tables.shape[1] * block_size), lens - 1)]
+            mask = _context_mask(lens, tables.shape[1] * block_size, window)
+            return [DecodeGroup(None, tables, mask, lens - 1)]
         groups = []
         for rows in torch.argsort(lens, stable=True).split(DECODE_GROUP_ROWS):
             group_lens = lens[rows]
             width = ceil_div(int(group_lens.max()), block_size)
             groups.append(DecodeGroup(rows, tables[rows, :width].contiguous(),
-                                      _context_mask(group_lens, width * block_size), group_lens - 1))
+                                      _context_mask(group_lens, width * block_size, window), group_lens - 1))
         return groups
 
     def _decode_attention(self, q: torch.Tensor, layer_cache: torch.Tensor, fmt: KVFormat,
                           meta: AttentionMetadata, groups: list[DecodeGroup],
-                          own: OwnRows | None = None) -> torch.Tensor:
+                          own: OwnRows | None = None, window: int | None = None) -> torch.Tensor:
         """q: [B, H, D], one query per sequence: pdserve's paged kernel over the block tables, or
-        SDPA with the keys gathered group by group. own: the rows' own K/V in float32, where the
-        format attends them so (the paged kernel reads float32 pools only, which have no own rows)."""
+        SDPA with the keys gathered group by group (the groups' masks carry the window). own: the
+        rows' own K/V in float32, where the format attends them so (the paged kernel reads float32
+        pools only, which have no own rows)."""
         if self.paged_attention is not None:
             return self.paged_attention.decode(q.contiguous(), layer_cache, meta.decode_block_tables,
-                                               meta.decode_context_lens, self.scale)
+                                               meta.decode_context_lens, self.scale, *_window_arg(window))
         if groups[0].rows is None:
             return self._group_attention(q, layer_cache, fmt, groups[0], own)
         out = torch.empty_like(q)
@@ -326,26 +439,26 @@ class LlamaModel:
         return out.squeeze(2)
 
     def _prefill_attention(self, q, k, v, seg: PrefillSegment, layer_cache: torch.Tensor, fmt: KVFormat,
-                           own: OwnRows | None = None):
-        """Causal attention of one chunk; earlier context comes from the cache (the chunk's own rows
-        are in it already). own: the chunk's K/V in float32, where the format attends them so."""
+                           own: OwnRows | None = None, window: int | None = None):
+        """Causal attention of one chunk, within the window where the layer has one; earlier context
+        comes from the cache (the chunk's own rows are in it already). own: the chunk's K/V in
+        float32, where the format attends them so."""
         if self.paged_attention is not None:
             return self.paged_attention.prefill(q.contiguous(), layer_cache, seg.block_table, seg.start,
-                                                self.scale)
+                                                self.scale, *_window_arg(window))
         ctx = seg.start + seg.q_len
         if seg.start == 0:
             keys, values = k, v
         else:
             kv = fmt.load_rotated(layer_cache.index_select(1, seg.block_table).flatten(1, 2)[:, :ctx])
             keys, values = kv[0], kv[1]
-        if own is not None and q.device.type == "cpu":
+        if own is not None and q.device.type == "cpu" and window is None:
             return attend_with_own_rows(q, keys, values, own, seg.start, self.scale)
         if own is not None:
-            return sdpa_4d(q, *with_own_rows(keys, values, own, seg.start), False, self.scale)
-        if seg.start == 0:
+            return sdpa_4d(q, *with_own_rows(keys, values, own, seg.start, window), False, self.scale)
+        if seg.start == 0 and window is None:
             return sdpa_4d(q, keys, values, None, True, self.scale)
-        q_pos = torch.arange(seg.start, ctx, device=q.device)
-        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+        mask = causal_mask(seg.start, seg.q_len, window, q.device)
         return sdpa_4d(q, keys, values, mask, False, self.scale)
 
     # --- reference -----------------------------------------------------------------
@@ -357,19 +470,22 @@ class LlamaModel:
         cache."""
         fmt = KV_FORMATS[kv_dtype]
         ids = torch.tensor(token_ids, device=self.device)
-        rot = self.rope.at(torch.arange(len(token_ids), device=self.device))
-        h = self.embed.rows(ids)
+        rotations = self._rotations(torch.arange(len(token_ids), device=self.device))
+        h = self._embed(ids)
         norm, eps = self.pointwise, self.config.rms_norm_eps
-        for w in self.layers:
+        for w, rot, window in zip(self.layers, rotations, self.windows, strict=True):
             x = norm.rms_norm(h, w["ln1"], eps)
             q, k, v = self._qkv(x, rot, w)
             q, k, v = fmt.rotate(q), fmt.rotate(k), fmt.rotate(v)
             own = (k, v) if fmt.own_row_in_float32 else None
             k, v = fmt.load_rotated(fmt.store_rotated(k)), fmt.load_rotated(fmt.store_rotated(v))
             if own is not None:
-                attn = fmt.unrotate(sdpa_4d(q, *with_own_rows(k, v, own, 0), False, self.scale))
+                attn = sdpa_4d(q, *with_own_rows(k, v, own, 0, window), False, self.scale)
+            elif window is not None:
+                attn = sdpa_4d(q, k, v, causal_mask(0, len(token_ids), window, q.device), False, self.scale)
             else:
-                attn = fmt.unrotate(sdpa_4d(q, k, v, None, True, self.scale))
-            h = h + self.linear(attn.reshape(-1, self.q_size), w["o"])
+                attn = sdpa_4d(q, k, v, None, True, self.scale)
+            attn = self.linear(fmt.unrotate(attn).reshape(-1, self.q_size), w["o"])
+            h = h + (norm.rms_norm(attn, w["post_attention"], eps) if "post_attention" in w else attn)
             h = h + self._mlp(norm.rms_norm(h, w["ln2"], eps), w)
         return self.linear(norm.rms_norm(h, self.final_norm, eps), self.lm_head)

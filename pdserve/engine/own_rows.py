@@ -31,16 +31,20 @@ def own_rows_at(own: OwnRows | None, index: slice | torch.Tensor) -> OwnRows | N
     return None if own is None else (own[0][index], own[1][index])
 
 
-def with_own_rows(keys: torch.Tensor, values: torch.Tensor, own: OwnRows,
-                  start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def with_own_rows(keys: torch.Tensor, values: torch.Tensor, own: OwnRows, start: int,
+                  window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Keys, values and mask of a chunk whose queries attend their own row as computed.
 
     keys/values: [ctx, KVH, D], the stored rows of positions 0..ctx-1; own: the chunk's rows, at
     positions start..ctx-1. Returns [ctx + q_len, KVH, D] twice (stored rows, then own rows) and a
-    [q_len, ctx + q_len] mask: query p sees stored rows s < p and its own row."""
+    [q_len, ctx + q_len] mask: query p sees stored rows s < p (and s > p - window, for a windowed
+    layer) and its own row."""
     ctx, q_len = keys.shape[0], own[0].shape[0]
     q_pos = torch.arange(start, start + q_len, device=keys.device)[:, None]
-    earlier = torch.arange(ctx, device=keys.device)[None, :] < q_pos
+    stored = torch.arange(ctx, device=keys.device)[None, :]
+    earlier = stored < q_pos
+    if window is not None:
+        earlier &= stored > q_pos - window
     itself = torch.eye(q_len, dtype=torch.bool, device=keys.device)
     return (torch.cat((keys, own[0])), torch.cat((values, own[1])), torch.cat((earlier, itself), dim=1))
 

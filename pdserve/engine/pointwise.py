@@ -54,6 +54,12 @@ class TorchPointwise:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Gemma's MLP activation: GELU (tanh approximation) of the gate, times up; torch's on every
+        kernel setting."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def rotary(self, qkv: torch.Tensor, rot: Rotation, heads: int, head_dim: int) -> torch.Tensor:
         """The first `heads` heads of each qkv row, rotated (rotate-half, as Hugging Face Llama):
         [T, heads, D]."""
