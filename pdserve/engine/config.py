@@ -241,9 +241,9 @@ class EngineConfig:
     """Every worker's engine: the model, its KV cache, batching, kernels and threads."""
 
     model_path: str | None = user_setting(None, flag="--model", key="model", is_path=True, metavar="PATH",
-                                     help="Hugging Face Llama-family folder or .gguf file; in a config file, "
-                                          "relative to the file (default: the embedded "
-                                          "SmolLM2-135M-Instruct)")
+                                     help="Hugging Face folder or .gguf file (in a config file, relative to "
+                                          "the file), or a model's name: smollm2 or gemma3-270m (`make "
+                                          "gemma3`) (default: the embedded SmolLM2-135M-Instruct)")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str | None = not_a_setting(None, why="cuda where the worker has a GPU (gpus_per_worker), else "

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdserve.engine import sampling_defaults as sd
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.named_models import sampling_defaults_at
 from pdserve.engine.sampling_defaults import SamplingDefaults
 from pdserve.engine.tokenizer import Tokenizer, read_gguf_metadata
 from pdserve.engine.weights import (
@@ -37,7 +37,6 @@ from pdserve.engine.weights import (
     _loaded,
     _progress,
     expected_shapes,
-    is_builtin_model,
 )
 
 log = logging.getLogger(__name__)
@@ -139,9 +138,10 @@ def load_gguf(path: Path, progress: bool = True) -> LoadedModel:
 
 
 def gguf_sampling_defaults(path: Path) -> SamplingDefaults:
-    """A GGUF carries no generation config: the embedded SmolLM2 gets its model card's values, any
-    other GGUF the neutral ones (`pdserve up --default-*` sets them)."""
-    return sd.SMOLLM2_MODEL_CARD if is_builtin_model(path) else sd.NEUTRAL
+    """A GGUF carries no generation config: a named model's file (engine/named_models.py: SmolLM2's
+    model card, Gemma 3 270M's generation_config.json) gets its published values, any other GGUF the
+    neutral ones (`pdserve up --default-*` sets them)."""
+    return sampling_defaults_at(path)
 
 
 def gguf_model_config(metadata: Mapping[str, Any], tokenizer: Tokenizer, *, tied: bool,

