@@ -1,4 +1,4 @@
-"""Tokenizer and chat template for byte-level BPE (GPT-2 style) Llama-family models.
+"""Tokenizer and chat template: byte-level BPE (GPT-2 style) and SentencePiece (Gemma) vocabularies.
 
 Two sources end in the same object, a `tokenizers.Tokenizer` plus the chat template and the
 names of the special tokens:
@@ -13,6 +13,12 @@ we follow llama.cpp's table for it (llama-vocab.cpp). That matters: SmolLM2 ("sm
 every digit on its own before the GPT-2 regex, and transformers' GGUF loader, which does not
 know "smollm", does not -- so "  123" encodes differently there (see tests/engine/test_tokenizer.py).
 
+A SentencePiece GGUF (`tokenizer.ggml.model` "llama") is rebuilt as transformers rebuilds Gemma's:
+a BPE over the pieces with byte fallback (`<0x0A>` is the byte 0x0A), spaces normalised to "▁",
+and merges recovered from the vocabulary, ranked by each piece's place in the file. Pieces are then
+read back to bytes by their spelling (`token_bytes`): "▁" is a space, `<0xNN>` is one byte, so a
+character split over byte pieces is held back until whole (the decoder gives U+FFFD until then).
+
 The chat template is rendered the way transformers' apply_chat_template renders it: a sandboxed
 jinja2 environment with trim_blocks/lstrip_blocks, the same globals and filters, and the special
 token names as variables; the result is encoded with no extra special tokens.
@@ -20,8 +26,11 @@ token names as variables; the result is encoded with no extra special tokens.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
+import logging
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -33,11 +42,15 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-GGUF_TOKEN_CONTROL = 3  # llama.cpp's token types: 1 normal, 3 control, 4 user-defined
+logger = logging.getLogger(__name__)
+
+GGUF_TOKEN_CONTROL = 3  # llama.cpp's token types: 1 normal, 3 control, 4 user-defined, 6 byte
 GGUF_TOKEN_USER_DEFINED = 4
+SPACE_PIECE = "\u2581"  # SentencePiece's spelling of a space: "▁"
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback piece, as ByteFallback reads it
 
 # llama.cpp (llama-vocab.cpp): these pre-tokenizer names split each digit (\p{N}) first, then
 # apply the GPT-2 regex. In `tokenizers` terms: Digits(individual) then ByteLevel(use_regex).
@@ -63,6 +76,33 @@ _SPLIT_REGEXES = MappingProxyType({
 # Tokens that end a turn in common chat formats. One counts as an end-of-sequence id when it is a
 # special token of this vocabulary and the chat template writes it.
 _TURN_TERMINATORS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+# Gemma's turn format, for a GGUF whose vocabulary has Gemma's turn markers but which carries no
+# tokenizer.chat_template (the Gemma 3 270M base file has none). A system message opens the first
+# user turn; the assistant's turns are called "model"; every turn ends with <end_of_turn>.
+_GEMMA_TURN_MARKERS = ("<start_of_turn>", "<end_of_turn>")
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set prefix = messages[0]['content'] + '\\n\\n' -%}{%- set turns = messages[1:] -%}"
+    "{%- else -%}{%- set prefix = '' -%}{%- set turns = messages -%}{%- endif -%}"
+    "{%- for message in turns -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 is even) -%}"
+    "{{ raise_exception('Gemma chats alternate user and assistant turns after one system message') }}"
+    "{%- endif -%}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' }}"
+    "{{ (prefix if loop.first else '') + message['content'] | trim }}{{ '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+
+
+class PieceSpelling(enum.Enum):
+    """How a vocabulary spells the bytes of its pieces (read from the backend's decoder)."""
+
+    BYTE_LEVEL = "byte_level"  # GPT-2's printable alphabet, one character per byte
+    SENTENCEPIECE = "sentencepiece"  # text with "▁" for a space, plus <0xNN> byte-fallback pieces
+    OTHER = "other"  # anything else: a piece is what it decodes to alone
 
 
 @dataclass(frozen=True)
@@ -91,6 +131,7 @@ class Tokenizer:
         self._template = _compile_template(chat_template) if chat_template else None
         self._special_ids = frozenset(
             token_id for token_id, token in backend.get_added_tokens_decoder().items() if token.special)
+        self._spelling = _piece_spelling(backend)
         for name, token in vars(special_tokens).items():
             if token is not None and backend.token_to_id(token) is None:
                 raise ValueError(f"{name} token {token!r} is not in the vocabulary")
@@ -100,23 +141,28 @@ class Tokenizer:
     def from_gguf_metadata(cls, source: Any) -> Tokenizer:
         """Build from a `gguf.GGUFReader` or a mapping of its metadata (key -> value)."""
         metadata = read_gguf_metadata(source) if hasattr(source, "fields") else source
-        tokens = _require(metadata, "tokenizer.ggml.tokens")
+        tokens = [str(token) for token in _require(metadata, "tokenizer.ggml.tokens")]
         kind = metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(
-                f"GGUF tokenizer.ggml.model is {kind!r}; pdserve reads byte-level BPE ('gpt2') vocabularies "
-                "from GGUF. Load the model's Hugging Face directory (tokenizer.json) instead.")
-        backend = _gguf_backend(metadata, [str(token) for token in tokens])
         special = SpecialTokens(
             bos=_gguf_token(metadata, tokens, "bos_token_id"),
             eos=_gguf_token(metadata, tokens, "eos_token_id"),
             unk=_gguf_token(metadata, tokens, "unknown_token_id"),
             pad=_gguf_token(metadata, tokens, "padding_token_id"),
         )
+        if kind == "gpt2":
+            backend, add_bos = _gguf_backend(metadata, tokens), False
+        elif kind == "llama":
+            # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+            backend, add_bos = _gguf_sentencepiece_backend(metadata, tokens, special.unk), True
+        else:
+            raise ValueError(
+                f"GGUF tokenizer.ggml.model is {kind!r}; pdserve reads byte-level BPE ('gpt2') and "
+                "SentencePiece ('llama') vocabularies from GGUF. Load the model's Hugging Face directory "
+                "(tokenizer.json) instead.")
         _set_post_processor(backend, special,
-                            bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+                            bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos)),
                             bool(metadata.get("tokenizer.ggml.add_eos_token", False)))
-        return cls(backend, chat_template=metadata.get("tokenizer.chat_template"), special_tokens=special)
+        return cls(backend, chat_template=_gguf_chat_template(metadata, backend), special_tokens=special)
 
     @classmethod
     def from_files(cls, directory: str | Path) -> Tokenizer:
@@ -143,8 +189,11 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text the chat template makes of messages (as transformers renders it)."""
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> str:
+        """The prompt text the chat template makes of messages (as transformers renders it);
+        template_kwargs are extra template variables, e.g. enable_thinking=False (vLLM's
+        chat_template_kwargs), over the special tokens' as in transformers."""
         if self._template is None:
             raise ValueError("this tokenizer has no chat template (tokenizer.chat_template in GGUF, "
                              "chat_template in tokenizer_config.json); encode a plain prompt instead")
@@ -153,12 +202,13 @@ class Tokenizer:
                 for message in messages]
         return self._template.render(messages=chat, tools=None, documents=None,
                                      add_generation_prompt=add_generation_prompt,
-                                     **self._special_tokens.template_variables())
+                                     **{**self._special_tokens.template_variables(), **template_kwargs})
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
-                            add_generation_prompt: bool = True) -> list[int]:
+                            add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
         """render_chat, then encode with no special tokens added (the template writes them)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, **template_kwargs),
+                           add_special_tokens=False)
 
     # --- facts ---------------------------------------------------------------------
     @property
@@ -193,13 +243,16 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, whole even when it is part of a UTF-8 character (what
-        OpenAI's logprobs call `bytes`). Byte-level BPE pieces map back byte by byte; other
-        vocabularies fall back to decoding the token alone."""
+        OpenAI's logprobs call `bytes`). Pieces are read back by their spelling: byte-level BPE
+        byte by byte, SentencePiece with "▁" as a space and <0xNN> as that one byte; special tokens
+        and other vocabularies are what the token decodes to alone."""
         piece = self._backend.id_to_token(token_id)
         if piece is None:
             return b""
-        if not self.is_special(token_id) and all(c in _BYTE_OF_CHAR for c in piece):
-            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        if not self.is_special(token_id):
+            raw = _piece_bytes(piece, self._spelling)
+            if raw is not None:
+                return raw
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def to_json(self) -> str:
@@ -309,6 +362,57 @@ def _gguf_backend(metadata: Mapping[str, Any], tokens: list[str]) -> BackendToke
     return backend
 
 
+def _gguf_sentencepiece_backend(metadata: Mapping[str, Any], tokens: list[str],
+                                unk: str | None) -> BackendTokenizer:
+    """A SentencePiece vocabulary as Gemma stores it, rebuilt as transformers rebuilds it (GemmaTokenizer
+    over gguf_tokenizer_mapping.gemma_tokenizer): BPE with byte fallback, " " -> "▁", no prefix space."""
+    if metadata.get("tokenizer.ggml.add_space_prefix", True):
+        raise ValueError(
+            "GGUF tokenizer.ggml.model is 'llama' and tokenizer.ggml.add_space_prefix is true (or absent): a "
+            "SentencePiece vocabulary that puts a space before the text (Llama 2, Mistral). pdserve reads "
+            "SentencePiece GGUF vocabularies without one (Gemma's); load the model's Hugging Face directory "
+            "(tokenizer.json) instead.")
+    # A run of spaces is stored as real spaces, but the model sees the text after " " -> "▁".
+    spelled = [SPACE_PIECE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {token: index for index, token in enumerate(spelled)}
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=_sentencepiece_merges(vocab), unk_token=unk,
+                                          fuse_unk=True, byte_fallback=True))
+    # NOTE: no pre-tokenizer: once spaces are "▁" the text is one word, and merges may cross a space.
+    backend.normalizer = normalizers.Replace(" ", SPACE_PIECE)
+    backend.decoder = decoders.Sequence([decoders.Replace(SPACE_PIECE, " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
+    types = list(metadata.get("tokenizer.ggml.token_type") or [])
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, kind in zip(tokens, types) if kind == GGUF_TOKEN_CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, kind in zip(tokens, types) if kind == GGUF_TOKEN_USER_DEFINED and t in vocab])
+    return backend
+
+
+def _sentencepiece_merges(vocab: Mapping[str, int]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece vocabulary implies: each way to cut a piece into two pieces of the
+    vocabulary, ranked by the whole piece's place in the file (best first), and for one piece the cut
+    with the longer left part first -- the order transformers' generate_merges gives Gemma's.
+
+    NOTE: the place in the file, not tokenizer.ggml.scores: Gemma's scores follow the file order for
+    normal pieces but give every control and user-defined piece -1000, which is not its rank."""
+    merges = []
+    for piece, _ in sorted(vocab.items(), key=lambda item: item[1]):
+        merges.extend((piece[:cut], piece[cut:]) for cut in range(len(piece) - 1, 0, -1)
+                      if piece[:cut] in vocab and piece[cut:] in vocab)
+    return merges
+
+
+def _gguf_chat_template(metadata: Mapping[str, Any], backend: BackendTokenizer) -> str | None:
+    """The file's template; Gemma's turn format for a Gemma vocabulary that carries none."""
+    template = metadata.get("tokenizer.chat_template")
+    if template is None and all(backend.token_to_id(marker) is not None for marker in _GEMMA_TURN_MARKERS):
+        logger.info("GGUF has no tokenizer.chat_template; its vocabulary has %s, so Gemma's turn format "
+                    "is used", " and ".join(_GEMMA_TURN_MARKERS))
+        return GEMMA_CHAT_TEMPLATE
+    return template
+
+
 def _gguf_pre_tokenizer(name: str | None) -> pre_tokenizers.PreTokenizer:
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
     if name is None or name in _GPT2:
@@ -351,6 +455,27 @@ def _byte_alphabet() -> dict[str, int]:
 
 
 _BYTE_OF_CHAR = _byte_alphabet()
+
+
+def _piece_spelling(backend: BackendTokenizer) -> PieceSpelling:
+    """Read from the decoder: ByteFallback means SentencePiece pieces, ByteLevel GPT-2's alphabet."""
+    spec = json.loads(backend.decoder.__getstate__()) if backend.decoder is not None else {}
+    kinds = {spec.get("type")} | {part.get("type") for part in spec.get("decoders") or []}
+    if "ByteFallback" in kinds:
+        return PieceSpelling.SENTENCEPIECE
+    if "ByteLevel" in kinds:
+        return PieceSpelling.BYTE_LEVEL
+    return PieceSpelling.OTHER
+
+
+def _piece_bytes(piece: str, spelling: PieceSpelling) -> bytes | None:
+    """The bytes a (non-special) piece spells; None where only decoding can tell."""
+    if spelling is PieceSpelling.BYTE_LEVEL and all(c in _BYTE_OF_CHAR for c in piece):
+        return bytes(_BYTE_OF_CHAR[c] for c in piece)
+    if spelling is PieceSpelling.SENTENCEPIECE:
+        byte = _BYTE_PIECE.fullmatch(piece)
+        return bytes([int(byte.group(1), 16)]) if byte else piece.replace(SPACE_PIECE, " ").encode("utf-8")
+    return None
 
 
 def _respell(token: str) -> str:

@@ -229,7 +229,8 @@ def tiny_vocab_metadata(template: str | None = None, **overrides) -> dict:
 
 
 @pytest.mark.parametrize(("overrides", "match"), [
-    ({"tokenizer.ggml.model": "llama"}, "tokenizer.ggml.model"),
+    ({"tokenizer.ggml.model": "bert"}, "tokenizer.ggml.model"),
+    ({"tokenizer.ggml.model": "llama"}, "tokenizer.ggml.model"),  # SentencePiece with a prefix space
     ({"tokenizer.ggml.pre": "mystery"}, "tokenizer.ggml.pre"),
     ({"tokenizer.ggml.bos_token_id": 999}, "bos_token_id"),
 ])
