@@ -259,3 +259,24 @@ def test_gemma_streams_split_characters_whole(gemma, hf_gemma):
 @pytest.mark.slow
 def test_gemma_fingerprint(gemma, spm):
     assert gemma.fingerprint() == gemma.fingerprint() and gemma.fingerprint() != spm.fingerprint()
+
+
+def test_spm_save_and_load_keeps_ids_bytes_and_fingerprint(spm, tmp_path):
+    spm.save(tmp_path)
+    loaded = Tokenizer.from_files(tmp_path)
+    text = "hello  world\n🎉 é ok"
+    assert loaded.encode(text, add_special_tokens=True) == spm.encode(text, add_special_tokens=True)
+    assert [loaded.token_bytes(i) for i in range(loaded.vocab_size)] == [
+        spm.token_bytes(i) for i in range(spm.vocab_size)]
+    assert loaded.fingerprint() == spm.fingerprint() and loaded.eos_token_ids == spm.eos_token_ids
+
+
+@pytest.mark.slow
+def test_gemma_directory_saved_by_transformers(gemma, hf_gemma, tmp_path):
+    hf_gemma.save_pretrained(tmp_path)
+    loaded = Tokenizer.from_files(tmp_path)
+    for text in CORPUS:
+        assert loaded.encode(text) == gemma.encode(text)
+    ids = gemma.encode("\U0001fae8 ok 𝕏 日本 🎉")
+    assert [loaded.token_bytes(i) for i in ids] == [gemma.token_bytes(i) for i in ids]
+    assert loaded.render_chat(CHATS["two_turns"]) == gemma.render_chat(CHATS["two_turns"])
