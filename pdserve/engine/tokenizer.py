@@ -7,17 +7,10 @@ names of the special tokens:
                                                            +--> Tokenizer: encode / decode /
     HF directory (tokenizer.json, tokenizer_config.json) --+    render_chat / apply_chat_template
 
-A GGUF stores only the vocabulary, the merges, the token types and a short name for the
-pre-tokenizer (`tokenizer.ggml.pre`); how to split text before BPE is implied by that name, and
-we follow llama.cpp's table for it (llama-vocab.cpp). That matters: SmolLM2 ("smollm") splits
-every digit on its own before the GPT-2 regex, and transformers' GGUF loader, which does not
-know "smollm", does not -- so "  123" encodes differently there (see tests/engine/test_tokenizer.py).
-
-A SentencePiece GGUF (`tokenizer.ggml.model` "llama") is rebuilt as transformers rebuilds Gemma's:
-a BPE over the pieces with byte fallback (`<0x0A>` is the byte 0x0A), spaces normalised to "▁",
-and merges recovered from the vocabulary, ranked by each piece's place in the file. Pieces are then
-read back to bytes by their spelling (`token_bytes`): "▁" is a space, `<0xNN>` is one byte, so a
-character split over byte pieces is held back until whole (the decoder gives U+FFFD until then).
+A GGUF's vocabulary is rebuilt by gguf_vocab.py (byte-level BPE, and SentencePiece as Gemma
+stores it). Pieces are read back to bytes by their spelling (`token_bytes`): GPT-2's alphabet byte
+by byte; in SentencePiece "▁" is a space and `<0xNN>` one byte, so a character split over byte
+pieces is held back until whole (the decoder gives U+FFFD until then).
 
 The chat template is rendered the way transformers' apply_chat_template renders it: a sandboxed
 jinja2 environment with trim_blocks/lstrip_blocks, the same globals and filters, and the special
@@ -29,72 +22,24 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-import logging
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-logger = logging.getLogger(__name__)
-
-GGUF_TOKEN_CONTROL = 3  # llama.cpp's token types: 1 normal, 3 control, 4 user-defined, 6 byte
-GGUF_TOKEN_USER_DEFINED = 4
-SPACE_PIECE = "\u2581"  # SentencePiece's spelling of a space: "▁"
-_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback piece, as ByteFallback reads it
-
-# llama.cpp (llama-vocab.cpp): these pre-tokenizer names split each digit (\p{N}) first, then
-# apply the GPT-2 regex. In `tokenizers` terms: Digits(individual) then ByteLevel(use_regex).
-_DIGITS_THEN_GPT2 = frozenset(
-    {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"})
-# The plain GPT-2 regex (ByteLevel's own).
-_GPT2 = frozenset({"default", "gpt-2", "gpt2", "mpt", "olmo", "jais"})
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# Names whose regex replaces ByteLevel's: Split(regex, isolated) then ByteLevel(use_regex=False).
-_SPLIT_REGEXES = MappingProxyType({
-    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
-})
+from pdserve.engine.gguf_vocab import SPACE_PIECE, byte_alphabet, gguf_vocabulary, read_gguf_metadata
 
 # Tokens that end a turn in common chat formats. One counts as an end-of-sequence id when it is a
 # special token of this vocabulary and the chat template writes it.
 _TURN_TERMINATORS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
-
-# Gemma's turn format, for a GGUF whose vocabulary has Gemma's turn markers but which carries no
-# tokenizer.chat_template (the Gemma 3 270M base file has none). A system message opens the first
-# user turn; the assistant's turns are called "model"; every turn ends with <end_of_turn>.
-_GEMMA_TURN_MARKERS = ("<start_of_turn>", "<end_of_turn>")
-GEMMA_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{%- if messages and messages[0]['role'] == 'system' -%}"
-    "{%- set prefix = messages[0]['content'] + '\\n\\n' -%}{%- set turns = messages[1:] -%}"
-    "{%- else -%}{%- set prefix = '' -%}{%- set turns = messages -%}{%- endif -%}"
-    "{%- for message in turns -%}"
-    "{%- if (message['role'] == 'user') != (loop.index0 is even) -%}"
-    "{{ raise_exception('Gemma chats alternate user and assistant turns after one system message') }}"
-    "{%- endif -%}"
-    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' }}"
-    "{{ (prefix if loop.first else '') + message['content'] | trim }}{{ '<end_of_turn>\\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
-)
 
 
 class PieceSpelling(enum.Enum):
@@ -141,28 +86,9 @@ class Tokenizer:
     def from_gguf_metadata(cls, source: Any) -> Tokenizer:
         """Build from a `gguf.GGUFReader` or a mapping of its metadata (key -> value)."""
         metadata = read_gguf_metadata(source) if hasattr(source, "fields") else source
-        tokens = [str(token) for token in _require(metadata, "tokenizer.ggml.tokens")]
-        kind = metadata.get("tokenizer.ggml.model")
-        special = SpecialTokens(
-            bos=_gguf_token(metadata, tokens, "bos_token_id"),
-            eos=_gguf_token(metadata, tokens, "eos_token_id"),
-            unk=_gguf_token(metadata, tokens, "unknown_token_id"),
-            pad=_gguf_token(metadata, tokens, "padding_token_id"),
-        )
-        if kind == "gpt2":
-            backend, add_bos = _gguf_backend(metadata, tokens), False
-        elif kind == "llama":
-            # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
-            backend, add_bos = _gguf_sentencepiece_backend(metadata, tokens, special.unk), True
-        else:
-            raise ValueError(
-                f"GGUF tokenizer.ggml.model is {kind!r}; pdserve reads byte-level BPE ('gpt2') and "
-                "SentencePiece ('llama') vocabularies from GGUF. Load the model's Hugging Face directory "
-                "(tokenizer.json) instead.")
-        _set_post_processor(backend, special,
-                            bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos)),
-                            bool(metadata.get("tokenizer.ggml.add_eos_token", False)))
-        return cls(backend, chat_template=_gguf_chat_template(metadata, backend), special_tokens=special)
+        vocabulary = gguf_vocabulary(metadata)
+        return cls(vocabulary.backend, chat_template=vocabulary.chat_template,
+                   special_tokens=SpecialTokens(**vocabulary.special_tokens))
 
     @classmethod
     def from_files(cls, directory: str | Path) -> Tokenizer:
@@ -316,145 +242,9 @@ def _effective_post_processor(spec: Mapping[str, Any] | None) -> Mapping[str, An
     return spec
 
 
-# --- GGUF ------------------------------------------------------------------------------
-def read_gguf_metadata(reader: Any) -> dict[str, Any]:
-    """Every metadata key of a gguf.GGUFReader with its Python value (arrays as lists)."""
-    return {key: field.contents() for key, field in reader.fields.items()}
-
-
-def _require(metadata: Mapping[str, Any], key: str) -> Any:
-    if key not in metadata:
-        raise ValueError(f"GGUF metadata has no {key}: this file carries no usable tokenizer; "
-                         "load the model's Hugging Face directory (tokenizer.json) instead")
-    return metadata[key]
-
-
-def _gguf_token(metadata: Mapping[str, Any], tokens: Sequence[str], key: str) -> str | None:
-    token_id = metadata.get(f"tokenizer.ggml.{key}")
-    if token_id is None:
-        return None
-    if not 0 <= int(token_id) < len(tokens):
-        raise ValueError(f"GGUF tokenizer.ggml.{key} is {token_id}, outside the vocabulary of {len(tokens)} "
-                         "tokens; the file is damaged -- re-convert it")
-    return str(tokens[int(token_id)])
-
-
-def _gguf_backend(metadata: Mapping[str, Any], tokens: list[str]) -> BackendTokenizer:
-    merges = _require(metadata, "tokenizer.ggml.merges")
-    alphabet = _byte_alphabet()
-    # Tokens are stored in the byte alphabet already; respell any that are raw UTF-8 (as transformers does).
-    spelled = [t if set(t) <= alphabet.keys() else _respell(t) for t in tokens]
-    vocab = {token: index for index, token in enumerate(spelled)}
-    pairs = [tuple(str(merge).split(" ", 1)) for merge in merges]
-    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token=None, fuse_unk=False,
-                                          byte_fallback=False, ignore_merges=False))
-    backend.pre_tokenizer = _gguf_pre_tokenizer(metadata.get("tokenizer.ggml.pre"))
-    backend.decoder = decoders.ByteLevel()
-    types = list(metadata.get("tokenizer.ggml.token_type") or [])
-    # Control tokens (<|im_start|>, ...) are matched whole before BPE and skipped on decode; a
-    # "control" token outside the byte alphabet is a mislabel and adding it would grow the vocab.
-    control = [AddedToken(t, special=True, normalized=False)
-               for t, kind in zip(tokens, types) if kind == GGUF_TOKEN_CONTROL and set(t) <= alphabet.keys()]
-    user = [AddedToken(t, special=False, normalized=False)
-            for t, kind in zip(tokens, types) if kind == GGUF_TOKEN_USER_DEFINED and t in vocab]
-    backend.add_special_tokens(control)
-    backend.add_tokens(user)
-    return backend
-
-
-def _gguf_sentencepiece_backend(metadata: Mapping[str, Any], tokens: list[str],
-                                unk: str | None) -> BackendTokenizer:
-    """A SentencePiece vocabulary as Gemma stores it, rebuilt as transformers rebuilds it (GemmaTokenizer
-    over gguf_tokenizer_mapping.gemma_tokenizer): BPE with byte fallback, " " -> "▁", no prefix space."""
-    if metadata.get("tokenizer.ggml.add_space_prefix", True):
-        raise ValueError(
-            "GGUF tokenizer.ggml.model is 'llama' and tokenizer.ggml.add_space_prefix is true (or absent): a "
-            "SentencePiece vocabulary that puts a space before the text (Llama 2, Mistral). pdserve reads "
-            "SentencePiece GGUF vocabularies without one (Gemma's); load the model's Hugging Face directory "
-            "(tokenizer.json) instead.")
-    # A run of spaces is stored as real spaces, but the model sees the text after " " -> "▁".
-    spelled = [SPACE_PIECE * len(t) if " " in t and not t.strip() else t for t in tokens]
-    vocab = {token: index for index, token in enumerate(spelled)}
-    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=_sentencepiece_merges(vocab), unk_token=unk,
-                                          fuse_unk=True, byte_fallback=True))
-    # NOTE: no pre-tokenizer: once spaces are "▁" the text is one word, and merges may cross a space.
-    backend.normalizer = normalizers.Replace(" ", SPACE_PIECE)
-    backend.decoder = decoders.Sequence([decoders.Replace(SPACE_PIECE, " "), decoders.ByteFallback(),
-                                         decoders.Fuse()])
-    types = list(metadata.get("tokenizer.ggml.token_type") or [])
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, kind in zip(tokens, types) if kind == GGUF_TOKEN_CONTROL])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, kind in zip(tokens, types) if kind == GGUF_TOKEN_USER_DEFINED and t in vocab])
-    return backend
-
-
-def _sentencepiece_merges(vocab: Mapping[str, int]) -> list[tuple[str, str]]:
-    """The merges a SentencePiece vocabulary implies: each way to cut a piece into two pieces of the
-    vocabulary, ranked by the whole piece's place in the file (best first), and for one piece the cut
-    with the longer left part first -- the order transformers' generate_merges gives Gemma's.
-
-    NOTE: the place in the file, not tokenizer.ggml.scores: Gemma's scores follow the file order for
-    normal pieces but give every control and user-defined piece -1000, which is not its rank."""
-    merges = []
-    for piece, _ in sorted(vocab.items(), key=lambda item: item[1]):
-        merges.extend((piece[:cut], piece[cut:]) for cut in range(len(piece) - 1, 0, -1)
-                      if piece[:cut] in vocab and piece[cut:] in vocab)
-    return merges
-
-
-def _gguf_chat_template(metadata: Mapping[str, Any], backend: BackendTokenizer) -> str | None:
-    """The file's template; Gemma's turn format for a Gemma vocabulary that carries none."""
-    template = metadata.get("tokenizer.chat_template")
-    if template is None and all(backend.token_to_id(marker) is not None for marker in _GEMMA_TURN_MARKERS):
-        logger.info("GGUF has no tokenizer.chat_template; its vocabulary has %s, so Gemma's turn format "
-                    "is used", " and ".join(_GEMMA_TURN_MARKERS))
-        return GEMMA_CHAT_TEMPLATE
-    return template
-
-
-def _gguf_pre_tokenizer(name: str | None) -> pre_tokenizers.PreTokenizer:
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    if name is None or name in _GPT2:
-        return byte_level
-    if name in _DIGITS_THEN_GPT2:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if name in _SPLIT_REGEXES:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLIT_REGEXES[name]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
-        ])
-    known = sorted(_GPT2 | _DIGITS_THEN_GPT2 | _SPLIT_REGEXES.keys())
-    raise ValueError(f"GGUF tokenizer.ggml.pre is {name!r}, which pdserve does not know how to split "
-                     f"(known: {', '.join(known)}); load the model's Hugging Face directory instead")
-
-
-def _set_post_processor(backend: BackendTokenizer, special: SpecialTokens,
-                        add_bos: bool, add_eos: bool) -> None:
-    """What encode(add_special_tokens=True) adds: BOS/EOS only where the file asks for them."""
-    pieces = ([special.bos] if add_bos and special.bos else []) + ["$A"] + (
-        [special.eos] if add_eos and special.eos else [])
-    if len(pieces) == 1:
-        return
-    used = {token for token in pieces if token != "$A"}
-    backend.post_processor = processors.TemplateProcessing(
-        single=" ".join(pieces), special_tokens=[(token, backend.token_to_id(token)) for token in used])
-
-
-def _byte_alphabet() -> dict[str, int]:
-    """GPT-2's printable stand-in for each byte (character -> byte)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    chars = {byte: chr(byte) for byte in printable}
-    extra = 0
-    for byte in range(256):
-        if byte not in chars:
-            chars[byte] = chr(256 + extra)
-            extra += 1
-    return {char: byte for byte, char in chars.items()}
-
-
-_BYTE_OF_CHAR = _byte_alphabet()
+# --- piece spelling --------------------------------------------------------------------
+_BYTE_OF_CHAR = byte_alphabet()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback piece, as ByteFallback reads it
 
 
 def _piece_spelling(backend: BackendTokenizer) -> PieceSpelling:
@@ -476,11 +266,6 @@ def _piece_bytes(piece: str, spelling: PieceSpelling) -> bytes | None:
         byte = _BYTE_PIECE.fullmatch(piece)
         return bytes([int(byte.group(1), 16)]) if byte else piece.replace(SPACE_PIECE, " ").encode("utf-8")
     return None
-
-
-def _respell(token: str) -> str:
-    to_char = {byte: char for char, byte in _byte_alphabet().items()}
-    return "".join(to_char[byte] for byte in token.encode("utf-8"))
 
 
 # --- Hugging Face files ------------------------------------------------------------------
