@@ -85,6 +85,22 @@ def tiny_loaded(tiny_model_dir) -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def family_model(tmp_path_factory, tiny_loaded):
+    """arch -> (directory, LoadedModel) of write_tiny_model(arch=arch), each written and loaded once
+    (the families' tiny twins: pdserve/engine/tiny_model.py TINY_ARCHS)."""
+    models: dict[str, tuple[Path, LoadedModel]] = {}
+
+    def get(arch: str) -> tuple[Path, LoadedModel]:
+        if arch not in models:
+            directory = write_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch,
+                                         tokenizer=tiny_loaded.tokenizer)
+            models[arch] = (directory, load_model(str(directory), progress=False))
+        return models[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def dev_certs(tmp_path_factory) -> DevCerts:
     """The development CA (`python -m pdserve.security.certs`) every TLS test trusts: a CA, a server
     certificate for 127.0.0.1 and localhost, and a client certificate."""
