@@ -38,7 +38,8 @@ def hf_model():
 
     def get(directory):
         if directory not in models:
-            models[directory] = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+            model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+            models[directory] = model.eval()
         return models[directory]
 
     return get
