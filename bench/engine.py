@@ -1,9 +1,10 @@
 """pdserve's engine against Hugging Face transformers: same weights, same threads, one run.
 
-    python -m bench.engine [--json] [--quick] [--threads N] [--reps N]
+    python -m bench.engine [--json] [--quick] [--threads N] [--reps N] [--model NAME|GGUF]
 
-Ours is LLMEngine over load_model(None) (SmolLM2-135M-Instruct, dequantised to fp32);
-theirs is transformers' LlamaForCausalLM.from_pretrained on the same GGUF, fp32, sdpa.
+Ours is LLMEngine over load_model(model) (SmolLM2-135M-Instruct by default; `--model gemma3-270m`
+for Gemma 3 270M; dequantised to fp32); theirs is transformers' AutoModelForCausalLM on the same
+GGUF, fp32, sdpa.
 Phases, in order (decode first: it is also the correctness check, and fails fast):
 
   peak        fp32 torch.mm FLOP/s on this machine (for prefill_fraction_of_peak), and the
@@ -84,6 +85,7 @@ QUICK = Sizes(prefill_lengths=(128, 512), decode_new_tokens=16, concurrent_reque
 
 TARGETS = {"prefill": 1.0, "decode": 2.0, "decode_bandwidth": 0.6, "concurrent": 2.5, "warm_ttft": 0.08,
            "warm_suffix_steps": 2.0, "prefill_peak": 0.6}
+SMOLLM2_VOCAB = 49152
 WARM_SUFFIX_TOKENS = 14  # the cluster trace that showed 294 ms for 14 new tokens after 544 cached
 
 
@@ -103,6 +105,7 @@ class Ours:
                               linear_kernel=linear_kernel, attention_kernel=attention_kernel,
                               pointwise_kernel=pointwise_kernel, retain_freed_memory=retain_freed_memory)
         self.engine = LLMEngine(loaded, config)
+        self.vocab = loaded.tokenizer.vocab_size  # the prompts' token ids stay below it
 
     @staticmethod
     def greedy(max_tokens: int) -> Any:
@@ -140,14 +143,14 @@ class Ours:
 
 
 class Theirs:
-    """transformers' LlamaForCausalLM on the same GGUF."""
+    """transformers' model of the same family on the same GGUF."""
 
     def __init__(self, gguf_path: Path) -> None:
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
         hf_logging.set_verbosity_error()
-        self.model = LlamaForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                      torch_dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                          dtype=torch.float32).eval()
         self.pad_id = self.model.generation_config.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.model.config.eos_token_id
@@ -238,7 +241,7 @@ def bench_decode(ours: Ours, theirs: Theirs, prompt: list[int], sizes: Sizes) ->
 
 def bench_prefill(ours: Ours, theirs: Theirs, length: int, sizes: Sizes,
                   rng: random.Random) -> dict[str, Any]:
-    prompt = random_prompt(rng, length)
+    prompt = random_prompt(rng, length, ours.vocab)
     seconds: dict[str, list[float]] = {"ours": [], "theirs": [], "theirs_keep1": []}
     for rep in range(sizes.reps + 1):
         progress(f"prefill {length:,} tokens: rep {rep}/{sizes.reps}")
@@ -261,10 +264,10 @@ def bench_prefill(ours: Ours, theirs: Theirs, length: int, sizes: Sizes,
 def bench_warm_ttft(ours: Ours, sizes: Sizes, rng: random.Random) -> dict[str, Any]:
     total, cached = sizes.warm_prompt_tokens, sizes.warm_cached_tokens
     assert cached % sizes.block_size == 0 and cached < total
-    prompt = random_prompt(rng, total)
+    prompt = random_prompt(rng, total, ours.vocab)
     # The primer shares exactly the first `cached` tokens, then diverges for more than a block.
-    primer = prompt[:cached] + random_prompt(rng, 2 * sizes.block_size)
-    suffixed = prompt[:cached] + random_prompt(rng, WARM_SUFFIX_TOKENS)
+    primer = prompt[:cached] + random_prompt(rng, 2 * sizes.block_size, ours.vocab)
+    suffixed = prompt[:cached] + random_prompt(rng, WARM_SUFFIX_TOKENS, ours.vocab)
     seconds: dict[str, list[float]] = {"cold": [], "warm": [], "suffix": []}
     for rep in range(sizes.reps + 1):
         progress(f"TTFT {total:,} tokens, cold vs {cached:,} cached: rep {rep}/{sizes.reps}")
@@ -311,7 +314,7 @@ def bandwidth_figures(result: dict[str, Any], config: Any, bandwidth: dict[str, 
 
 def bench_concurrent(ours: Ours, theirs: Theirs, sizes: Sizes, rng: random.Random) -> dict[str, Any]:
     n = sizes.concurrent_requests
-    prompts, wants = concurrent_mix(rng, sizes)
+    prompts, wants = concurrent_mix(rng, sizes, ours.vocab)
     useful = sum(wants)
     seconds: dict[str, list[float]] = {"ours": [], **{f"theirs_bs{b}": [] for b in sizes.peer_batch_sizes}}
     outputs: dict[str, list[list[int]]] = {}
@@ -359,16 +362,18 @@ def prefill_flops_per_token(config: Any, length: int) -> float:
 
 
 # --- driver ---------------------------------------------------------------------------------
-def concurrent_mix(rng: random.Random, sizes: Sizes) -> tuple[list[list[int]], list[int]]:
+def concurrent_mix(rng: random.Random, sizes: Sizes,
+                   vocab: int = SMOLLM2_VOCAB) -> tuple[list[list[int]], list[int]]:
     """The concurrent phase's requests: prompts of random lengths, then how many tokens each wants."""
     n = sizes.concurrent_requests
-    prompts = [random_prompt(rng, rng.randint(*sizes.concurrent_prompt_range)) for _ in range(n)]
+    prompts = [random_prompt(rng, rng.randint(*sizes.concurrent_prompt_range), vocab) for _ in range(n)]
     return prompts, [rng.randint(*sizes.concurrent_output_range) for _ in range(n)]
 
 
-def random_prompt(rng: random.Random, length: int) -> list[int]:
-    """Token ids from the ordinary vocabulary (SmolLM2's specials are ids < 17)."""
-    return [rng.randrange(100, 49152) for _ in range(length)]
+def random_prompt(rng: random.Random, length: int, vocab: int = SMOLLM2_VOCAB) -> list[int]:
+    """Token ids from the ordinary vocabulary: above 100 (SmolLM2's specials are ids < 17, Gemma's
+    control tokens < 100), below the tokenizer's size."""
+    return [rng.randrange(100, vocab) for _ in range(length)]
 
 
 def kv_blocks_needed(sizes: Sizes) -> int:
@@ -379,12 +384,13 @@ def kv_blocks_needed(sizes: Sizes) -> int:
     return max(concurrent, 2 * ceil_div(longest, bs)) + 16
 
 
-def gguf_path() -> Path:
-    from pdserve.engine.weights import default_model_path
-    path = Path(default_model_path())
-    if not path.is_file():
-        raise FileNotFoundError(f"default_model_path() gave {path}, which is not a GGUF file; "
-                                "install the model with `make setup`")
+def gguf_path(model: str | None) -> Path:
+    """The GGUF both sides load: a named model's file (pdserve/engine/named_models.py) or a path."""
+    from pdserve.engine.named_models import resolve_model_path
+    path = Path(resolve_model_path(model))
+    if not (path.is_file() and path.suffix == ".gguf"):
+        raise FileNotFoundError(f"--model {model} gave {path}, which is not a GGUF file: the peer loads "
+                                "the same GGUF (install the default model with `make setup`)")
     return path
 
 
@@ -402,11 +408,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     load_at_start = warn_if_busy(threads)
     from pdserve.engine.weights import load_model
 
-    progress(f"threads={threads}; loading SmolLM2 for pdserve")
-    loaded = load_model(None, progress=False)
+    path = gguf_path(args.model)
+    progress(f"threads={threads}; loading {path.name} for pdserve")
+    loaded = load_model(str(path), progress=False)
     ours = Ours(loaded, kv_blocks_needed(sizes), sizes.block_size, threads, **kernel_settings(args))
     progress("loading the same GGUF into transformers")
-    theirs = Theirs(gguf_path())
+    theirs = Theirs(path)
     rng = random.Random(0)
     result: dict[str, Any] = {}
 
@@ -429,7 +436,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     assert not ours.engine.leaked_blocks()
     import transformers
     env = {**environment(threads), "loadavg_at_start": load_at_start}
-    return {**result, "threads": threads, **kernel_settings(args),
+    return {**result, "model": path.name, "architecture": loaded.config.architecture, "threads": threads,
+            **kernel_settings(args),
             "kernels_chosen": ours.engine.kernels.describe(), "torch": torch.__version__,
             "transformers": transformers.__version__, "reps": sizes.reps,
             "concurrent_reps": sizes.concurrent_reps, "quick": args.quick, "sizes": asdict(sizes),
@@ -500,6 +508,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "8 concurrent requests, 16 decode tokens, 1 rep; size-named keys follow the sizes "
                         "(e.g. prefill_ratio_128, concurrent_ratio_8)")
     add_threads_flag(p, "torch intra-op threads for both sides")
+    p.add_argument("--model", default=None, metavar="NAME|GGUF",
+                   help="the model both sides run: smollm2 (the default), gemma3-270m (`make gemma3`) or a "
+                        ".gguf path that transformers can also read")
     add_kernel_flags(p)
     p.add_argument("--reps", type=int, default=None,
                    help="measured repetitions per phase after one warm-up; medians are reported "
