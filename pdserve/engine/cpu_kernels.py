@@ -11,6 +11,8 @@ where they build: pdserve/engine/kernel_choice.py).
     prefill_attention.cpp  torch.ops.pdserve.paged_prefill_attention: a prefill chunk's queries over
     (+ _lanes.h)           its sequence's rows in the pool, causal, flash-style (the same native
                            attention kernel, for prefill chunks)
+                           Both attentions take a sliding window (window=0: none): the query at position p
+                           sees keys p - window < j <= p, the rows before them never read.
     pointwise.cpp          torch.ops.pdserve.rms_norm, add_rms_norm_, silu_and_mul, rotary_: the work
                            between a layer's products, one pass each (the native pointwise kernel,
                            pdserve/engine/pointwise.py)
@@ -72,6 +74,7 @@ from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from types import ModuleType
+from typing import Protocol
 
 import torch
 
@@ -87,8 +90,22 @@ HEADERS = tuple(Path(__file__).with_name(name)  # included by the sources: in th
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
 
 Gemv = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-PagedDecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
-PagedPrefillAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+
+
+class PagedDecodeAttention(Protocol):
+    """torch.ops.pdserve.paged_decode_attention: q [B, H, D] over each row's context_lens[b] rows of
+    cache [2, blocks, block_size, KVH, D] through block_tables [B, width]; window 0: every row."""
+
+    def __call__(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor: ...
+
+
+class PagedPrefillAttention(Protocol):
+    """torch.ops.pdserve.paged_prefill_attention: a chunk's q [T, H, D] from position start over the
+    sequence's rows through block_table [width], causal; window 0: every row up to each query."""
+
+    def __call__(self, q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, start: int,
+                 scale: float, window: int = 0) -> torch.Tensor: ...
 
 
 class PanelMatmul:
@@ -180,7 +197,7 @@ def paged_prefill_attention_on(path: str) -> PagedPrefillAttention | None:
     if _build():
         return None
     op = torch.ops.pdserve.paged_prefill_attention_on
-    return lambda q, cache, table, start, scale: op(q, cache, table, start, scale, path)
+    return lambda q, cache, table, start, scale, window=0: op(q, cache, table, start, scale, path, window)
 
 
 def prefill_attention_lane_rows() -> int | None:

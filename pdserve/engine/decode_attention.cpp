@@ -8,9 +8,13 @@
 // takes the query heads of its KV head (grouped-query attention) together, so each K and V row is
 // read from memory once for all of them (the later heads find it in cache):
 //
-//     scores[h, t] = scale * q[h] . K[t]        t < context_len, h in the KV head's query heads
+//     scores[h, t] = scale * q[h] . K[t]        first <= t < context_len, h in the KV head's query heads
 //     p[h, t]      = exp(scores[h, t] - max_t scores[h, t]) / sum_t exp(...)
 //     out[h]       = sum_t p[h, t] V[t]
+//
+// first is 0, or with a sliding window (Gemma 3's local layers, Mistral's), context_len - window: the
+// query at position context_len - 1 sees its last `window` rows, itself included (transformers'
+// sliding_window_overlay). The rows before them are not read at all, nor the blocks that hold them.
 //
 // A score keeps 8 partial sums (one AVX2 register), added in a fixed order whether its key was scored
 // in a group of 8 or alone; the softmax's sum and the values' sums run in token order. So a result
@@ -68,21 +72,28 @@ struct Shape {
 // walking the block table (no division per row), and the distance from a key row to its value row.
 struct Rows {
   const Shape& s;
-  const float* const* keys;  // [len]
+  const float* const* keys;  // [len]: the rows first .. context_len - 1, renumbered from 0
   int64_t value_offset;      // floats from the K plane to the V plane
 
   const float* key(int64_t t) const { return keys[t]; }
   const float* value(int64_t t) const { return keys[t] + value_offset; }
 };
 
-void find_keys(const float* cache, const int64_t* table, int64_t len, int64_t kv_head, const Shape& s,
-               std::vector<const float*>& keys) {
-  keys.resize(len);
+// keys[t - first] = K row t, for first <= t < end: from first's block on, the blocks before it unread.
+void find_keys(const float* cache, const int64_t* table, int64_t first, int64_t end, int64_t kv_head,
+               const Shape& s, std::vector<const float*>& keys) {
+  keys.resize(end - first);
   const int64_t row_stride = s.kv_heads * s.head_dim;
-  for (int64_t first = 0, i = 0; first < len; first += s.block_size, ++i) {
-    const float* row = cache + table[i] * s.block_size * row_stride + kv_head * s.head_dim;
-    for (int64_t t = first; t < std::min(len, first + s.block_size); ++t, row += row_stride) keys[t] = row;
+  for (int64_t block = first / s.block_size, t = first; t < end; ++block) {
+    const int64_t offset = t - block * s.block_size;
+    const float* row = cache + (table[block] * s.block_size + offset) * row_stride + kv_head * s.head_dim;
+    for (; t < std::min(end, (block + 1) * s.block_size); ++t, row += row_stride) keys[t - first] = row;
   }
+}
+
+// The first row a query at position len - 1 sees: 0, or the first of its last `window` rows.
+inline int64_t first_visible(int64_t len, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, len - window) : 0;
 }
 
 // q . k over d values, 8 lanes then the fixed-order sum; the tail past the last whole vector last.
@@ -177,10 +188,12 @@ void attend(const float* q, const Rows& rows, int64_t len, float scale, float* o
 }  // namespace
 
 // q [B, heads, head_dim]; cache [2, blocks, block_size, kv_heads, head_dim]; block_tables [B, width]
-// (padded; only the first ceil(len / block_size) entries are read); context_lens [B].
+// (padded; only the entries of the blocks the window covers are read, up to ceil(len / block_size));
+// context_lens [B]; window: the keys each query sees, its own included, or 0 for all of them.
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& cache,
                                      const torch::Tensor& block_tables, const torch::Tensor& context_lens,
-                                     double scale) {
+                                     double scale, int64_t window) {
+  TORCH_CHECK(window >= 0, "paged_decode_attention: window must be 0 (no limit) or more, not ", window);
   TORCH_CHECK(q.dim() == 3 && cache.dim() == 5 && block_tables.dim() == 2 && context_lens.dim() == 1,
               "paged_decode_attention: q [B, H, D], cache [2, blocks, block_size, KVH, D], "
               "block_tables [B, width], context_lens [B]");
@@ -202,7 +215,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= s.table_width * s.block_size,
                 "paged_decode_attention: context length ", lens[b], " of row ", b, " is outside 1..",
                 s.table_width * s.block_size);
-    for (int64_t i = 0; i < (lens[b] + s.block_size - 1) / s.block_size; ++i)
+    const int64_t blocks = (lens[b] + s.block_size - 1) / s.block_size;
+    for (int64_t i = first_visible(lens[b], window) / s.block_size; i < blocks; ++i)
       TORCH_CHECK(tables[b * s.table_width + i] >= 0 && tables[b * s.table_width + i] < s.blocks,
                   "paged_decode_attention: block ", tables[b * s.table_width + i], " of row ", b,
                   " is outside the pool's ", s.blocks, " blocks");
@@ -219,9 +233,10 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / s.kv_heads, g = item % s.kv_heads;
       const int64_t first = (b * s.heads + g * group) * d;
-      find_keys(cp, tables + b * s.table_width, lens[b], g, s, keys);
+      const int64_t visible = first_visible(lens[b], window);
+      find_keys(cp, tables + b * s.table_width, visible, lens[b], g, s, keys);
       const Rows rows{s, keys.data(), value_offset};
-      attend(qp + first, rows, lens[b], static_cast<float>(scale), op + first, scores);
+      attend(qp + first, rows, lens[b] - visible, static_cast<float>(scale), op + first, scores);
     }
   });
   return out;
@@ -229,7 +244,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("paged_decode_attention(Tensor q, Tensor cache, Tensor block_tables, Tensor context_lens, "
-        "float scale) -> Tensor");
+        "float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {

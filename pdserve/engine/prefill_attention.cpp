@@ -18,6 +18,13 @@
 //
 // A row's sums run over key tiles that start at multiples of the tile from key 0, in the same order
 // on both paths, so a row gets the same bits whichever chunk it is in, whatever the thread count.
+//
+// With a sliding window (Gemma 3's local layers, Mistral's) the query at position i sees the keys j
+// with i - window < j <= i, its own and the window - 1 before it (transformers'
+// sliding_window_overlay). A work item starts at the key tile that holds its first row's first key,
+// the keys of that tile before it masked and never read (nor the blocks before it), and a row's tiles
+// before its own window add exactly nothing to its sums (the lanes header's online softmax), so the
+// bits stay those of any chunk and either path.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -52,6 +59,12 @@ struct Problem {
   const int64_t* slots;  // [context]
   int64_t tokens, heads, kv_heads, head_dim, start, context, value_offset;
   float scale;
+  int64_t window;  // keys a query sees, its own included; 0 for every key up to it
+
+  // the first key a query at this position sees
+  int64_t first_key(int64_t position) const {
+    return window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
+  }
 
   const float* key(int64_t t, int64_t kv_head) const {
     return cache + (slots[t] * kv_heads + kv_head) * head_dim;
@@ -131,12 +144,14 @@ inline vf row_maxes(const vf* v) { return across_rows(v, [](__m256 a, __m256 b) 
 
 // q [T, heads, head_dim] (the chunk's queries, rotated); cache [2, blocks, block_size, kv_heads,
 // head_dim], the chunk's own rows written already; block_table [width] (the sequence's, covering
-// start + T rows); start: the chunk's first position.
+// start + T rows; the entries before the blocks the first query's window covers are not read); start:
+// the chunk's first position; window: the keys each query sees, its own included, or 0 for all.
 // path: "lanes", "tiled", or "auto" (lanes up to kLaneRowsMax query rows a KV head).
 torch::Tensor attend_on(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& block_table,
-                        int64_t start, double scale, const std::string& path) {
+                        int64_t start, double scale, int64_t window, const std::string& path) {
   TORCH_CHECK(path == "auto" || path == "lanes" || path == "tiled",
               "paged_prefill_attention: path must be auto, lanes or tiled, not ", path);
+  TORCH_CHECK(window >= 0, "paged_prefill_attention: window must be 0 (no limit) or more, not ", window);
   TORCH_CHECK(q.dim() == 3 && cache.dim() == 5 && block_table.dim() == 1,
               "paged_prefill_attention: q [T, H, D], cache [2, blocks, block_size, KVH, D], block_table [width]");
   TORCH_CHECK(q.scalar_type() == torch::kFloat && cache.scalar_type() == torch::kFloat &&
@@ -153,14 +168,17 @@ torch::Tensor attend_on(const torch::Tensor& q, const torch::Tensor& cache, cons
               " rows; the block table holds ", block_table.size(0) * block_size);
   TORCH_CHECK(context < (int64_t{1} << 31), "paged_prefill_attention: positions must fit in 31 bits");
   const int64_t* table = block_table.data_ptr<int64_t>();
-  for (int64_t i = 0; i < (context + block_size - 1) / block_size; ++i)
+  // NOTE: a window as long as the context limits nothing: 0 then, so that position - window fits in 32 bits.
+  const int64_t limit = window < context ? window : 0;
+  const int64_t first_key = limit > 0 ? std::max<int64_t>(0, start - limit + 1) : 0;  // no row before it is read
+  for (int64_t i = first_key / block_size; i < (context + block_size - 1) / block_size; ++i)
     TORCH_CHECK(table[i] >= 0 && table[i] < blocks, "paged_prefill_attention: block ", table[i],
                 " is outside the pool's ", blocks, " blocks");
   std::vector<int64_t> slots(static_cast<size_t>(context));
-  for (int64_t t = 0; t < context; ++t) slots[t] = table[t / block_size] * block_size + t % block_size;
+  for (int64_t t = first_key; t < context; ++t) slots[t] = table[t / block_size] * block_size + t % block_size;
   auto out = torch::empty_like(q);
   const Problem p{q.data_ptr<float>(), cache.data_ptr<float>(), slots.data(), tokens, heads, kv_heads, head_dim,
-                  start, context, blocks * block_size * kv_heads * head_dim, static_cast<float>(scale)};
+                  start, context, blocks * block_size * kv_heads * head_dim, static_cast<float>(scale), limit};
   const bool lanes = path == "lanes" || (path == "auto" && tokens * (heads / kv_heads) <= kLaneRowsMax);
   if (pdserve::use_avx512())
     lanes ? lanes16::attend_lanes(p, out.data_ptr<float>()) : lanes16::attend(p, out.data_ptr<float>());
@@ -170,16 +188,17 @@ torch::Tensor attend_on(const torch::Tensor& q, const torch::Tensor& cache, cons
 }
 
 torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& cache,
-                                      const torch::Tensor& block_table, int64_t start, double scale) {
-  return attend_on(q, cache, block_table, start, scale, "auto");
+                                      const torch::Tensor& block_table, int64_t start, double scale,
+                                      int64_t window) {
+  return attend_on(q, cache, block_table, start, scale, window, "auto");
 }
 
 // The same attention on the path named: the tests check that both give the same bits, and
 // bench.attention_kernels times one against the other.
 torch::Tensor paged_prefill_attention_on(const torch::Tensor& q, const torch::Tensor& cache,
                                          const torch::Tensor& block_table, int64_t start, double scale,
-                                         const std::string& path) {
-  return attend_on(q, cache, block_table, start, scale, path);
+                                         const std::string& path, int64_t window) {
+  return attend_on(q, cache, block_table, start, scale, window, path);
 }
 
 int64_t prefill_attention_lane_rows() { return kLaneRowsMax; }
@@ -187,9 +206,10 @@ int64_t prefill_attention_lane_rows() { return kLaneRowsMax; }
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   // the query rows a KV head up to which a chunk takes the lanes path
   m.def("prefill_attention_lane_rows() -> int", &prefill_attention_lane_rows);
-  m.def("paged_prefill_attention(Tensor q, Tensor cache, Tensor block_table, int start, float scale) -> Tensor");
+  m.def("paged_prefill_attention(Tensor q, Tensor cache, Tensor block_table, int start, float scale, "
+        "int window=0) -> Tensor");
   m.def("paged_prefill_attention_on(Tensor q, Tensor cache, Tensor block_table, int start, float scale, "
-        "str path) -> Tensor");
+        "str path, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {

@@ -23,11 +23,15 @@
 // hit, the audit's recompute):
 //
 //     QK   s[r] = scale * sum_d q[r][d] * Kt[d]     Kt: the tile's keys transposed, TV vectors per d
-//     mask s[r][j] = -inf where key j comes after row r's position (causal)
-//     soft m' = max(m, max_j s), p = exp(s - m'), l = l * exp(m - m') + sum_j p     (online softmax)
-//     PV   o[r] = o[r] * exp(m - m') + sum_j p[r][j] * V[j]
+//     mask s[r][j] = -inf where key j comes after row r's position (causal), or before its window
+//     soft m' = max(m, max_j s), p = exp(s - b), l = l * exp(m - b) + sum_j p     (online softmax)
+//     PV   o[r] = o[r] * exp(m - b) + sum_j p[r][j] * V[j]
 //
-// and at the end out[r] = o[r] / l[r].
+// and at the end out[r] = o[r] / l[r]; b is m', or 0 while m' is -inf: a row whose window starts past
+// the tile has seen no key yet, and keeps p = 0, l = 0, o = 0 (where m - m' would be -inf + inf).
+// So a tile before a row's window adds exactly nothing, and the row's sums are those of its own first
+// tile on: the same in any item. An item's tiles start at the one that holds its first row's first
+// key (key 0 without a window); the keys before that key are never read, nor their values weighed.
 
 constexpr int T = TV * W;  // keys of a key tile
 constexpr int kRowsPadded = (kRows + W - 1) / W * W;  // per-row scalars, as whole vectors
@@ -69,26 +73,37 @@ inline vf exp_negative(vf x) {
   return as_float(as_int(y * as_float(exponent)) & ~underflow);
 }
 
-// W keys transposed: kt[d * W + j] = K[key0 + j][d]; zeros past the last key.
+// The first key of the key tile that holds a key.
+inline int64_t tile_of(int64_t key) { return key / T * T; }
+
+// W keys transposed: kt[d * W + j] = K[key0 + j][d]; zeros before the chunk's first key (the first
+// query's window: not read) and past the last key.
 inline void transpose_tile(const Problem& p, int64_t kv_head, int64_t key0, float* kt) {
-  const int64_t keys = std::clamp<int64_t>(p.context - key0, 0, W);
-  for (int64_t j = 0; j < keys; ++j) {
+  const int64_t first = std::clamp<int64_t>(p.first_key(p.start) - key0, 0, W);
+  const int64_t end = std::clamp<int64_t>(p.context - key0, first, W);
+  for (int64_t j = 0; j < W; ++j) {
+    if (j < first || j >= end) {
+      for (int64_t d = 0; d < p.head_dim; ++d) kt[d * W + j] = 0.0f;
+      continue;
+    }
     const float* row = p.key(key0 + j, kv_head);
     for (int64_t d = 0; d < p.head_dim; ++d) kt[d * W + j] = row[d];
   }
-  for (int64_t j = keys; j < W; ++j)
-    for (int64_t d = 0; d < p.head_dim; ++d) kt[d * W + j] = 0.0f;
 }
 
-// Every KV head's keys, W at a time, transposed once per call and shared by every item
-// (kts: [KVH][tiles][D][W], tiles a whole number of key tiles: a key tile is TV of them in a row).
-inline int64_t transposed_tiles(const Problem& p) { return (p.context + T - 1) / T * TV; }
+// Every KV head's keys, W at a time, from the key tile of the chunk's first key, transposed once per
+// call and shared by every item (kts: [KVH][tiles][D][W], tiles a whole number of key tiles: a key
+// tile is TV of them in a row).
+inline int64_t first_transposed_key(const Problem& p) { return tile_of(p.first_key(p.start)); }
+inline int64_t transposed_tiles(const Problem& p) {
+  return (p.context - first_transposed_key(p) + T - 1) / T * TV;
+}
 
 inline void transpose_keys(const Problem& p, float* kts) {
-  const int64_t tiles = transposed_tiles(p), tile_floats = p.head_dim * W;
+  const int64_t tiles = transposed_tiles(p), tile_floats = p.head_dim * W, first = first_transposed_key(p);
   at::parallel_for(0, p.kv_heads * tiles, 16, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item)
-      transpose_tile(p, item / tiles, (item % tiles) * W, kts + item * tile_floats);
+      transpose_tile(p, item / tiles, first + (item % tiles) * W, kts + item * tile_floats);
   });
 }
 
@@ -96,6 +111,7 @@ struct Item {
   const float* q[kRows];  // each row's query (a padding row repeats the last real one)
   float* q_by_dim;        // the rows' queries transposed: [head_dim][kRows], one base for every broadcast
   int32_t position[kRows];
+  int32_t first_key[kRows];  // of each row's window: 0 without one
   int64_t real_rows;
   int32_t last_position;
 };
@@ -125,7 +141,7 @@ inline void score_tile(const Item& item, const float* kt, int64_t head_dim, floa
     for (int t = 0; t < TV; ++t) s[r][t] *= scale;
 }
 
-// -inf where a key comes after the row's position.
+// -inf where a key comes after the row's position or before its window.
 inline void mask_tile(const Item& item, int64_t key0, vf (&s)[kRows][TV]) {
   const vf minus_infinity = splat(-__builtin_inff());
 #pragma GCC unroll 2
@@ -133,9 +149,15 @@ inline void mask_tile(const Item& item, int64_t key0, vf (&s)[kRows][TV]) {
     vi keys;
     for (int j = 0; j < W; ++j) keys[j] = static_cast<int32_t>(key0 + t * W + j);
 #pragma GCC unroll 12
-    for (int r = 0; r < kRows; ++r) s[r][t] = keys > splat_int(item.position[r]) ? minus_infinity : s[r][t];
+    for (int r = 0; r < kRows; ++r) {
+      const vi hidden = (keys > splat_int(item.position[r])) | (keys < splat_int(item.first_key[r]));
+      s[r][t] = hidden ? minus_infinity : s[r][t];
+    }
   }
 }
+
+// The online softmax's base: the running maximum, or 0 where no key has been seen (-inf).
+inline vf softmax_base(vf top) { return top == splat(-__builtin_inff()) ? vf{} : top; }
 
 // o[r][c, c + CC*W) = o * rescale[r] + sum_j p[r][j] V[key0 + j][c, ...), for Rows rows, RP at a time;
 // the probabilities lie at probs[r * RS + j * KS] (RS = T, KS = 1 for the tiled path's items; RS = 1,
@@ -206,16 +228,18 @@ inline void attend_item(const Problem& p, const Item& item, int64_t kv_head, con
                         float* out) {
   const int64_t d = p.head_dim, tiles = transposed_tiles(p);
   alignas(64) float top[kRowsPadded], total[kRowsPadded], rescale[kRowsPadded], next[kRowsPadded];
-  alignas(64) float sums[kRowsPadded];
+  alignas(64) float sums[kRowsPadded], base[kRowsPadded];
   alignas(64) float probs[kRows * T];
   const float* values[T];
   for (int r = 0; r < kRowsPadded; ++r) top[r] = r < kRows ? -__builtin_inff() : 0.0f, total[r] = sums[r] = next[r] = 0.0f;
   std::fill(o, o + kRows * d, 0.0f);
-  const int32_t first_position = item.position[0];
-  for (int64_t key0 = 0; key0 <= item.last_position; key0 += T) {
+  const int32_t first_position = item.position[0], first_key = item.first_key[0];
+  const int32_t last_first_key = item.first_key[kRows - 1];
+  const int64_t transposed_from = first_transposed_key(p);
+  for (int64_t key0 = tile_of(first_key); key0 <= item.last_position; key0 += T) {
     vf s[kRows][TV];
-    score_tile(item, kts + (kv_head * tiles + key0 / W) * d * W, d, p.scale, s);
-    if (key0 + T - 1 > first_position) mask_tile(item, key0, s);
+    score_tile(item, kts + (kv_head * tiles + (key0 - transposed_from) / W) * d * W, d, p.scale, s);
+    if (key0 + T - 1 > first_position || key0 < last_first_key) mask_tile(item, key0, s);
     vf lanes[kRowsPadded];  // per row: the maxima over its tile's keys, then the probabilities' sums
     for (int r = 0; r < kRowsPadded; ++r) {
       lanes[r] = r < kRows ? s[r][0] : vf{};  // a padding row's maximum stays 0, as its top
@@ -224,27 +248,31 @@ inline void attend_item(const Problem& p, const Item& item, int64_t kv_head, con
     }
     for (int r = 0; r < kRowsPadded; r += W) {
       const vf tile_top = row_maxes(lanes + r), running = load(top + r);
-      store(next + r, running < tile_top ? tile_top : running);
+      const vf top_now = running < tile_top ? tile_top : running;
+      store(next + r, top_now);
+      store(base + r, softmax_base(top_now));
     }
     for (int r = 0; r < kRows; ++r) {
       lanes[r] = vf{};
 #pragma GCC unroll 2
       for (int t = 0; t < TV; ++t) {
-        const vf probability = exp_negative(s[r][t] - next[r]);
+        const vf probability = exp_negative(s[r][t] - base[r]);
         lanes[r] += probability;
         store(probs + r * T + t * W, probability);
       }
     }
     for (int r = 0; r < kRowsPadded; r += W) store(sums + r, row_sums(lanes + r));
-    for (int r = 0; r < kRowsPadded; r += W) {  // 0 on the first tile, where top is -inf
-      const vf rescaled = exp_negative(load(top + r) - load(next + r));
+    for (int r = 0; r < kRowsPadded; r += W) {  // 0 on a row's first tile, where top is -inf
+      const vf rescaled = exp_negative(load(top + r) - load(base + r));
       store(rescale + r, rescaled);
       store(total + r, load(total + r) * rescaled + load(sums + r));
       store(top + r, load(next + r));
     }
+    // the keys before the item's first are weighed by 0 for every row: skipped, their values unread
+    const int64_t skip = std::max<int64_t>(0, first_key - key0);
     const int64_t keys = std::min<int64_t>(T, item.last_position + 1 - key0);
-    for (int64_t j = 0; j < keys; ++j) values[j] = p.value(key0 + j, kv_head);
-    weigh_tile<kRows, RP, T, 1>(p, values, keys, probs, rescale, o);
+    for (int64_t j = skip; j < keys; ++j) values[j] = p.value(key0 + j, kv_head);
+    weigh_tile<kRows, RP, T, 1>(p, values + skip, keys - skip, probs + skip, rescale, o);
   }
   write_rows(p, item.q, item.real_rows, o, total, out);
 }
@@ -264,6 +292,7 @@ inline Item item_rows(const Problem& p, int64_t k, int64_t row_tiles, float* q_b
     const int64_t row = first + std::min(r, item.real_rows - 1), i = row / group, h = kv_head * group + row % group;
     item.q[r] = p.q + (i * p.heads + h) * p.head_dim;
     item.position[r] = static_cast<int32_t>(p.start + i);
+    item.first_key[r] = static_cast<int32_t>(p.first_key(p.start + i));
     for (int64_t d = 0; d < p.head_dim; ++d) q_by_dim[d * kRows + r] = item.q[r][d];
   }
   item.last_position = item.position[kRows - 1];
@@ -296,14 +325,17 @@ struct LaneItem {
   const float* q[LV * W];  // each row's query (a padding row repeats the last real one)
   float* q_by_dim;         // [head_dim][vectors * W]: dimension d of every row's query
   vi position[LV];
+  vi first_key[LV];  // of each row's window: 0 without one
   int64_t real_rows;
   int vectors;
   int32_t first_position, last_position;
+  int32_t item_first_key, last_first_key;  // the first row's first key, and the last row's
 };
 
 // s[v][j] = scale * q . K[key0 + j] for the tile's T keys and the item's V vectors of rows (a key
-// past the item's last row scores that row's key: masked below, as every key past a row's position
-// is). Each key element is broadcast once and serves every vector.
+// past the item's last row scores that row's key, one before the item's first key that key: masked
+// below, as every key past a row's position or before its window is). Each key element is broadcast
+// once and serves every vector.
 template <int V>
 inline void score_lanes(const Problem& p, const LaneItem& item, int64_t kv_head, int64_t key0, vf (*s)[T]) {
   for (int j0 = 0; j0 < T; j0 += kKeysAtOnce) {
@@ -311,7 +343,7 @@ inline void score_lanes(const Problem& p, const LaneItem& item, int64_t kv_head,
     vf sum[V][kKeysAtOnce];
 #pragma GCC unroll 8
     for (int j = 0; j < kKeysAtOnce; ++j) {
-      key[j] = p.key(std::min<int64_t>(key0 + j0 + j, item.last_position), kv_head);
+      key[j] = p.key(std::clamp<int64_t>(key0 + j0 + j, item.item_first_key, item.last_position), kv_head);
 #pragma GCC unroll 4
       for (int v = 0; v < V; ++v) sum[v][j] = vf{};
     }
@@ -379,26 +411,31 @@ inline void attend_lane_item(const Problem& p, const LaneItem& item, int64_t kv_
   for (int v = 0; v < V; ++v) top[v] = splat(-__builtin_inff()), total[v] = vf{};
   std::fill(o, o + R * p.head_dim, 0.0f);
   const vf minus_infinity = splat(-__builtin_inff());
-  for (int64_t key0 = 0; key0 <= item.last_position; key0 += T) {
+  for (int64_t key0 = tile_of(item.item_first_key); key0 <= item.last_position; key0 += T) {
     score_lanes<V>(p, item, kv_head, key0, s);
+    const bool masked = key0 + T - 1 > item.first_position || key0 < item.last_first_key;
     for (int v = 0; v < V; ++v) {
-      if (key0 + T - 1 > item.first_position)
-        for (int j = 0; j < T; ++j)
-          s[v][j] = splat_int(static_cast<int32_t>(key0 + j)) > item.position[v] ? minus_infinity : s[v][j];
+      if (masked)
+        for (int j = 0; j < T; ++j) {
+          const vi key = splat_int(static_cast<int32_t>(key0 + j));
+          s[v][j] = (key > item.position[v]) | (key < item.first_key[v]) ? minus_infinity : s[v][j];
+        }
       vf next = top[v];
       for (int j = 0; j < T; ++j) next = next > s[v][j] ? next : s[v][j];
+      const vf base = softmax_base(next);
       for (int j = 0; j < T; ++j) {
-        s[v][j] = exp_negative(s[v][j] - next);
+        s[v][j] = exp_negative(s[v][j] - base);
         store(probs + j * R + v * W, s[v][j]);
       }
-      const vf rescaled = exp_negative(top[v] - next);  // 0 on the first tile, where top is -inf
+      const vf rescaled = exp_negative(top[v] - base);  // 0 on a row's first tile, where top is -inf
       total[v] = total[v] * rescaled + tile_sum(s[v]);
       top[v] = next;
       store(rescale + v * W, rescaled);
     }
+    const int64_t skip = std::max<int64_t>(0, item.item_first_key - key0);  // as attend_item's
     const int64_t keys = std::min<int64_t>(T, item.last_position + 1 - key0);
-    for (int64_t j = 0; j < keys; ++j) values[j] = p.value(key0 + j, kv_head);
-    weigh_tile<R, RPL, 1, R>(p, values, keys, probs, rescale, o);
+    for (int64_t j = skip; j < keys; ++j) values[j] = p.value(key0 + j, kv_head);
+    weigh_tile<R, RPL, 1, R>(p, values + skip, keys - skip, probs + skip * R, rescale, o);
   }
   for (int v = 0; v < V; ++v) store(total_rows + v * W, total[v]);
   write_rows(p, item.q, item.real_rows, o, total_rows, out);
@@ -448,10 +485,13 @@ inline LaneItem lane_item_rows(const Problem& p, const LaneSpan& span, float* q_
     const int64_t h = span.kv_head * group + row % group;
     item.q[r] = p.q + (i * p.heads + h) * p.head_dim;
     item.position[r / W][r % W] = static_cast<int32_t>(p.start + i);
+    item.first_key[r / W][r % W] = static_cast<int32_t>(p.first_key(p.start + i));
     for (int64_t d = 0; d < p.head_dim; ++d) q_by_dim[d * width + r] = item.q[r][d];
   }
   item.first_position = item.position[0][0];
   item.last_position = item.position[item.vectors - 1][W - 1];
+  item.item_first_key = item.first_key[0][0];
+  item.last_first_key = item.first_key[item.vectors - 1][W - 1];
   return item;
 }
 

@@ -13,6 +13,8 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
+from transformers.masking_utils import sliding_window_causal_mask_function
 
 from pdserve.engine import cpu_kernels
 from pdserve.engine.config import CacheConfig, EngineConfig
@@ -233,6 +235,160 @@ def test_paged_prefill_attention_refuses_a_table_too_short_or_a_block_past_the_p
     pool = cache.shape[1]
     with pytest.raises(RuntimeError, match=f"block {pool} is outside the pool's {pool} blocks"):
         attend(q, cache, bad, 20, 0.25)
+
+
+# ---- Sliding windows: Gemma 3's local layers, Mistral's windowed ones ----
+
+# Gemma 3 270M's attention (4 query heads on 1 KV head of 256), then head_dims 256, 128 and 32 at
+# groups of 1, 2 and 4 query heads a KV head.
+WINDOW_SHAPES = [(4, 1, 256)] + [(2 * group, 2, d) for d in (256, 128, 32) for group in (1, 2, 4)]
+WINDOW_SHAPE_IDS = ["gemma3-270m"] + [f"d{d}-group{group}" for d in (256, 128, 32) for group in (1, 2, 4)]
+WINDOWS = [3, 16, 20, 500]  # blocks of 16: a window under one, one, over one, past every context
+WINDOW_IDS = ["under-a-block", "a-block", "over-a-block", "past-the-context"]
+# decode lengths around and across the windows and the blocks
+DECODE_LENS = [1, 2, 3, 4, 15, 16, 17, 19, 20, 21, 23, 31, 32, 33, 36, 37, 48, 70]
+# prefill chunks from 0 and after cached rows; the last three longer than the lanes path takes at
+# some shapes, so both paths run on their own as well as when named
+WINDOW_CHUNKS = [(0, 1), (0, 13), (5, 1), (16, 16), (17, 30), (90, 7), (300, 14), (0, 70), (40, 100)]
+
+
+def context_rows(cache: torch.Tensor, table: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's rows 0..n-1 read in order through its block table: K and V, [n, KVH, D] each."""
+    block_size = cache.shape[2]
+    blocks, offsets = table[torch.arange(n) // block_size], torch.arange(n) % block_size
+    return cache[0, blocks, offsets], cache[1, blocks, offsets]
+
+
+def masked_sdpa(q, k, v, positions: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    """q [T, H, D] at positions over k, v [n, KVH, D]: torch's SDPA in float32 under transformers' own
+    mask function (sliding_window_causal_mask_function: p - window < j <= p)."""
+    keys = torch.arange(k.shape[0])
+    mask = sliding_window_causal_mask_function(window)(0, 0, positions[:, None], keys[None, :])
+    group = q.shape[1] // k.shape[1]
+    k, v = (rows.repeat_interleave(group, dim=1).transpose(0, 1) for rows in (k, v))
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+def poison_before(cache: torch.Tensor, table: torch.Tensor, first: int) -> None:
+    """NaN in the K and V rows of positions 0..first-1: a kernel that reads one (or weighs its value by
+    a zero) returns NaN."""
+    block_size = cache.shape[2]
+    for t in range(max(first, 0)):
+        cache[:, table[t // block_size], t % block_size] = torch.nan
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", WINDOWS, ids=WINDOW_IDS)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", WINDOW_SHAPES, ids=WINDOW_SHAPE_IDS)
+def test_windowed_decode_matches_masked_sdpa_reading_no_row_before_its_window(heads, kv_heads, head_dim,
+                                                                              window):
+    """One call for rows of mixed lengths, each its query at position len - 1 over its last `window`
+    rows; every row before a window is NaN in the pool, so a kernel that read it would show."""
+    q, cache, tables, lens = paged_case(window * 1000 + head_dim + heads, DECODE_LENS, heads, kv_heads,
+                                        head_dim, block_size=16)
+    scale = head_dim ** -0.5
+    expected = torch.cat([masked_sdpa(q[b:b + 1], *context_rows(cache, tables[b], n), torch.tensor([n - 1]),
+                                      window, scale) for b, n in enumerate(DECODE_LENS)])
+    for b, n in enumerate(DECODE_LENS):
+        poison_before(cache, tables[b], n - window)
+    ours = cpu_kernels.paged_decode_attention()(q, cache, tables, lens, scale, window)
+    assert torch.allclose(ours, expected, atol=1e-5, rtol=1e-5), (ours - expected).abs().max()
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", WINDOWS, ids=WINDOW_IDS)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", WINDOW_SHAPES, ids=WINDOW_SHAPE_IDS)
+def test_windowed_prefill_matches_masked_sdpa_on_both_paths(heads, kv_heads, head_dim, window):
+    """Chunks from position 0 and after cached rows, on the lanes and the tiled path: the same bits,
+    SDPA's result under the window's mask, and no read of a row before the chunk's first window (NaN
+    in the pool there)."""
+    paths = {path: cpu_kernels.paged_prefill_attention_on(path) for path in ("lanes", "tiled")}
+    auto = cpu_kernels.paged_prefill_attention()
+    scale = head_dim ** -0.5
+    for start, tokens in WINDOW_CHUNKS:
+        q, cache, table = prefill_case(start * 100 + tokens + window, start, tokens, heads, kv_heads,
+                                       head_dim, 16)
+        positions = torch.arange(start, start + tokens)
+        expected = masked_sdpa(q, *context_rows(cache, table, start + tokens), positions, window, scale)
+        poison_before(cache, table, start + 1 - window)
+        lanes = paths["lanes"](q, cache, table, start, scale, window)
+        assert torch.equal(lanes, paths["tiled"](q, cache, table, start, scale, window)), (start, tokens)
+        assert torch.equal(lanes, auto(q, cache, table, start, scale, window)), (start, tokens)
+        assert torch.allclose(lanes, expected, atol=1e-5, rtol=1e-5), (start, tokens,
+                                                                        (lanes - expected).abs().max())
+
+
+@needs_kernel
+def test_window_zero_or_past_the_context_is_no_limit_bit_for_bit():
+    """The default, window 0, and a window longer than every context give the unwindowed bits."""
+    q, cache, tables, lens = paged_case(8, DECODE_LENS, 4, 1, 256, block_size=16)
+    decode = cpu_kernels.paged_decode_attention()
+    plain = decode(q, cache, tables, lens, 0.0625)
+    assert torch.equal(decode(q, cache, tables, lens, 0.0625, 0), plain)
+    assert torch.equal(decode(q, cache, tables, lens, 0.0625, 70), plain)
+    q, cache, table = prefill_case(9, 30, 40, 4, 1, 256, 16)
+    for path in ("lanes", "tiled"):
+        prefill = cpu_kernels.paged_prefill_attention_on(path)
+        plain = prefill(q, cache, table, 30, 0.0625)
+        assert torch.equal(prefill(q, cache, table, 30, 0.0625, 0), plain)
+        assert torch.equal(prefill(q, cache, table, 30, 0.0625, 70), plain)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [3, 16, 20, 77])
+def test_a_windowed_prefill_row_attends_alike_in_any_chunk_and_at_any_thread_count(window):
+    """As without a window: a row's first key tile is fixed from key 0 and the tiles before its window
+    add nothing, so chunking (crossing the two paths) or the thread count never changes its bits."""
+    tokens = cpu_kernels.prefill_attention_lane_rows() // 4 + 10  # Gemma 3 270M: 4 rows a query
+    q, cache, table = prefill_case(window, 0, tokens, 4, 1, 256, 16)
+    attend = cpu_kernels.paged_prefill_attention()
+    whole = attend(q, cache, table, 0, 0.0625, window)
+    for cuts in ([0, 13, 40, tokens], [0, 1, 2, tokens - 1, tokens], [0, tokens // 2, tokens]):
+        chunks = [attend(q[a:b].contiguous(), cache, table, a, 0.0625, window)
+                  for a, b in zip(cuts, cuts[1:])]
+        assert torch.equal(torch.cat(chunks), whole)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            assert torch.equal(attend(q, cache, table, 0, 0.0625, window), whole)
+            tail = attend(q[-14:].contiguous(), cache, table, tokens - 14, 0.0625, window)
+            assert torch.equal(tail, whole[-14:])
+    finally:
+        torch.set_num_threads(threads)
+
+
+CAPPED_WINDOWS = """
+from pdserve.engine import cpu_kernels
+from tests.engine.test_attention_kernels import (
+    WINDOWS, WINDOW_SHAPES,
+    test_windowed_decode_matches_masked_sdpa_reading_no_row_before_its_window as decode,
+    test_windowed_prefill_matches_masked_sdpa_on_both_paths as prefill)
+assert cpu_kernels.gemv_isa() == "avx2", cpu_kernels.gemv_isa()
+for shape in WINDOW_SHAPES:
+    for window in WINDOWS:
+        decode(*shape, window)
+        prefill(*shape, window)
+print("checked")
+"""
+
+
+@needs_kernel
+def test_the_windowed_kernels_in_8_lanes_too():
+    """The 8-lane build (PDSERVE_CPU_ISA=avx2) under the same windowed checks: its key tiles are half
+    as long, so a window starts at another place in them."""
+    run_capped_to_avx2(CAPPED_WINDOWS)
+
+
+@needs_kernel
+def test_a_negative_window_is_refused():
+    q, cache, tables, lens = paged_case(3, [20, 8], 4, 2, 16, block_size=16)
+    with pytest.raises(RuntimeError, match="window must be 0 .no limit. or more, not -1"):
+        cpu_kernels.paged_decode_attention()(q, cache, tables, lens, 0.25, -1)
+    q, cache, table = prefill_case(4, 0, 3, 4, 2, 16, 16)
+    with pytest.raises(RuntimeError, match="window must be 0 .no limit. or more, not -2"):
+        cpu_kernels.paged_prefill_attention()(q, cache, table, 0, 0.25, -2)
 
 
 def test_attention_kernel_names_and_dtypes_are_checked():
