@@ -69,7 +69,9 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
                     "with --model.")
     p.add_argument("--model", metavar="PATH",
                    help="read layers, KV heads and head dim from a Hugging Face model folder "
-                        "(config.json) or a .gguf file, instead of --layers/--kv-heads/--head-dim")
+                        "(config.json), a .gguf file or a model's name (smollm2, gemma3-270m), instead of "
+                        "--layers/--kv-heads/--head-dim; also prints its family and, for a model with "
+                        "sliding-window layers, what their KV would be if only the window were kept")
     p.add_argument("--layers", type=int, help="number of decoder layers (config.json: num_hidden_layers)")
     p.add_argument("--kv-heads", type=int,
                    help="number of key/value heads (config.json: num_key_value_heads; "
@@ -96,12 +98,18 @@ def _run_plan(args: argparse.Namespace) -> int:
     from pdserve.plan import plan_for_model, plan_kv
 
     shape_flags = {"--layers": args.layers, "--kv-heads": args.kv_heads, "--head-dim": args.head_dim}
+    family = None
     if args.model is not None:
         given = [flag for flag, value in shape_flags.items() if value is not None]
         if given:
             raise ValueError(f"--model sets the shape; drop {', '.join(given)} or drop --model")
-        plan = plan_for_model(args.model, args.dtype, args.tokens, args.sequences, args.memory_gib,
+        from pdserve.engine.named_models import resolve_model_path
+        from pdserve.window_plan import family_plan, read_model_config
+
+        path = resolve_model_path(args.model)
+        plan = plan_for_model(path, args.dtype, args.tokens, args.sequences, args.memory_gib,
                               args.host_gib, args.disk_gib)
+        family = family_plan(read_model_config(path), args.dtype, args.tokens)
     else:
         missing = [flag for flag, value in shape_flags.items() if value is None]
         if missing:
@@ -111,8 +119,10 @@ def _run_plan(args: argparse.Namespace) -> int:
                        args.tokens, args.sequences, args.memory_gib, args.host_gib, args.disk_gib)
 
     if args.json:
-        print(json.dumps(plan.as_dict()))
+        print(json.dumps(plan.as_dict() | (family.as_dict() if family is not None else {})))
         return 0
+    for line in family.describe() if family is not None else ():
+        print(line)
     s = plan.shape
     print(f"KV cache: {s.num_layers} layers x {s.num_kv_heads} KV heads x head_dim {s.head_dim}, "
           f"{plan.dtype}")

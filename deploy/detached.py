@@ -190,8 +190,8 @@ class DetachedCluster(LocalCluster):
         # NOTE: loaded here for the routers' context length and sampling defaults (and, for a GGUF,
         # converted once for every worker), as in the foreground.
         loaded = load_model(self.spec.engine.model_path, progress=False)
-        config = self._router_config(loaded.config.max_position_embeddings,
-                                     sampling_defaults_in_force(loaded, self.spec))
+        model, sampling = loaded.config, sampling_defaults_in_force(loaded, self.spec)
+        config = self._router_config(model.max_position_embeddings, sampling, model.architecture)
         del loaded
         self._create_actors()
         self._start_replicas(config, first=0)

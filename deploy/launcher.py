@@ -92,7 +92,8 @@ class LocalCluster:
         loaded = load_model(self.spec.engine.model_path, progress=False)
         sampling = sampling_defaults_in_force(loaded, self.spec)
         self._create_actors()
-        config = self._router_config(loaded.config.max_position_embeddings, sampling)
+        model = loaded.config
+        config = self._router_config(model.max_position_embeddings, sampling, model.architecture)
         self.router = redis_router(config, loaded.tokenizer, self.redis_url, self.spec.namespace)
         del loaded
         address = self.router.start()
@@ -156,12 +157,14 @@ class LocalCluster:
         return SecurityConfig(tls=tls, client_cert=sec.client_cert, client_key=sec.client_key,
                               api_tokens=sec.api_tokens[:1])
 
-    def _router_config(self, max_context_tokens: int, sampling_defaults: SamplingDefaults) -> RouterConfig:
-        """Router 0's configuration."""
+    def _router_config(self, max_context_tokens: int, sampling_defaults: SamplingDefaults,
+                       architecture: str | None = None) -> RouterConfig:
+        """Router 0's configuration: the model's context, sampling defaults and family."""
         s = self.spec
         return RouterConfig(host=s.host, port=s.port, metrics_port=s.metrics_port, placement=s.placement,
                             http_port=s.http_port or None,
                             served_model_name=s.served_model_name or served_model_name(s.engine.model_path),
+                            architecture=architecture,
                             limits=replace(s.limits, max_context_tokens=max_context_tokens),
                             deadlines=s.deadlines, migration=s.migration, cache_isolation=s.cache_isolation,
                             security=self.security, sampling_defaults=sampling_defaults)

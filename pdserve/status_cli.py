@@ -1,14 +1,15 @@
 """`pdserve status`: one table of the cluster, from the router's Admin ClusterStatus call.
 
-    worker     role     node          state    queue  load  KV used      hit rate  ...  kernels
-    prefill-0  prefill  host/1a2b3c4d serving  0/1    1     12/96 (12%)  41.0%     ...  native/native/native
+    worker     role     node          state    queue  load  KV used      hit rate  ...  kernels  architecture
+    prefill-0  prefill  host/1a2b3c4d serving  0/1    1     12/96 (12%)  41.0%     ...  n/n/n    gemma3
     kernels on prefill-0: linear native (auto: AVX-512 CPU, extension built); attention native (...); ...
 
 queue is waiting/running on the worker, asked now; load is what this router scores it with: the
 worker's last heartbeat report, shared by every router, plus this router's requests placed there
 since (router/shared_load.py); hit rate is cached / prompt tokens over the requests
 that finished on it; sent/received are KV transfer bytes; kernels are the linear/attention/pointwise
-kernels its engine runs, and the lines under the table say why, once for the workers that share them.
+kernels its engine runs, and the lines under the table say why, once for the workers that share them;
+architecture is the model family it serves (llama, mistral, qwen2, qwen3, gemma3).
 No torch: only gRPC.
 """
 
@@ -27,7 +28,7 @@ from pdserve.units import human_bytes
 from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc, worker_pb2
 
 COLUMNS = ("worker", "role", "node", "state", "queue", "load", "KV used", "host tier", "disk tier",
-           "hit rate", "index accuracy", "sent", "received", "failed", "kernels")
+           "hit rate", "index accuracy", "sent", "received", "failed", "kernels", "architecture")
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -94,4 +95,4 @@ def worker_row(view: admin_pb2.WorkerView) -> tuple[str, ...]:
     return (s.worker_id, s.role, s.node, view.state, f"{s.waiting_requests}/{s.active_requests}",
             str(view.estimated_load), kv, host, disk, hit,
             accuracy, human_bytes(s.bytes_sent), human_bytes(s.bytes_received), str(failed),
-            "/".join(k.kernel for k in s.kernels) or "-")
+            "/".join(k.kernel for k in s.kernels) or "-", s.architecture or "-")

@@ -81,6 +81,7 @@ class RouterConfig:
     # The OpenAI-compatible HTTP API (router/http/) on host:http_port; 0 = any free port, None = off.
     http_port: int | None = None
     served_model_name: str = "pdserve"  # the `model` HTTP requests name (the launcher uses the model's)
+    architecture: str | None = None  # the served model's family, for /v1/models (the launcher reads it)
     # What a request's unset temperature/top_p/top_k become: the served model's (the launcher reads
     # them with the model, `pdserve up --default-*` on top); the neutral 1.0/1.0/0 when not given.
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
@@ -129,7 +130,7 @@ class RouterServer:
     def _http_front_door(self, tokenizer: Tokenizer) -> HttpFrontDoor:
         c = self.config
         card = ModelCard(c.served_model_name, c.limits.max_context_tokens,
-                         {"sampling_defaults": c.sampling_defaults.as_dict()})
+                         {"sampling_defaults": c.sampling_defaults.as_dict()}, c.architecture)
         return HttpFrontDoor(self.servicer, tokenizer, card, self.metrics.registry,
                              lambda: len(self.directory.candidates("decode")), self.security,
                              host=c.host, port=c.http_port, max_body_bytes=c.limits.max_message_bytes,

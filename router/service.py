@@ -34,6 +34,7 @@ client's id.
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import os
 import threading
@@ -41,6 +42,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -148,7 +150,8 @@ def prompt_token_ids(request: generation_pb2.GenerateRequest, tokenizer: Tokeniz
         ids = list(request.token_ids.ids)
     elif kind == "chat":
         lim.check_chat(len(request.chat.messages), limits or RequestLimits())
-        ids = tokenizer.apply_chat_template(_chat_messages(request.chat), add_generation_prompt=True)
+        ids = tokenizer.apply_chat_template(_chat_messages(request.chat), add_generation_prompt=True,
+                                            **_template_kwargs(request.chat))
     elif request.raw:
         ids = tokenizer.encode(request.text)
     else:
@@ -160,6 +163,27 @@ def prompt_token_ids(request: generation_pb2.GenerateRequest, tokenizer: Tokeniz
     if bad is not None:
         raise InvalidPrompt(f"prompt token id {bad} is outside the vocabulary [0, {tokenizer.vocab_size})")
     return ids
+
+
+# Set by the renderer from the request itself (pdserve/engine/tokenizer.py render_chat), so not a
+# variable chat_template_kwargs may give.
+_RENDERER_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
+
+
+def _template_kwargs(chat: generation_pb2.ChatMessages) -> dict[str, Any]:
+    """chat.chat_template_kwargs: a JSON object of extra chat-template variables ("" = none)."""
+    if not chat.chat_template_kwargs:
+        return {}
+    try:
+        kwargs = json.loads(chat.chat_template_kwargs)
+    except json.JSONDecodeError as e:
+        raise InvalidPrompt(f"chat_template_kwargs is not valid JSON: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise InvalidPrompt(f"chat_template_kwargs must be a JSON object, got {type(kwargs).__name__}")
+    taken = sorted(set(kwargs) & set(_RENDERER_VARIABLES))
+    if taken:
+        raise InvalidPrompt(f"chat_template_kwargs.{taken[0]}: pdserve sets it from the request itself")
+    return kwargs
 
 
 def _chat_messages(chat: generation_pb2.ChatMessages) -> list[dict[str, str]]:

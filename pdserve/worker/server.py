@@ -186,7 +186,8 @@ class WorkerServer:
         c = self.config
         metrics = self.metrics_endpoint.address if self.metrics_endpoint is not None else ""
         return worker_pb2.WorkerStatus(worker_id=c.worker_id, role=c.role, address=self.address,
-                                       node=c.node, epoch=self.epoch, metrics_address=metrics)
+                                       node=c.node, epoch=self.epoch, metrics_address=metrics,
+                                       architecture=self.engine.model_config.architecture)
 
     def status(self) -> worker_pb2.WorkerStatus:
         assert self.servicer is not None, "start() the worker first"

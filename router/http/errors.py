@@ -36,7 +36,8 @@ _BY_CODE = {
 _PARAMS = (("sampling.stop_token_ids", "stop_token_ids"), ("sampling.stop", "stop"),
            ("sampling.logprobs", "logprobs"), ("max_tokens", "max_tokens"), ("temperature", "temperature"),
            ("top_p", "top_p"), ("top_k", "top_k"), ("seed", "seed"), ("prompt", "prompt"),
-           ("chat.messages", "messages"), ("chat has", "messages"), ("request_id", "request_id"))
+           ("chat.messages", "messages"), ("chat has", "messages"), ("request_id", "request_id"),
+           ("chat_template_kwargs", "chat_template_kwargs"))
 
 
 @dataclass(eq=False)  # NOTE: not frozen: raising sets __traceback__, which a frozen dataclass refuses

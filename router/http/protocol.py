@@ -10,7 +10,9 @@ them to 400).
     chat:        model, messages (string content or a list of text parts), max_tokens |
                  max_completion_tokens, temperature, top_p, seed, stop, stream, stream_options,
                  logprobs (bool) + top_logprobs, n (1 only), user; extensions (as vLLM's): top_k,
-                 ignore_eos, return_token_ids (each choice, or chunk, also carries its token ids)
+                 ignore_eos, return_token_ids (each choice, or chunk, also carries its token ids),
+                 chat_template_kwargs (an object of extra chat-template variables, e.g.
+                 {"enable_thinking": false} for Qwen3's template)
     completions: model, prompt (string or token ids), the same sampling fields, echo (false
                  only), logprobs (an integer: that many alternatives)
 
@@ -20,6 +22,7 @@ response_format, presence_penalty != 0, ...) are a 400 naming the field, never s
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,7 +41,8 @@ _NEUTRAL_ZERO = ("presence_penalty", "frequency_penalty")
 _IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
            "top_k", "ignore_eos", "return_token_ids", "best_of", *_NEUTRAL_ZERO, *_IGNORED, *_UNSUPPORTED)
-CHAT_FIELDS = frozenset((*_COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs"))
+CHAT_FIELDS = frozenset((*_COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                         "chat_template_kwargs"))
 COMPLETION_FIELDS = frozenset((*_COMMON, "prompt", "echo", "logprobs"))
 
 
@@ -58,7 +62,8 @@ class ApiRequest:
 def parse_chat(body: Any, model: str) -> ApiRequest:
     body = _object(body)
     _check_common(body, CHAT_FIELDS, model)
-    request = pb.GenerateRequest(chat=pb.ChatMessages(messages=_messages(body)))
+    chat = pb.ChatMessages(messages=_messages(body), chat_template_kwargs=_template_kwargs(body))
+    request = pb.GenerateRequest(chat=chat)
     logprobs = _chat_logprobs(body)
     _fill_sampling(request.sampling, body, _max_tokens(body, "max_completion_tokens", "max_tokens"), logprobs)
     stream, include_usage = _stream(body)
@@ -124,6 +129,18 @@ def _message(m: Any, i: int) -> pb.ChatMessage:
         raise ApiError.invalid(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
                                f"{where}.role")
     return pb.ChatMessage(role=role, content=_content(m.get("content"), f"{where}.content"))
+
+
+def _template_kwargs(body: Mapping[str, Any]) -> str:
+    """chat_template_kwargs as the JSON text GenerateRequest carries ("" = none); the router's servicer
+    refuses the variables the renderer sets itself (messages, add_generation_prompt, ...)."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return ""
+    if not isinstance(kwargs, dict):
+        raise ApiError.invalid("chat_template_kwargs must be an object of chat-template variables, e.g. "
+                               f"{{\"enable_thinking\": false}}, got {kwargs!r}", "chat_template_kwargs")
+    return json.dumps(kwargs) if kwargs else ""
 
 
 def _content(content: Any, where: str) -> str:

@@ -54,6 +54,7 @@ class ModelCard:
     name: str
     max_model_len: int | None
     extension: Mapping[str, Any] = field(default_factory=dict)  # the "pdserve" object: sampling defaults
+    architecture: str | None = None  # its family (pdserve/engine/families.py); None: not known here
 
 
 class HttpFrontDoor:
@@ -188,9 +189,12 @@ class HttpFrontDoor:
         return web.json_response(self._model_json())
 
     def _model_json(self) -> dict:
-        return {"id": self.model.name, "object": "model", "created": self.started, "owned_by": "pdserve",
-                "root": self.model.name, "max_model_len": self.model.max_model_len,
-                "pdserve": dict(self.model.extension)}
+        # OpenAI's four keys, then extra ones as vLLM adds root and max_model_len
+        card = {"id": self.model.name, "object": "model", "created": self.started, "owned_by": "pdserve",
+                "root": self.model.name, "max_model_len": self.model.max_model_len}
+        if self.model.architecture is not None:
+            card["architecture"] = self.model.architecture
+        return card | {"pdserve": dict(self.model.extension)}
 
     async def _health(self, request: web.Request) -> web.Response:
         live = self.live_decode_workers()

@@ -174,7 +174,7 @@ def test_wrong_architecture(tmp_path, tiny_model_dir):
     directory = copy_tiny(tiny_model_dir, tmp_path / "m")
     raw = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps(raw | {"model_type": "gpt2"}))
-    with pytest.raises(ValueError, match="model_type is 'gpt2'"):
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not a family pdserve knows"):
         load_model(str(directory), progress=False)
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/pdserve/v1/generation.proto\x12\npdserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x98\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x05\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"\x8d\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12\x0b\n\x03raw\x18\x05 \x01(\x08\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0f\n\x07routing\x18\x07 \x01(\t\x12H\n\x0frouting_weights\x18\x08 \x03(\x0b\x32/.pdserve.v1.GenerateRequest.RoutingWeightsEntry\x12*\n\x0c\x63ontinuation\x18\t \x01(\x0b\x32\x14.pdserve.v1.TokenIds\x1a\x35\n\x13RoutingWeightsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06prompt\"\xa1\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12\x1a\n\x12host_cached_tokens\x18\x05 \x01(\r\x12\x1a\n\x12\x64isk_cached_tokens\x18\x06 \x01(\r\"U\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\xa6\x01\n\tMigration\x12\r\n\x05\x63\x61use\x18\x01 \x01(\t\x12\x1a\n\x12\x66rom_decode_worker\x18\x02 \x01(\t\x12\x18\n\x10to_decode_worker\x18\x03 \x01(\t\x12\x14\n\x0c\x61\x66ter_tokens\x18\x04 \x01(\r\x12\x17\n\x0freplayed_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x0e\n\x06gap_ms\x18\x07 \x01(\x01\"\xcc\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x07 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x16\n\x0eprefill_worker\x18\x08 \x01(\t\x12\x15\n\rdecode_worker\x18\t \x01(\t\x12*\n\x08logprobs\x18\n \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12)\n\nmigrations\x18\x0b \x03(\x0b\x32\x15.pdserve.v1.Migration\x12\x0c\n\x04seed\x18\x0c \x01(\x04\x32U\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/pdserve/v1/generation.proto\x12\npdserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"W\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x1c\n\x14\x63hat_template_kwargs\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x98\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x05\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"\x8d\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12\x0b\n\x03raw\x18\x05 \x01(\x08\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0f\n\x07routing\x18\x07 \x01(\t\x12H\n\x0frouting_weights\x18\x08 \x03(\x0b\x32/.pdserve.v1.GenerateRequest.RoutingWeightsEntry\x12*\n\x0c\x63ontinuation\x18\t \x01(\x0b\x32\x14.pdserve.v1.TokenIds\x1a\x35\n\x13RoutingWeightsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06prompt\"\xa1\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12\x1a\n\x12host_cached_tokens\x18\x05 \x01(\r\x12\x1a\n\x12\x64isk_cached_tokens\x18\x06 \x01(\r\"U\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\xa6\x01\n\tMigration\x12\r\n\x05\x63\x61use\x18\x01 \x01(\t\x12\x1a\n\x12\x66rom_decode_worker\x18\x02 \x01(\t\x12\x18\n\x10to_decode_worker\x18\x03 \x01(\t\x12\x14\n\x0c\x61\x66ter_tokens\x18\x04 \x01(\r\x12\x17\n\x0freplayed_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x0e\n\x06gap_ms\x18\x07 \x01(\x01\"\xcc\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x07 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x16\n\x0eprefill_worker\x18\x08 \x01(\t\x12\x15\n\rdecode_worker\x18\t \x01(\t\x12*\n\x08logprobs\x18\n \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12)\n\nmigrations\x18\x0b \x03(\x0b\x32\x15.pdserve.v1.Migration\x12\x0c\n\x04seed\x18\x0c \x01(\x04\x32U\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,27 +36,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=50
   _globals['_CHATMESSAGE']._serialized_end=94
   _globals['_CHATMESSAGES']._serialized_start=96
-  _globals['_CHATMESSAGES']._serialized_end=153
-  _globals['_TOKENIDS']._serialized_start=155
-  _globals['_TOKENIDS']._serialized_end=178
-  _globals['_SAMPLINGPARAMS']._serialized_start=181
-  _globals['_SAMPLINGPARAMS']._serialized_end=461
-  _globals['_GENERATEREQUEST']._serialized_start=464
-  _globals['_GENERATEREQUEST']._serialized_end=861
-  _globals['_GENERATEREQUEST_ROUTINGWEIGHTSENTRY']._serialized_start=798
-  _globals['_GENERATEREQUEST_ROUTINGWEIGHTSENTRY']._serialized_end=851
-  _globals['_USAGE']._serialized_start=864
-  _globals['_USAGE']._serialized_end=1025
-  _globals['_TIMINGS']._serialized_start=1027
-  _globals['_TIMINGS']._serialized_end=1112
-  _globals['_TOPLOGPROB']._serialized_start=1114
-  _globals['_TOPLOGPROB']._serialized_end=1161
-  _globals['_TOKENLOGPROB']._serialized_start=1163
-  _globals['_TOKENLOGPROB']._serialized_end=1249
-  _globals['_MIGRATION']._serialized_start=1252
-  _globals['_MIGRATION']._serialized_end=1418
-  _globals['_GENERATERESPONSE']._serialized_start=1421
-  _globals['_GENERATERESPONSE']._serialized_end=1753
-  _globals['_GENERATION']._serialized_start=1755
-  _globals['_GENERATION']._serialized_end=1840
+  _globals['_CHATMESSAGES']._serialized_end=183
+  _globals['_TOKENIDS']._serialized_start=185
+  _globals['_TOKENIDS']._serialized_end=208
+  _globals['_SAMPLINGPARAMS']._serialized_start=211
+  _globals['_SAMPLINGPARAMS']._serialized_end=491
+  _globals['_GENERATEREQUEST']._serialized_start=494
+  _globals['_GENERATEREQUEST']._serialized_end=891
+  _globals['_GENERATEREQUEST_ROUTINGWEIGHTSENTRY']._serialized_start=828
+  _globals['_GENERATEREQUEST_ROUTINGWEIGHTSENTRY']._serialized_end=881
+  _globals['_USAGE']._serialized_start=894
+  _globals['_USAGE']._serialized_end=1055
+  _globals['_TIMINGS']._serialized_start=1057
+  _globals['_TIMINGS']._serialized_end=1142
+  _globals['_TOPLOGPROB']._serialized_start=1144
+  _globals['_TOPLOGPROB']._serialized_end=1191
+  _globals['_TOKENLOGPROB']._serialized_start=1193
+  _globals['_TOKENLOGPROB']._serialized_end=1279
+  _globals['_MIGRATION']._serialized_start=1282
+  _globals['_MIGRATION']._serialized_end=1448
+  _globals['_GENERATERESPONSE']._serialized_start=1451
+  _globals['_GENERATERESPONSE']._serialized_end=1783
+  _globals['_GENERATION']._serialized_start=1785
+  _globals['_GENERATION']._serialized_end=1870
 # @@protoc_insertion_point(module_scope)
