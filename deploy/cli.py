@@ -164,8 +164,8 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
                             "as started by `pdserve up`) instead of running the engine here; several "
                             "routers, comma-separated, are tried in turn when one is unavailable")
     p.add_argument("--model", metavar="PATH",
-                   help="model for --local: a Hugging Face Llama-family folder or a .gguf file "
-                        "(default: the embedded SmolLM2-135M-Instruct)")
+                   help="model for --local: a Hugging Face folder, a .gguf file or a model's name "
+                        "(smollm2, gemma3-270m) (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--raw", action="store_true",
                    help="send the prompt text as is, without the chat template")
     p.add_argument("--token-ids", metavar="1,2,3",
