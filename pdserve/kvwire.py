@@ -32,7 +32,9 @@ algorithm. Changing any of them (xxh3_64 -> crc32 included) is a new version. A 
 is not: its name travels in the layout, which both ends must share, and a receiver that does
 not know the name refuses the BEGIN (fail closed, tests/test_kvwire.py). Nor is a new encoding of
 a dtype's rows: the layout's row_format names it (pdserve/engine/config.py KVDtype), and a BEGIN
-without one comes from a peer that predates it, whose rows were the dtype's first encoding.
+without one comes from a peer that predates it, whose rows were the dtype's first encoding. Nor is
+a new model family: the layout's architecture names it, so KV never crosses families (a mismatch
+names the architecture first); a BEGIN without one comes from a peer that ran Llama only.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class KVLayout:
     head_dim: int
     row_format: str | None = None  # None: this process's encoding of kv_dtype
     wire_version: int = WIRE_VERSION
+    architecture: str = "llama"  # the model family (pdserve/engine/families.py) that computed the KV
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in TORCH_DTYPES:
@@ -125,12 +128,14 @@ class KVLayout:
         return math.prod(self.block_shape) * self.torch_dtype.itemsize
 
     def first_mismatch(self, other: KVLayout) -> str | None:
-        """Name the first field (in declaration order) where `self`, the sender's layout as
-        sent in BEGIN, differs from `other`, the receiver's; None when they agree."""
-        for f in fields(self):
-            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+        """Name the first field where `self`, the sender's layout as sent in BEGIN, differs from
+        `other`, the receiver's; None when they agree. The architecture comes first: another family
+        also has another fingerprint (and often other shapes), and the family is the reason;
+        the other fields in declaration order."""
+        for name in sorted((f.name for f in fields(self)), key=lambda name: name != "architecture"):
+            mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
-                return f"{f.name}: sender {_short(mine)}, receiver {_short(theirs)}"
+                return f"{name}: sender {_short(mine)}, receiver {_short(theirs)}"
         return None
 
     def to_msgpack_dict(self) -> dict[str, Any]:
@@ -144,13 +149,19 @@ class KVLayout:
         # NOTE: a peer from before row formats sends none: its rows were the dtype's first
         # encoding, named as the dtype (an int8 one then differs from this int8: fail closed).
         kwargs["row_format"] = r.as_str("row_format") if "row_format" in d else kwargs["kv_dtype"]
+        # NOTE: a peer from before families sends no architecture: it could run Llama's forward pass
+        # only, so read it as llama. That alone never lets KV cross families: its model_fingerprint
+        # (which hashes the whole ModelConfig, family included) must still equal the receiver's.
+        kwargs["architecture"] = r.as_str("architecture") if "architecture" in d else "llama"
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim", "wire_version"):
             kwargs[name] = r.as_int(name)
         return _build(cls, "layout", **kwargs)
 
     @classmethod
-    def of_cache(cls, kv_cache: torch.Tensor, model_fingerprint: str) -> KVLayout:
-        """The layout of an engine pool kv[layer, K|V, block, offset, kv_head, row]."""
+    def of_cache(cls, kv_cache: torch.Tensor, model_fingerprint: str,
+                 architecture: str = "llama") -> KVLayout:
+        """The layout of an engine pool kv[layer, K|V, block, offset, kv_head, row], computed by a
+        model of that fingerprint and family."""
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
             raise ValueError(f"expected a KV pool [layers, 2, blocks, block_size, kv_heads, row], "
                              f"got shape {tuple(kv_cache.shape)}")
@@ -159,7 +170,8 @@ class KVLayout:
                              f"use one of {', '.join(TORCH_DTYPES)}")
         layers, _, _, block_size, kv_heads, row = kv_cache.shape
         name = _DTYPE_NAMES[kv_cache.dtype]
-        return cls(model_fingerprint, block_size, name, layers, kv_heads, KV_FORMATS[name].head_dim(row))
+        return cls(model_fingerprint, block_size, name, layers, kv_heads, KV_FORMATS[name].head_dim(row),
+                   architecture=architecture)
 
 
 @dataclass(frozen=True)

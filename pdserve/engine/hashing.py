@@ -9,8 +9,8 @@ covers (parent hash, token ids, salt):
     block 2: h2 = H(salt | h1   | tokens[2bs:3bs])
 
 Editing token i changes the hash of block i // bs and of every block after it.
-The salt fingerprints what makes KV bytes comparable at all: model weights,
-tokenizer, block size and KV dtype. Two engines with different salts never
+The salt fingerprints what makes KV bytes comparable at all: model family,
+weights, tokenizer, block size and KV dtype. Two engines with different salts never
 share a hash. Partial (trailing) blocks get no hash: they are never shared.
 
 A request may carry a cache_salt of its own (a tenant's, under --cache-isolation token):
@@ -41,10 +41,17 @@ HASH_BYTES = 16
 ROOT_PARENT = BlockHash(b"\x00" * HASH_BYTES)
 
 
-def engine_salt(model_fingerprint: str, block_size: int, kv_dtype: str) -> bytes:
+def engine_salt(model_fingerprint: str, block_size: int, kv_dtype: str, *,
+                architecture: str = "llama") -> bytes:
     """The engine's salt, mixed into every block hash: what makes its KV bytes comparable at all
-    (model+tokenizer fingerprint, block size, the dtype's row format: pdserve/engine/config.py)."""
-    text = f"pdserve-kv-v1|{model_fingerprint}|bs={block_size}|dtype={KV_DTYPE_TABLE[kv_dtype].row_format}"
+    (model family and model+tokenizer fingerprint, block size, the dtype's row format:
+    pdserve/engine/config.py)."""
+    # NOTE: the family is named beside the fingerprint, so two families never share a block even were
+    # their fingerprints equal. Llama's salt names none: it is the salt from before families, as only
+    # int8 names its later row format, and no other family's text can equal it (a fingerprint is hex).
+    family = "" if architecture == "llama" else f"|arch={architecture}"
+    text = (f"pdserve-kv-v1|{model_fingerprint}{family}|bs={block_size}"
+            f"|dtype={KV_DTYPE_TABLE[kv_dtype].row_format}")
     return hashlib.sha256(text.encode()).digest()[:HASH_BYTES]
 
 

@@ -149,7 +149,8 @@ class LLMEngine:
         cache = config.cache
         self.block_size = cache.block_size
         num_blocks = cache.resolve_num_blocks(loaded.config)
-        self.salt = engine_salt(loaded.fingerprint, cache.block_size, cache.kv_dtype)
+        self.salt = engine_salt(loaded.fingerprint, cache.block_size, cache.kv_dtype,
+                                architecture=loaded.config.architecture)
         self.kv_cache = allocate_kv_cache(self.model, num_blocks, cache.block_size, cache.kv_dtype)
         lower = build_lower_tier(self.kv_cache, cache, loaded.config, self.salt)
         self.pool = BlockPool(num_blocks, cache.block_size, lower)

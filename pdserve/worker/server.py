@@ -130,7 +130,8 @@ class WorkerServer:
         self.engine = (LLMEngine(loaded, config.engine, publisher) if loaded is not None
                        else LLMEngine.from_config(config.engine, progress=False, publisher=publisher))
         log.info("worker %s: kernels %s", config.worker_id, self.engine.kernels.describe())
-        self.layout = KVLayout.of_cache(self.engine.kv_cache, self.engine.fingerprint)
+        self.layout = KVLayout.of_cache(self.engine.kv_cache, self.engine.fingerprint,
+                                        self.engine.model_config.architecture)
         role.attach(self.engine, self.layout)
         self._on_failing = on_failing
         self.metrics = WorkerMetrics()
