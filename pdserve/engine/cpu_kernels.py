@@ -11,8 +11,6 @@ where they build: pdserve/engine/kernel_choice.py).
     prefill_attention.cpp  torch.ops.pdserve.paged_prefill_attention: a prefill chunk's queries over
     (+ _lanes.h)           its sequence's rows in the pool, causal, flash-style (the same native
                            attention kernel, for prefill chunks)
-                           Both attentions take a sliding window (window=0: none): the query at position p
-                           sees keys p - window < j <= p, the rows before them never read.
     pointwise.cpp          torch.ops.pdserve.rms_norm, add_rms_norm_, silu_and_mul, rotary_: the work
                            between a layer's products, one pass each (the native pointwise kernel,
                            pdserve/engine/pointwise.py)
@@ -27,6 +25,7 @@ where they build: pdserve/engine/kernel_choice.py).
     gemv(), panel_matmul(), paged_decode_attention(), paged_prefill_attention(), kv_blocks()
                                        the operators, or None where they cannot be built or run here
     paged_prefill_attention_on(path)   the prefill attention on its lanes or tiled path only
+    the attentions' window argument    a sliding window: position p sees keys p - window < j <= p (0: all)
     prefill_attention_lane_rows()      the query rows a KV head up to which a chunk takes the lanes path
     gemv_isa()                         avx512 or avx2: which of their paths the kernels run on this CPU
     unavailable()                      why not, in words (None when they work)

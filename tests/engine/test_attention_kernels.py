@@ -243,8 +243,9 @@ def test_paged_prefill_attention_refuses_a_table_too_short_or_a_block_past_the_p
 # groups of 1, 2 and 4 query heads a KV head.
 WINDOW_SHAPES = [(4, 1, 256)] + [(2 * group, 2, d) for d in (256, 128, 32) for group in (1, 2, 4)]
 WINDOW_SHAPE_IDS = ["gemma3-270m"] + [f"d{d}-group{group}" for d in (256, 128, 32) for group in (1, 2, 4)]
-WINDOWS = [3, 16, 20, 500]  # blocks of 16: a window under one, one, over one, past every context
-WINDOW_IDS = ["under-a-block", "a-block", "over-a-block", "past-the-context"]
+# blocks of 16: a window of the query's own key, under a block, of one, over one, past every context
+WINDOWS = [1, 3, 16, 20, 500]
+WINDOW_IDS = ["own-key", "under-a-block", "a-block", "over-a-block", "past-the-context"]
 # decode lengths around and across the windows and the blocks
 DECODE_LENS = [1, 2, 3, 4, 15, 16, 17, 19, 20, 21, 23, 31, 32, 33, 36, 37, 48, 70]
 # prefill chunks from 0 and after cached rows; the last three longer than the lanes path takes at
