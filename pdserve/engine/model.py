@@ -155,11 +155,6 @@ def _context_mask(lens: torch.Tensor, width: int, window: int | None = None) -> 
     return mask[:, None, None, :]
 
 
-def _window_arg(window: int | None) -> tuple[int, ...]:
-    """TEMPORARY until the kernels take a window: the paged kernels' window argument, where there is one."""
-    return () if window is None else (window,)
-
-
 def causal_mask(start: int, q_len: int, window: int | None, device: torch.device) -> torch.Tensor:
     """[q_len, start + q_len] True where the query at start + i may attend: the keys up to it, and
     within the window when there is one."""
@@ -413,7 +408,7 @@ class LlamaModel:
         pools only, which have no own rows)."""
         if self.paged_attention is not None:
             return self.paged_attention.decode(q.contiguous(), layer_cache, meta.decode_block_tables,
-                                               meta.decode_context_lens, self.scale, *_window_arg(window))
+                                               meta.decode_context_lens, self.scale, window or 0)
         if groups[0].rows is None:
             return self._group_attention(q, layer_cache, fmt, groups[0], own)
         out = torch.empty_like(q)
@@ -445,7 +440,7 @@ class LlamaModel:
         float32, where the format attends them so."""
         if self.paged_attention is not None:
             return self.paged_attention.prefill(q.contiguous(), layer_cache, seg.block_table, seg.start,
-                                                self.scale, *_window_arg(window))
+                                                self.scale, window or 0)
         ctx = seg.start + seg.q_len
         if seg.start == 0:
             keys, values = k, v
