@@ -9,9 +9,17 @@ matters: SmolLM2 ("smollm") splits every digit on its own before the GPT-2 regex
 GGUF loader, which does not know "smollm", does not -- so "  123" encodes differently there (see
 tests/engine/test_tokenizer.py).
 
-SentencePiece ("llama"), as Gemma stores it: rebuilt as transformers rebuilds Gemma's -- a BPE
-over the pieces with byte fallback (`<0x0A>` is the byte 0x0A), spaces normalised to "▁", and
-merges recovered from the vocabulary, ranked by each piece's place in the file.
+SentencePiece ("llama"): a BPE over the pieces with byte fallback (`<0x0A>` is the byte 0x0A),
+spaces normalised to "▁", and merges recovered from the vocabulary. Two forms, as
+`tokenizer.ggml.add_space_prefix` says (llama.cpp reads it the same way):
+- false (Gemma): no space is added; merges ranked by each piece's place in the file, as
+  transformers rebuilds Gemma's.
+- true or absent (Llama 2, Mistral): a "▁" goes before each run of text that starts the input or
+  follows a special token, as llama.cpp's SPM tokenizer does and Llama 2's own tokenizer.json
+  (Prepend("▁") per segment) does; decoding takes one leading space off. Merges ranked by
+  tokenizer.ggml.scores, as transformers' GGUF conversion ranks them. NOTE: that conversion instead
+  uses Metaspace(prepend_scheme="first"), which adds no "▁" after a special token nor before text
+  that already starts with a space (" hi" is "▁hi" there, "▁▁hi" in SentencePiece and llama.cpp).
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 logger = logging.getLogger(__name__)
 
-GGUF_TOKEN_CONTROL = 3  # llama.cpp's token types: 1 normal, 3 control, 4 user-defined, 6 byte
+GGUF_TOKEN_UNKNOWN = 2  # llama.cpp's token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte
+GGUF_TOKEN_CONTROL = 3
 GGUF_TOKEN_USER_DEFINED = 4
 SPACE_PIECE = "\u2581"  # SentencePiece's spelling of a space: "▁"
 
@@ -152,14 +161,9 @@ def _gguf_backend(metadata: Mapping[str, Any], tokens: list[str]) -> BackendToke
 
 def _gguf_sentencepiece_backend(metadata: Mapping[str, Any], tokens: list[str],
                                 unk: str | None) -> BackendTokenizer:
-    """A SentencePiece vocabulary as Gemma stores it, rebuilt as transformers rebuilds it (GemmaTokenizer
-    over gguf_tokenizer_mapping.gemma_tokenizer): BPE with byte fallback, " " -> "▁", no prefix space."""
+    """A SentencePiece vocabulary: Gemma's form without a prefix space, Llama 2's with one."""
     if metadata.get("tokenizer.ggml.add_space_prefix", True):
-        raise ValueError(
-            "GGUF tokenizer.ggml.model is 'llama' and tokenizer.ggml.add_space_prefix is true (or absent): a "
-            "SentencePiece vocabulary that puts a space before the text (Llama 2, Mistral). pdserve reads "
-            "SentencePiece GGUF vocabularies without one (Gemma's); load the model's Hugging Face directory "
-            "(tokenizer.json) instead.")
+        return _prefix_space_backend(metadata, tokens, unk)
     # A run of spaces is stored as real spaces, but the model sees the text after " " -> "▁".
     spelled = [SPACE_PIECE * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab = {token: index for index, token in enumerate(spelled)}
@@ -169,12 +173,54 @@ def _gguf_sentencepiece_backend(metadata: Mapping[str, Any], tokens: list[str],
     backend.normalizer = normalizers.Replace(" ", SPACE_PIECE)
     backend.decoder = decoders.Sequence([decoders.Replace(SPACE_PIECE, " "), decoders.ByteFallback(),
                                          decoders.Fuse()])
+    _add_sentencepiece_specials(backend, metadata, tokens, vocab, (GGUF_TOKEN_CONTROL,))
+    return backend
+
+
+def _prefix_space_backend(metadata: Mapping[str, Any], tokens: list[str],
+                          unk: str | None) -> BackendTokenizer:
+    """Llama 2's form (its tokenizer.json, and llama.cpp's SPM tokenizer): "▁" before each segment of
+    text between special tokens, spaces as "▁", one leading space dropped on decode."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    scores = metadata.get("tokenizer.ggml.scores")
+    ranks = ([float(score) for score in scores] if scores is not None and len(scores) == len(tokens)
+             else [-float(index) for index in range(len(tokens))])
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=_scored_merges(tokens, ranks), unk_token=unk,
+                                          fuse_unk=True, byte_fallback=True))
+    # NOTE: a normalizer, not a pre-tokenizer: it runs on each segment between added tokens, so the
+    # "▁" also goes after a special token, and " hi" keeps its own space ("▁▁hi").
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE_PIECE),
+                                               normalizers.Replace(" ", SPACE_PIECE)])
+    backend.decoder = decoders.Sequence([decoders.Replace(SPACE_PIECE, " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    # <unk> is typed "unknown", not control; transformers and Llama 2's tokenizer.json make it special.
+    _add_sentencepiece_specials(backend, metadata, tokens, vocab, (GGUF_TOKEN_CONTROL, GGUF_TOKEN_UNKNOWN))
+    return backend
+
+
+def _add_sentencepiece_specials(backend: BackendTokenizer, metadata: Mapping[str, Any], tokens: list[str],
+                                vocab: Mapping[str, int], special_types: tuple[int, ...]) -> None:
     types = list(metadata.get("tokenizer.ggml.token_type") or [])
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, kind in zip(tokens, types) if kind == GGUF_TOKEN_CONTROL])
+                                for t, kind in zip(tokens, types) if kind in special_types])
     backend.add_tokens([AddedToken(t, special=False, normalized=False)
                         for t, kind in zip(tokens, types) if kind == GGUF_TOKEN_USER_DEFINED and t in vocab])
-    return backend
+
+
+def _scored_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """The merges a scored SentencePiece vocabulary implies, in the order transformers'
+    generate_merges gives them: every cut of a piece into two pieces of the vocabulary, best score
+    first, then the shorter left part, then the shorter right part."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    score_of = dict(zip(tokens, scores))
+    merges = []
+    for piece, score in score_of.items():
+        cuts = [(piece[:cut], piece[cut:]) for cut in range(1, len(piece))
+                if piece[:cut] in vocab and piece[cut:] in vocab]
+        cuts.sort(key=lambda cut: (vocab[cut[0]], vocab[cut[1]]))
+        merges.extend((left, right, score) for left, right in cuts)
+    merges.sort(key=lambda merge: (merge[2], len(merge[0]), len(merge[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
 
 
 def _sentencepiece_merges(vocab: Mapping[str, int]) -> list[tuple[str, str]]:

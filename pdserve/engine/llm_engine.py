@@ -205,15 +205,15 @@ class LLMEngine:
         self._sequences[request_id] = seq
         self._detokenize[request_id] = detokenize and self.tokenizer is not None
         if generated and self._detokenize[request_id]:
-            seq.text = self._text_before(generated)
+            seq.text = self._text_before(prompt_token_ids, generated)
         return seq
 
-    def _text_before(self, generated: tuple[int, ...]) -> str:
+    def _text_before(self, prompt: list[int], generated: tuple[int, ...]) -> str:
         """The text an uninterrupted run had sent when it had generated these tokens: that of the
         longest prefix of them that does not end inside a UTF-8 character (_update_text held the
         rest back), so the next delta carries what it held."""
         for end in range(len(generated), 0, -1):
-            text = self.tokenizer.decode(list(generated[:end]))
+            text = self.tokenizer.decode_after(prompt, generated[:end])
             if not text.endswith("\ufffd"):
                 return text
         return ""
@@ -295,7 +295,7 @@ class LLMEngine:
         return None
 
     def _update_text(self, seq: Sequence) -> str:
-        text = self.tokenizer.decode(seq.output_token_ids)
+        text = self.tokenizer.decode_after(seq.prompt_token_ids, seq.output_token_ids)
         if text.endswith("\ufffd"):
             return ""  # an incomplete UTF-8 sequence: wait for the next token
         delta = text[len(seq.text):]

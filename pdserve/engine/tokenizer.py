@@ -115,6 +115,28 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_after(self, prompt_ids: Sequence[int], ids: Sequence[int]) -> str:
+        """The text ids add after prompt_ids: decode(prompt + ids) less decode(prompt), decoded with
+        a few prompt tokens of context, as vLLM's incremental detokenizer does. It matters where a
+        piece's text depends on what precedes it: a SentencePiece decoder that drops the leading
+        space ("▁Paris" alone is "Paris") gives " Paris" after a prompt."""
+        context = self._decode_context(prompt_ids)
+        before = self.decode(context)
+        whole = self.decode([*context, *ids])
+        if context and whole.startswith(before):
+            return whole[len(before):]
+        return self.decode(ids)
+
+    def _decode_context(self, prompt_ids: Sequence[int]) -> Sequence[int]:
+        """The shortest tail of the prompt, of 4 to 24 tokens (vLLM's bounds; fewer for a short prompt),
+        that decodes to some text with no broken character; none where no tail does."""
+        for length in range(min(4, len(prompt_ids)), min(24, len(prompt_ids)) + 1):
+            tail = prompt_ids[len(prompt_ids) - length:]
+            text = self.decode(tail)
+            if text and "\ufffd" not in text:
+                return tail
+        return ()
+
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **template_kwargs: Any) -> str:
         """The prompt text the chat template makes of messages (as transformers renders it);
