@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, replace
+from functools import cache
 from pathlib import Path
 
 from pdserve.engine.config import KV_DTYPE_TABLE, KV_DTYPES, kv_bytes_per_token
@@ -214,12 +215,19 @@ def _weights_from_config_json(config_path: Path) -> WeightPlan:
     return WeightPlan(parameters, 4 * embedding if tied else 0)
 
 
+@cache
+def gguf_reader(path: Path):  # -> gguf.GGUFReader
+    """One reader per file for a whole plan. NOTE: opening a GGUF parses its whole vocabulary (about
+    20 s for Gemma 3's 262,144 tokens), and a plan asks for its shape, its weights and its config."""
+    from gguf import GGUFReader  # lazy: keeps this module free of numpy for pure callers
+
+    return GGUFReader(str(path))
+
+
 def _weights_from_gguf(gguf_path: Path) -> WeightPlan:
     """Every tensor's elements, as the loader dequantizes them to float32; tied where the file has no
     output.weight (the loader's rule, pdserve/engine/weights.py)."""
-    from gguf import GGUFReader
-
-    tensors = {t.name: int(t.n_elements) for t in GGUFReader(str(gguf_path)).tensors}
+    tensors = {t.name: int(t.n_elements) for t in gguf_reader(gguf_path.resolve()).tensors}
     tied = "output.weight" not in tensors
     return WeightPlan(sum(tensors.values()), 4 * tensors.get("token_embd.weight", 0) if tied else 0)
 
@@ -257,9 +265,7 @@ def _shape_from_config_json(config_path: Path) -> KVShape:
 
 
 def _shape_from_gguf(gguf_path: Path) -> KVShape:
-    from gguf import GGUFReader  # lazy: keeps this module free of numpy for pure callers
-
-    fields = GGUFReader(str(gguf_path)).fields
+    fields = gguf_reader(gguf_path.resolve()).fields
 
     def value(key: str) -> object | None:
         return fields[key].contents() if key in fields else None

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.engine.config import ModelConfig, kv_bytes_per_token
+from pdserve.plan import gguf_reader
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,6 @@ def read_model_config(path: str | Path) -> ModelConfig:
         from pdserve.engine.weights import hf_model_config
 
         return hf_model_config(read_json_file(p / "config.json"), Tokenizer.from_files(p), source=p)
-    import gguf
-
     from pdserve.engine.gguf_weights import _cache_entry, gguf_model_config
     from pdserve.engine.tokenizer import read_gguf_metadata
     from pdserve.engine.weights import default_cache_dir
@@ -103,6 +102,6 @@ def read_model_config(path: str | Path) -> ModelConfig:
         return ModelConfig(**json.loads(meta.read_text())["config"])
     except (OSError, ValueError, TypeError, KeyError):  # none yet, or another version's
         pass
-    reader = gguf.GGUFReader(str(p))
+    reader = gguf_reader(p.resolve())
     tied = all(tensor.name != "output.weight" for tensor in reader.tensors)
     return gguf_model_config(read_gguf_metadata(reader), None, tied=tied, source=p)

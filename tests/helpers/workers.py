@@ -57,10 +57,10 @@ class RunningWorker(Protocol):
 
 def worker_record(worker_id: str, role: str, address: str, *, epoch: int = 0, fingerprint: str = "",
                   block_size: int = 16, kv_dtype: str = "float32", num_blocks: int = 64,
-                  node: str = "local") -> WorkerInfo:
+                  node: str = "local", architecture: str = "llama") -> WorkerInfo:
     """A registry record as a worker publishes it: its salt is the engine salt of that fingerprint,
-    block size and KV dtype (pdserve/engine/hashing.py)."""
-    salt = engine_salt(fingerprint, block_size, kv_dtype).hex()
+    family, block size and KV dtype (pdserve/engine/hashing.py)."""
+    salt = engine_salt(fingerprint, block_size, kv_dtype, architecture=architecture).hex()
     return WorkerInfo(worker_id=worker_id, role=role, address=address, node=node,
                       model_fingerprint=fingerprint, block_size=block_size, kv_dtype=kv_dtype, salt=salt,
                       num_blocks=num_blocks, epoch=epoch)
@@ -70,7 +70,7 @@ def worker_info(worker: RunningWorker, epoch: int = 0) -> WorkerInfo:
     """The record a started worker registers (of that epoch): what its Status says it is."""
     s = worker.status()
     return worker_record(s.worker_id, s.role, worker.address, epoch=epoch, fingerprint=s.model_fingerprint,
-                         block_size=s.block_size, num_blocks=s.num_blocks)
+                         block_size=s.block_size, num_blocks=s.num_blocks, architecture=s.architecture)
 
 
 def leftovers(status: worker_pb2.WorkerStatus) -> dict[str, int]:
