@@ -82,14 +82,15 @@ class LocalCluster:
             raise
 
     def _start(self) -> str:
+        # NOTE: loaded first, for the router's tokenizer, context length and sampling defaults: a model
+        # pdserve cannot run is refused before Redis, Ray or any worker starts. For a GGUF this also
+        # converts it once, so N workers on this machine load the cached safetensors in about a
+        # second each instead of dequantising in parallel.
+        loaded = load_model(self.spec.engine.model_path, progress=False)
         self._start_security()
         self.redis_url, self.redis_server = ensure_redis(self.spec.redis_url)
         self._connect_redis(self.redis_server.config_path if self.redis_server else None)
         self._init_ray()
-        # NOTE: loaded here for the router's tokenizer, context length and sampling defaults; for a
-        # GGUF this also converts it once, so N workers on this machine load the cached safetensors
-        # in about a second each instead of dequantising in parallel.
-        loaded = load_model(self.spec.engine.model_path, progress=False)
         sampling = sampling_defaults_in_force(loaded, self.spec)
         self._create_actors()
         model = loaded.config

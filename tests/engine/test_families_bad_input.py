@@ -72,3 +72,17 @@ def test_no_worker_is_built_from_a_refused_model(edit_config):
     config = WorkerConfig(worker_id="w-moe", role="decode", engine=EngineConfig(model_path=moe, device="cpu"))
     with pytest.raises(ValueError, match="mixture of experts"):
         worker_server(config)
+
+
+def test_pdserve_up_refuses_the_model_before_it_starts_redis_ray_or_a_worker(edit_config):
+    from deploy.config import ClusterSpec
+    from deploy.launcher import LocalCluster
+
+    moe = edit_config("llama", model_type="qwen3_moe")
+    said: list[str] = []
+    cluster = LocalCluster(ClusterSpec(engine=EngineConfig(model_path=moe)), say=said.append)
+    with pytest.raises(ValueError, match="mixture of experts"):
+        cluster.start()
+    assert said == []  # not even the security line: the model is read first
+    assert (cluster.redis_server, cluster.actors, cluster.router) == (None, {}, None)
+    assert not cluster._started_ray
