@@ -10,7 +10,7 @@ and fresh prompts of 512 and 2,048. A pool of 16-token blocks holds every row's 
 the blocks shuffled over the pool as a long-running engine leaves them. Each kernel attends the
 same queries over 30 distinct pool layers in turn, so that each call reads its rows from memory as
 a model's layers do:
-  sdpa  LlamaModel's own path (attention_kernel sdpa). Decode: rows grouped by length, each group's
+  sdpa  DecoderModel's own path (attention_kernel sdpa). Decode: rows grouped by length, each group's
         blocks gathered into a dense copy, torch's SDPA with a mask. Prefill: the context's blocks
         gathered and a masked SDPA, or a causal SDPA over the chunk's own K/V when nothing is cached
         (pdserve/engine/model.py)
@@ -50,7 +50,7 @@ from bench.common import (
 )
 from pdserve.engine import cpu_kernels
 from pdserve.engine.kv_format import KV_FORMATS
-from pdserve.engine.model import AttentionMetadata, LlamaModel, PrefillSegment
+from pdserve.engine.model import AttentionMetadata, DecoderModel, PrefillSegment
 from pdserve.units import ceil_div
 
 LAYERS = 30
@@ -66,7 +66,7 @@ PATH_CASES = {"1 after 1,920": (1920, 1), "14 after 1,920": (1920, 14), "32 afte
 class Case:
     """Queries, 30 pool layers and block tables for B rows; the engine's metadata for them."""
 
-    def __init__(self, model: LlamaModel, rows: int, length: int | None, rng: random.Random) -> None:
+    def __init__(self, model: DecoderModel, rows: int, length: int | None, rng: random.Random) -> None:
         c = model.config
         self.lens = torch.tensor([length or rng.randint(32, 512) for _ in range(rows)])
         widths = [ceil_div(int(n), BLOCK_SIZE) for n in self.lens]
@@ -89,7 +89,7 @@ class PrefillCase:
     rows (the chunk's own written, as the engine writes them before attending), its block table, and
     the chunk's own K/V for SDPA's fresh path."""
 
-    def __init__(self, model: LlamaModel, cached: int, new: int) -> None:
+    def __init__(self, model: DecoderModel, cached: int, new: int) -> None:
         c = model.config
         width = ceil_div(cached + new, BLOCK_SIZE)
         self.table = torch.randperm(width + 8, generator=torch.Generator().manual_seed(cached + new))[:width]
@@ -105,30 +105,30 @@ class PrefillCase:
         self.flops = 4 * c.head_dim * c.num_heads * visible
 
 
-def sdpa_attention(model: LlamaModel, case: Case):
+def sdpa_attention(model: DecoderModel, case: Case):
     fmt = KV_FORMATS["float32"]
-    groups = LlamaModel._decode_groups(case.meta, BLOCK_SIZE)  # once per step in the engine too
+    groups = DecoderModel._decode_groups(case.meta, BLOCK_SIZE)  # once per step in the engine too
     return lambda layer: model._decode_attention(case.q, case.layers[layer], fmt, case.meta, groups)
 
 
-def paged_attention(model: LlamaModel, case: Case):
+def paged_attention(model: DecoderModel, case: Case):
     attend = cpu_kernels.paged_decode_attention()
     return lambda layer: attend(case.q, case.layers[layer], case.tables, case.lens, model.scale)
 
 
-def sdpa_prefill(model: LlamaModel, case: PrefillCase):
+def sdpa_prefill(model: DecoderModel, case: PrefillCase):
     fmt = KV_FORMATS["float32"]
     return lambda layer: model._prefill_attention(case.q, case.own[layer][0], case.own[layer][1],
                                                   case.segment, case.layers[layer], fmt)
 
 
-def paged_prefill(model: LlamaModel, case: PrefillCase):
+def paged_prefill(model: DecoderModel, case: PrefillCase):
     attend = cpu_kernels.paged_prefill_attention()
     return lambda layer: attend(case.q, case.layers[layer], case.table, case.segment.start, model.scale)
 
 
 def prefill_on(path: str):
-    def side(model: LlamaModel, case: PrefillCase):
+    def side(model: DecoderModel, case: PrefillCase):
         attend = cpu_kernels.paged_prefill_attention_on(path)
         return lambda layer: attend(case.q, case.layers[layer], case.table, case.segment.start, model.scale)
     return side
@@ -147,7 +147,7 @@ def seconds_per_layer(fn: Any) -> float:
     return (time.perf_counter() - start) / LAYERS
 
 
-def measure(model: LlamaModel, kind: str, name: str, case: Case | PrefillCase, reps: int) -> dict[str, Any]:
+def measure(model: DecoderModel, kind: str, name: str, case: Case | PrefillCase, reps: int) -> dict[str, Any]:
     sides = {side: make(model, case) for side, make in SIDES[kind].items()}
     base, ours = sides
     with torch.inference_mode():
@@ -173,7 +173,7 @@ def run(args: Any) -> dict[str, Any]:
     load = warn_if_busy(threads)
     from pdserve.engine.weights import load_model
     loaded = load_model(None, progress=False)
-    model = LlamaModel(loaded.config, loaded.state_dict, torch.device("cpu"))
+    model = DecoderModel(loaded.config, loaded.state_dict, torch.device("cpu"))
     rng = random.Random(0)
     results = []
     if args.only in (None, "decode"):

@@ -17,7 +17,7 @@ For each KV dtype beside float32, on SmolLM2-135M-Instruct (the embedded GGUF):
   logit error       mean and max |logit - float32's logit| over the whole vocabulary at every generated
                     position whose context is still float32's (up to and including the first
                     divergence), from the no-cache reference with that dtype's K/V round trip
-                    (LlamaModel.reference_logits(ids, kv_dtype)), which every cache path matches
+                    (DecoderModel.reference_logits(ids, kv_dtype)), which every cache path matches
                     within the dtype (tests/engine/test_exactness.py).
   perplexity        of bench/data/alice-chapter-1.txt (Chapter I of Lewis Carroll's Alice's Adventures
                     in Wonderland, public domain, 3,026 tokens; bench/data/README.md), teacher-forced in
@@ -220,12 +220,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--prompts must be in [1, {len(PROMPTS)}], got {sizes.prompts}")
     threads = set_threads(args.threads)
     load_at_start = warn_if_busy(threads)
-    from pdserve.engine.model import LlamaModel
+    from pdserve.engine.model import DecoderModel
     from pdserve.engine.weights import load_model
 
     progress(f"threads={threads}; loading SmolLM2")
     loaded = load_model(None, progress=False)
-    model = LlamaModel(loaded.config, loaded.state_dict, torch.device("cpu"))
+    model = DecoderModel(loaded.config, loaded.state_dict, torch.device("cpu"))
     prompts = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": q}])
                for q in PROMPTS[:sizes.prompts]]
     text = loaded.tokenizer.encode(TEXT.read_text(encoding="utf-8"))[:sizes.ppl_tokens]

@@ -48,7 +48,7 @@ int8's row_format.
 
 Exactness within a dtype: store() is a function of the float32 row alone (no state, no other
 token), and every path reads rows back with load_rotated(). The model attends a fresh prefill over
-load_rotated(store(k)) as well, and LlamaModel.reference_logits does the same, so a cached,
+load_rotated(store(k)) as well, and DecoderModel.reference_logits does the same, so a cached,
 transferred or recomputed row is the row the no-cache reference attends over.
 
 The pool's torch dtype names its format one to one (int8 -> "int8", float8_e4m3fn -> "fp8"), so

@@ -60,7 +60,7 @@ from pdserve.engine.hashing import BlockHash, engine_salt
 from pdserve.engine.host_tier import build_lower_tier
 from pdserve.engine.kernel_choice import choose_kernels, find_support
 from pdserve.engine.linear import select_linear
-from pdserve.engine.model import LlamaModel, select_attention
+from pdserve.engine.model import DecoderModel, select_attention
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
 from pdserve.engine.pointwise import select_pointwise
 from pdserve.engine.sampler import sample, token_logprobs, uniform
@@ -142,7 +142,7 @@ class LLMEngine:
         # reports it in its Status).
         self.kernels = choose_kernels(config.linear_kernel, config.attention_kernel, config.pointwise_kernel,
                                       find_support(self.device.type, config.cache.kv_dtype))
-        self.model = LlamaModel(loaded.config, loaded.state_dict, self.device,
+        self.model = DecoderModel(loaded.config, loaded.state_dict, self.device,
                                 select_linear(self.device, self.kernels.linear.kernel),
                                 select_attention(self.device, self.kernels.attention.kernel),
                                 select_pointwise(self.device, self.kernels.pointwise.kernel))

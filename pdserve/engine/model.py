@@ -217,7 +217,7 @@ class EmbeddingTable:
         return self.table[ids]
 
 
-class LlamaModel:
+class DecoderModel:
     """Weights plus the forward pass, for any family of pdserve/engine/families.py (Llama's layout
     with the family's parts switched on). Stateless apart from the weights."""
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.kv_format import KV_FORMATS
-from pdserve.engine.model import AttentionMetadata, LayerDoneCallback, LlamaModel, PrefillSegment
+from pdserve.engine.model import AttentionMetadata, DecoderModel, LayerDoneCallback, PrefillSegment
 from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.units import ceil_div
 
@@ -28,7 +28,7 @@ class StepInputs:
     sampled: list[ScheduledChunk]  # chunks whose logits come back, in logit_rows order
 
 
-def allocate_kv_cache(model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: str) -> torch.Tensor:
+def allocate_kv_cache(model: DecoderModel, num_blocks: int, block_size: int, kv_dtype: str) -> torch.Tensor:
     c, fmt = model.config, KV_FORMATS[kv_dtype]
     # NOTE: zeros, not empty: padded decode attention multiplies masked rows by 0,
     # and 0 * NaN from uninitialised memory would poison the output (a zero scale reads as 0 too).
@@ -37,7 +37,7 @@ def allocate_kv_cache(model: LlamaModel, num_blocks: int, block_size: int, kv_dt
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int) -> None:
+    def __init__(self, model: DecoderModel, kv_cache: torch.Tensor, block_size: int) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size

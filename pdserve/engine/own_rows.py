@@ -5,7 +5,7 @@ back, and its own token's K/V as the model computed them (float32, in the rows' 
 stored row is not attended. Two forms of it:
 
     with_own_rows          the rule itself, densely: the stored rows, then the chunk's own rows, and a
-                           mask (earlier stored rows | the query's own row). LlamaModel's reference
+                           mask (earlier stored rows | the query's own row). DecoderModel's reference
                            uses it, and its prefill chunks off the CPU (a decode row instead writes
                            its own K/V over its stored copy in the gathered keys).
     attend_with_own_rows   a prefill chunk, fast: flash attention over the stored rows of s < p, which
@@ -53,7 +53,7 @@ def attend_with_own_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
                          start: int, scale: float) -> torch.Tensor:
     """q: [q_len, H, D] at positions start..; keys/values: [ctx, KVH, D] stored rows of positions
     0..ctx-1 (ctx = start + q_len); own: the chunk's own K/V. Returns [q_len, H, D]. CPU tensors
-    only: the log-sum-exp comes from CPU flash attention (elsewhere LlamaModel attends by the mask)."""
+    only: the log-sum-exp comes from CPU flash attention (elsewhere DecoderModel attends by the mask)."""
     out, lse = _earlier_rows(q, keys, values, start, scale)  # [q_len, H, D], [q_len, H]
     q_len, heads, dim = q.shape
     kv_heads = own[0].shape[1]

@@ -80,7 +80,7 @@ def _add_hparams(writer: gguf.GGUFWriter, config: ModelConfig, family: Family) -
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_key_length(config.head_dim)  # config.json gives head_dim
     writer.add_value_length(config.head_dim)
-    if family.gguf_permuted_qk:  # LlamaModel
+    if family.gguf_permuted_qk:  # DecoderModel
         writer.add_vocab_size(config.vocab_size)
         writer.add_rope_dimension_count(config.head_dim)
     if config.rope_scaling == "linear":
@@ -113,13 +113,13 @@ def _gguf_tensors(state_dict: dict[str, torch.Tensor], config: ModelConfig,
 
 
 def permute_rope_rows(weights: torch.Tensor, n_head: int) -> torch.Tensor:
-    """llama.cpp's LlamaModel.permute: each head's rows (2, dim/2) -> (dim/2, 2)."""
+    """llama.cpp's DecoderModel.permute: each head's rows (2, dim/2) -> (dim/2, 2)."""
     return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
             .swapaxes(1, 2).reshape(weights.shape))
 
 
 def llama3_rope_factors(config: ModelConfig) -> torch.Tensor:
-    """LlamaModel.generate_extra_tensors: each rope frequency's divisor under Llama 3's scaling."""
+    """DecoderModel.generate_extra_tensors: each rope frequency's divisor under Llama 3's scaling."""
     dim, factor = config.head_dim, config.rope_factor
     freqs = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     low, high = config.rope_low_freq_factor, config.rope_high_freq_factor

@@ -4,11 +4,12 @@
          └─dir with config.json──▶ config.json + *.safetensors + tokenizer.json ────────┴─▶ LoadedModel
 
 LoadedModel.sampling_defaults (what a request's unset temperature/top_p/top_k become) come from
-the folder's generation_config.json, or for the embedded SmolLM2 from its model card
-(engine/sampling_defaults.py); any other GGUF gets the neutral 1.0/1.0/0.
+the folder's generation_config.json, or for a named model's GGUF from what its authors publish
+(engine/named_models.py); any other GGUF gets the neutral 1.0/1.0/0.
 
-Every tensor ends in Hugging Face Llama naming and (out, in) orientation, float32, contiguous,
-so the model code knows one layout. `lm_head.weight` is present only when embeddings are untied.
+Every tensor ends in Hugging Face naming (Llama's, plus each family's own: expected_shapes) and
+(out, in) orientation, float32, contiguous, so the model code knows one layout. `lm_head.weight`
+is present only when embeddings are untied.
 
 The GGUF side (its metadata keys, tensor names, Q/K un-permuting and the converted-weights cache)
 is pdserve/engine/gguf_weights.py; each family's differences from Llama are pdserve/engine/families.py.
@@ -57,7 +58,7 @@ _IGNORED_HF_NAMES = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.i
 @dataclass(frozen=True)
 class LoadedModel:
     config: ModelConfig
-    state_dict: dict[str, torch.Tensor]  # Hugging Face Llama names, float32, contiguous
+    state_dict: dict[str, torch.Tensor]  # Hugging Face names, float32, contiguous
     tokenizer: Tokenizer
     fingerprint: str  # hex sha256 over weights bytes + tokenizer fingerprint + config
     source: str  # the path loaded
@@ -107,7 +108,7 @@ def default_cache_dir() -> Path:
 
 def load_model(path: str | None = None, progress: bool = True,
                cache_dir: Path | None | bool = True) -> LoadedModel:
-    """Load a .gguf file or a Hugging Face Llama directory (None: the embedded SmolLM2).
+    """Load a .gguf file or a Hugging Face directory of a supported family (None: the embedded SmolLM2).
 
     A GGUF file is dequantised once and kept as safetensors under cache_dir (True: the
     default cache; None/False: no cache), so later loads, one per worker, take a second.

@@ -1,6 +1,6 @@
 """The cache is exact: every cache path gives the tokens of a no-cache reference.
 
-The reference recomputes the whole sequence densely (LlamaModel.reference_logits).
+The reference recomputes the whole sequence densely (DecoderModel.reference_logits).
 Greedy tokens must be identical; the logits of the final step must agree within
 LOGIT_TOL max-abs: 1e-4 with a float32 cache. One dense causal pass over the
 prompt and the engine's tokens gives every step's reference logits at once
@@ -27,7 +27,7 @@ import torch
 
 from pdserve.engine.kv_format import KV_FORMATS
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.model import DECODE_GROUP_ROWS, AttentionMetadata, LlamaModel, sdpa_4d
+from pdserve.engine.model import DECODE_GROUP_ROWS, AttentionMetadata, DecoderModel, sdpa_4d
 from pdserve.engine.own_rows import with_own_rows
 from pdserve.engine.sequence import SamplingParams
 from tests.conftest import assert_no_leaks, make_engine
@@ -229,7 +229,7 @@ def test_decode_groups_sort_by_length_and_trim_padding():
     tables = torch.arange(12 * 8).view(12, 8)  # 8 blocks each: padded to the longest (30 tokens)
     meta = AttentionMetadata(torch.zeros(12, dtype=torch.long), torch.zeros(12, dtype=torch.long), 12,
                              tables, lens, ())
-    groups = LlamaModel._decode_groups(meta, block_size)
+    groups = DecoderModel._decode_groups(meta, block_size)
     assert [g.rows.tolist() for g in groups] == [[1, 3, 11, 6, 8, 5, 9, 10], [7, 0, 4, 2]]
     assert [g.block_tables.shape[1] for g in groups] == [2, 8]  # 7 tokens need 2 blocks, 30 need 8
     assert torch.equal(groups[0].block_tables, tables[groups[0].rows, :2])
@@ -269,7 +269,7 @@ def test_int8_decode_attention_reads_each_rows_own_kv_in_float32(tiny_loaded):
     q = torch.randn(len(lens), c.num_heads, c.head_dim, generator=g)
     unused_slots = torch.zeros(len(lens), dtype=torch.long)  # decode attention reads the tables only
     meta = AttentionMetadata(unused_slots, unused_slots, len(lens), tables, lens, ())
-    groups = LlamaModel._decode_groups(meta, block_size)
+    groups = DecoderModel._decode_groups(meta, block_size)
     assert len(groups) == 2
     out = model._decode_attention(q, cache, fmt, meta, groups, own)
     for i, n in enumerate(lens.tolist()):

@@ -21,7 +21,7 @@ import torch
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.gguf_weights import gguf_model_config, load_gguf, read_gguf_model
-from pdserve.engine.model import LlamaModel
+from pdserve.engine.model import DecoderModel
 from pdserve.engine.tiny_gguf import write_tiny_gguf
 from pdserve.engine.tokenizer import read_gguf_metadata
 from pdserve.engine.weights import LoadedModel, load_model
@@ -120,8 +120,8 @@ def test_tiny_gguf_logits_match_its_twin(arch, family_gguf, carried_twin):
     ids = twin.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8)[:80]
     assert len(ids) == 80
     cpu = torch.device("cpu")
-    expected = LlamaModel(twin.config, twin.state_dict, cpu).reference_logits(ids)
-    got = LlamaModel(ours.config, ours.state_dict, cpu).reference_logits(ids)
+    expected = DecoderModel(twin.config, twin.state_dict, cpu).reference_logits(ids)
+    got = DecoderModel(ours.config, ours.state_dict, cpu).reference_logits(ids)
     # NOTE: not bit-equal for llama3 (the twin scales frequencies by its rope parameters, the GGUF
     # divides them by rope_freqs, rounded to float32) nor gemma3 (norms read back as (w + 1) - 1)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)

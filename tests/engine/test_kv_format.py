@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.config import KV_DTYPE_TABLE, KV_DTYPES, kv_bytes_per_token
 from pdserve.engine.kv_format import KV_FORMATS, TORCH_DTYPES, format_of, hadamard
-from pdserve.engine.model import LlamaModel
+from pdserve.engine.model import DecoderModel
 from pdserve.engine.model_runner import allocate_kv_cache
 
 QUANTIZED = ["int8", "fp8"]
@@ -217,7 +217,7 @@ def test_load_reads_strided_views_as_the_model_gathers_them(kv_dtype):
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_the_pool_holds_exactly_the_bytes_the_kv_formula_counts(tiny_loaded, kv_dtype):
     c = tiny_loaded.config
-    model = LlamaModel(c, tiny_loaded.state_dict, torch.device("cpu"))
+    model = DecoderModel(c, tiny_loaded.state_dict, torch.device("cpu"))
     pool = allocate_kv_cache(model, num_blocks=5, block_size=16, kv_dtype=kv_dtype)
     assert pool.dtype == TORCH_DTYPES[kv_dtype]
     assert pool.numel() * pool.element_size() == 5 * 16 * kv_bytes_per_token(

@@ -1,5 +1,5 @@
 """Token logprobs: log_softmax of the raw float32 logits the sampler received, for the requests
-that ask, checked against the no-cache reference (LlamaModel.reference_logits) on SmolLM2, and
+that ask, checked against the no-cache reference (DecoderModel.reference_logits) on SmolLM2, and
 never changing a token of any request in the batch."""
 
 from __future__ import annotations
