@@ -95,12 +95,16 @@ class DecodeGroup:
     own_positions: torch.Tensor  # [g] long, each row's own token's position (context length - 1)
 
 
+def plain_inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    """RoPE's head_dim / 2 inverse frequencies at theta, unscaled (transformers' default rope)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
 def inverse_frequencies(config: ModelConfig, theta: float, scaled: bool) -> torch.Tensor:
     """RoPE's head_dim / 2 inverse frequencies at theta, with the config's scaling where `scaled`
     (transformers' _compute_llama3_parameters and linear scaling, op for op; a GGUF's rope_freqs
     divide them as llama.cpp does)."""
-    d = config.head_dim
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    inv_freq = plain_inverse_frequencies(config.head_dim, theta)
     if not scaled:
         return inv_freq
     if config.rope_freq_factors:

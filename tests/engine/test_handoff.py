@@ -258,7 +258,7 @@ def test_a_resume_that_raises_half_way_leaves_nothing_held(tiny_loaded):
     engine = make_engine(tiny_loaded, block_size=BS, num_blocks=32)
 
     class BrokenTokenizer:
-        def decode(self, ids):
+        def decode_after(self, prompt_ids, ids):
             raise RuntimeError("tokenizer broke")
     engine.tokenizer = BrokenTokenizer()  # the first token's text fails after the sequence joined
     engine.handoff.park(engine.handoff.reserve("t", PROMPT, 0))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.model import RotaryEmbedding
+from pdserve.engine.model import RotaryEmbedding, plain_inverse_frequencies
 from pdserve.engine.pointwise import FusedPointwise, TorchPointwise, select_pointwise
 from pdserve.field_error import FieldError
 from tests.conftest import make_engine
@@ -88,7 +88,7 @@ def test_silu_at_the_ends_of_float_range_rounds_as_torch():
 @pytest.mark.parametrize("heads, head_dim", [(12, 64), (3, 16), (2, 10), (1, 2)])
 def test_rotary_is_bit_equal_to_torch_and_leaves_the_other_columns(heads, head_dim):
     tokens, extra = 37, 2 * head_dim  # extra: the v columns after the rotated heads
-    rope = RotaryEmbedding(head_dim, 4096, 100000.0, CPU)
+    rope = RotaryEmbedding(plain_inverse_frequencies(head_dim, 100000.0), 4096, CPU)
     rot = rope.at(torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(head_dim)))
     qkv = torch.randn(tokens, heads * head_dim + extra)
     want = torch_ops.rotary(qkv, rot, heads, head_dim)

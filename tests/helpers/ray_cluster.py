@@ -19,13 +19,14 @@ from tests.helpers.workers import leftovers
 
 
 def start_cluster(num_prefill: int, num_decode: int, num_blocks: int = 512, routing: str = "prefix",
-                  **overrides) -> LocalCluster:
+                  model: str | None = None, **overrides) -> LocalCluster:
     """A started cluster on the session's Ray: num_blocks a worker (or a whole `cache` config), `routing`,
-    other ClusterSpec fields."""
+    `model` (a path or a name; None: SmolLM2), other ClusterSpec fields."""
     overrides.setdefault("http_port", 0)  # off unless a test asks: many clusters, one port 8000
     cache = overrides.pop("cache", CacheConfig(num_blocks=num_blocks))
+    engine = EngineConfig(model_path=model, cache=cache)
     spec = ClusterSpec(num_prefill=num_prefill, num_decode=num_decode, port=0,
-                       namespace=f"t{uuid.uuid4().hex[:6]}", engine=EngineConfig(cache=cache),
+                       namespace=f"t{uuid.uuid4().hex[:6]}", engine=engine,
                        placement=PlacementConfig(routing=routing), **overrides)
     cluster = LocalCluster(spec, say=lambda *_: None)
     cluster.start()
