@@ -152,8 +152,8 @@ def prompt_token_ids(request: generation_pb2.GenerateRequest, tokenizer: Tokeniz
         lim.check_chat(len(request.chat.messages), limits or RequestLimits())
         ids = tokenizer.apply_chat_template(_chat_messages(request.chat), add_generation_prompt=True,
                                             **_template_kwargs(request.chat))
-    elif request.raw:
-        ids = tokenizer.encode(request.text)
+    elif request.raw:  # as the model's own tokenizer (and vLLM's completions) do: its <bos>, if any
+        ids = tokenizer.encode(request.text, add_special_tokens=True)
     else:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": request.text}],
                                             add_generation_prompt=True)
