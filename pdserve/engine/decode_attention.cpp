@@ -189,7 +189,8 @@ void attend(const float* q, const Rows& rows, int64_t len, float scale, float* o
 
 // q [B, heads, head_dim]; cache [2, blocks, block_size, kv_heads, head_dim]; block_tables [B, width]
 // (padded; only the entries of the blocks the window covers are read, up to ceil(len / block_size));
-// context_lens [B]; window: the keys each query sees, its own included, or 0 for all of them.
+// context_lens [B] (0: a padded row, whose output is 0); window: the keys each query sees, its own
+// included, or 0 for all of them.
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& cache,
                                      const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                                      double scale, int64_t window) {
@@ -212,8 +213,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= s.table_width * s.block_size,
-                "paged_decode_attention: context length ", lens[b], " of row ", b, " is outside 1..",
+    TORCH_CHECK(lens[b] >= 0 && lens[b] <= s.table_width * s.block_size,
+                "paged_decode_attention: context length ", lens[b], " of row ", b, " is outside 0..",
                 s.table_width * s.block_size);
     const int64_t blocks = (lens[b] + s.block_size - 1) / s.block_size;
     for (int64_t i = first_visible(lens[b], window) / s.block_size; i < blocks; ++i)
@@ -233,6 +234,10 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / s.kv_heads, g = item % s.kv_heads;
       const int64_t first = (b * s.heads + g * group) * d;
+      if (lens[b] == 0) {  // a padded row of a static batch (static_decode.py): it sees nothing
+        std::fill(op + first, op + first + group * d, 0.0f);
+        continue;
+      }
       const int64_t visible = first_visible(lens[b], window);
       find_keys(cp, tables + b * s.table_width, visible, lens[b], g, s, keys);
       const Rows rows{s, keys.data(), value_offset};

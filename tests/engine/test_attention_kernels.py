@@ -95,11 +95,24 @@ def test_a_sequence_attends_alike_alone_and_in_a_batch():
 
 
 @needs_kernel
+def test_a_padded_row_of_context_zero_gives_zeros_and_leaves_the_others_alone():
+    """A static decode step's padding (pdserve/engine/static_decode.py): context 0 reads nothing."""
+    q, cache, tables, lens = paged_case(5, [20, 8, 33], 4, 2, 16, block_size=16)
+    attend = cpu_kernels.paged_decode_attention()
+    padded = torch.tensor([20, 0, 33])
+    out, plain = attend(q, cache, tables, padded, 0.25), attend(q, cache, tables, lens, 0.25)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(out[0], plain[0]) and torch.equal(out[2], plain[2])
+
+
+@needs_kernel
 def test_paged_attention_refuses_a_length_past_its_table_or_a_block_past_the_pool():
     q, cache, tables, lens = paged_case(3, [20, 8], 4, 2, 16, block_size=16)
     attend = cpu_kernels.paged_decode_attention()
-    with pytest.raises(RuntimeError, match="context length 33 of row 0 is outside 1..32"):
+    with pytest.raises(RuntimeError, match="context length 33 of row 0 is outside 0..32"):
         attend(q, cache, tables, torch.tensor([33, 8]), 0.25)
+    with pytest.raises(RuntimeError, match="context length -1 of row 1 is outside 0..32"):
+        attend(q, cache, tables, torch.tensor([20, -1]), 0.25)
     bad = tables.clone()
     bad[1, 0] = cache.shape[1]
     with pytest.raises(RuntimeError, match=f"block {cache.shape[1]} of row 1 is outside"):
@@ -394,9 +407,9 @@ def test_a_negative_window_is_refused():
 
 def test_attention_kernel_names_and_dtypes_are_checked():
     assert select_attention(CPU, "sdpa") is None
-    with pytest.raises(ValueError, match="use sdpa or native"):
+    with pytest.raises(ValueError, match="use sdpa, native or triton"):
         select_attention(CPU, "flash")
-    with pytest.raises(FieldError, match="attention_kernel must be one of auto, sdpa, native"):
+    with pytest.raises(FieldError, match="attention_kernel must be one of auto, sdpa, native, triton"):
         EngineConfig(attention_kernel="paged")
     with pytest.raises(FieldError, match="attention_kernel must be sdpa or auto with kv_dtype int8"):
         EngineConfig(attention_kernel="native", cache=CacheConfig(kv_dtype="int8"))
