@@ -10,6 +10,13 @@ Lifecycle of one incoming transfer (TransferState):
 
 Fail closed: a block is written only after its checksum verifies, and a sequence is
 usable only after every block of every layer has arrived.
+
+A device pool (pdserve/transfer/staging.py; a CPU pool takes none of this): the load stream first
+waits for the compute enqueued so far (the fresh blocks' last readers), each verified frame is copied
+host -> device on it without waiting, and one event recorded after the transfer's last frame is
+waited on (this thread only) before the KV is parked: park commits the blocks to the prefix cache,
+the first point where anything but this receiver can read them. A transfer that fails waits for the
+same event before its blocks are freed, so no copy lands in a block that has another owner.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ from pdserve.kvwire import (
 )
 from pdserve.transfer.channel import TransferState
 from pdserve.transfer.errors import FailureKind, TransferFailed
+from pdserve.transfer.frames import DEFAULT_MAX_CHUNK_BYTES
+from pdserve.transfer.staging import StagedCopies, staging_for_pool
 from pdserve.units import ceil_div
 
 
@@ -48,10 +57,15 @@ class ReceiveReport:
 class KVReceiver:
     """Accepts transfers for one engine; safe to call from many gRPC threads at once."""
 
-    def __init__(self, engine: LLMEngine, layout: KVLayout, parked_ttl_s: float = 30.0) -> None:
+    def __init__(self, engine: LLMEngine, layout: KVLayout, parked_ttl_s: float = 30.0,
+                 staged: StagedCopies | None = None) -> None:
+        """staged: the load path (pdserve/transfer/staging.py); by default a device pool's own, none
+        for a CPU pool. A frame larger than its slots goes through them a slot at a time."""
         self.engine = engine
         self.layout = layout
         self.parked_ttl_s = parked_ttl_s
+        self.staged = staged or staging_for_pool(engine.kv_cache,
+                                                 max(DEFAULT_MAX_CHUNK_BYTES, layout.block_bytes))
         self._lock = threading.Lock()
         self.outcomes: Counter[str] = Counter()  # "done" or a FailureKind value
         self.bytes_received = 0
@@ -74,13 +88,33 @@ class KVReceiver:
     def _receive(self, frames) -> ReceiveReport:
         begin = self._read_begin(frames)
         reservation = self._reserve(begin)
+        if self.staged is not None:
+            self.staged.after_compute()
         try:
-            report = _LayerWriter(self.engine, self.layout, begin, reservation).consume(frames)
+            report = _LayerWriter(self.engine, self.layout, begin, reservation, self.staged).consume(frames)
+            self._wait_for_loads()
         except BaseException:
-            self.engine.handoff.release(reservation)
+            self._release_after_loads(reservation)
             raise
         self.engine.handoff.park(reservation)
         return report
+
+    def _wait_for_loads(self) -> None:
+        """Every host -> device copy enqueued so far has landed (this transfer's among them)."""
+        if self.staged is None:
+            return
+        try:
+            self.staged.record().synchronize()
+        except Exception as e:  # a copy on the load stream failed: its blocks hold no verified KV
+            raise TransferFailed(FailureKind.INTERNAL, f"loading the KV into the pool failed: {e}") from e
+
+    def _release_after_loads(self, reservation: Reservation) -> None:
+        try:
+            self._wait_for_loads()
+        except TransferFailed:
+            pass  # NOTE: the transfer has failed already, with its own reason; the blocks go anyway
+        finally:
+            self.engine.handoff.release(reservation)
 
     def _read_begin(self, frames) -> TransferBegin:
         header, _ = _next_frame(frames, "before BEGIN")
@@ -123,8 +157,9 @@ class _LayerWriter:
     """Writes verified LAYER frames of one transfer into its reservation until END."""
 
     def __init__(self, engine: LLMEngine, layout: KVLayout, begin: TransferBegin,
-                 reservation: Reservation) -> None:
+                 reservation: Reservation, staged: StagedCopies | None = None) -> None:
         self.engine, self.layout, self.begin, self.reservation = engine, layout, begin, reservation
+        self.staged = staged
         self.missing = {(layer, p) for layer in range(layout.num_layers) for p in begin.positions}
         self.written = 0
         self.nbytes = 0
@@ -148,7 +183,7 @@ class _LayerWriter:
                                  "that were not announced or were already received")
         block_ids = [self.reservation.block_ids[p] for p in frame.positions]
         try:
-            receive_layer(self.engine.kv_cache, frame, payload, self.layout, block_ids)
+            receive_layer(self.engine.kv_cache, frame, payload, self.layout, block_ids, staged=self.staged)
         except ChecksumError as e:
             raise TransferFailed(FailureKind.DATA_LOSS, str(e)) from e
         except WireError as e:

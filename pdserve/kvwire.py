@@ -44,8 +44,9 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 from enum import StrEnum
+from functools import partial
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import torch
@@ -57,6 +58,10 @@ from pdserve.engine.kv_format import KV_FORMATS, TORCH_DTYPES
 from pdserve.transfer.frames import DEFAULT_MAX_CHUNK_BYTES
 from pdserve.transfer.kvchunk import PackedFrame, message_prefix
 from pdserve.units import ceil_div
+
+if TYPE_CHECKING:
+    from pdserve.engine.device_streams import Event
+    from pdserve.transfer.staging import StagedCopies
 
 WIRE_VERSION = 2  # 2: BEGIN carries the request's cache_salt
 
@@ -310,6 +315,7 @@ def decode_header(data: bytes | memoryview) -> Frame:
 
 def encode_layer(kv_cache: torch.Tensor, layer: int, block_ids: Sequence[int], positions: Sequence[int],
                  transfer_id: str, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, native: bool = True,
+                 staged: StagedCopies | None = None, after: Event | None = None,
                  ) -> Iterator[tuple[bytes | memoryview, memoryview]]:
     """Yield (header, payload) LAYER frames carrying pool blocks `block_ids` of `layer` as
     sequence blocks `positions`, as many whole blocks per frame as fit in max_chunk_bytes
@@ -323,12 +329,21 @@ def encode_layer(kv_cache: torch.Tensor, layer: int, block_ids: Sequence[int], p
     the next frame's gather overwrites: use or copy it (serialise it, write it) before pulling
     the next frame. On that path a payload kept past that no longer matches its header's
     checksums, so a receiver rejects it (ChecksumError) rather than use it (tests/test_kvwire.py
-    pins both paths)."""
+    pins both paths).
+
+    With `staged` (a device pool's, pdserve/transfer/staging.py), a third path, the same frames
+    again: each chunk is gathered on the device and copied into a staging slot on staged's stream,
+    after `after` (the event of the layer's compute), and hashed once that copy's event completes;
+    the slot is released when the next frame is pulled or the generator is closed."""
     if len(block_ids) != len(positions):
         raise ValueError(f"{len(block_ids)} block ids but {len(positions)} positions")
     by_block = kv_cache[layer].transpose(0, 1)  # view: [num_blocks, 2, block_size, kv_heads, row]
     block_bytes = by_block[0].numel() * kv_cache.element_size()
     per_chunk = max(1, min(len(block_ids), max_chunk_bytes // block_bytes))
+    if staged is not None:
+        yield from _staged_frames(staged, after, by_block, layer, block_ids, positions, transfer_id,
+                                  per_chunk)
+        return
     packer = _kv_blocks(kv_cache[layer]) if native else None
     if packer is not None:
         yield from _packed_frames(packer, kv_cache, layer, block_ids, positions, transfer_id, per_chunk)
@@ -348,9 +363,12 @@ def encode_layer(kv_cache: torch.Tensor, layer: int, block_ids: Sequence[int], p
 
 
 def kv_blocks_path(kv_cache: torch.Tensor) -> str:
-    """The path encode_layer and receive_layer take for this pool, "native" (kv_blocks.cpp) or
-    "python". It loads pdserve's CPU kernels (on a fresh machine, builds them, about a minute), so
-    a worker calls it as it starts, not inside its first transfer's deadline."""
+    """The path encode_layer and receive_layer take for this pool in a worker: "native" (kv_blocks.cpp),
+    "python", or "staged" (a device pool: the sender and receiver pass their staging). It loads
+    pdserve's CPU kernels (on a fresh machine, builds them, about a minute), so a worker calls it as it
+    starts, not inside its first transfer's deadline."""
+    if kv_cache.device.type != "cpu":
+        return "staged"
     return "native" if _kv_blocks(kv_cache[0]) is not None else "python"
 
 
@@ -385,9 +403,38 @@ def _gather(by_block: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> tor
     return out.copy_(by_block.index_select(0, idx))  # device pool: gather there, then one D2H copy
 
 
+def _staged_frames(staged: StagedCopies, after: Event | None, by_block: torch.Tensor, layer: int,
+                   block_ids: Sequence[int], positions: Sequence[int], transfer_id: str,
+                   per_chunk: int) -> Iterator[tuple[bytes, memoryview]]:
+    """encode_layer's frames through staged's ring: one slot per frame, held until it is consumed."""
+    if after is not None:
+        staged.stream.wait_event(after)  # NOTE: the transfer stream, not this thread, waits for compute
+    for start in range(0, len(block_ids), per_chunk):
+        ids = list(block_ids[start:start + per_chunk])
+        with staged.slot(transfer_id) as slot:
+            host = slot.view(by_block.dtype, (len(ids), *by_block.shape[1:]))
+            staged.stream.submit(partial(_gather_to_host, by_block, ids, host))
+            copied = staged.record()
+            staged.ring.fence(slot, copied)
+            copied.synchronize()  # this thread hashes the bytes next: they must have landed
+            yield _encode_chunk(host, layer, positions[start:start + per_chunk], transfer_id)
+
+
+@torch.inference_mode()
+def _gather_to_host(by_block: torch.Tensor, block_ids: list[int], out: torch.Tensor) -> None:
+    """Run on a stream: blocks block_ids of one pool layer into host tensor `out`."""
+    idx = torch.tensor(block_ids, dtype=torch.long).to(by_block.device, non_blocking=True)
+    if by_block.device == out.device:
+        torch.index_select(by_block, 0, idx, out=out)
+    else:
+        out.copy_(by_block.index_select(0, idx), non_blocking=True)
+
+
 def _encode_chunk(blocks: torch.Tensor, layer: int, positions: Sequence[int],
                   transfer_id: str) -> tuple[bytes, memoryview]:
-    raw = memoryview(blocks.view(torch.uint8).reshape(-1).numpy()).toreadonly()  # bfloat16: no numpy dtype
+    # NOTE: blocks are always host memory here (the staging buffer or a staging slot); bfloat16 has no
+    # numpy dtype, hence uint8.
+    raw = memoryview(_host(blocks).view(torch.uint8).reshape(-1).numpy()).toreadonly()
     block_bytes = len(raw) // len(positions)
     sums = [block_checksum(raw[i * block_bytes:(i + 1) * block_bytes]) for i in range(len(positions))]
     header = LayerChunkHeader(transfer_id, layer, tuple(positions), _DTYPE_NAMES[blocks.dtype],
@@ -396,7 +443,8 @@ def _encode_chunk(blocks: torch.Tensor, layer: int, positions: Sequence[int],
 
 
 def receive_layer(kv_cache: torch.Tensor, header: LayerChunkHeader, payload: bytes | memoryview,
-                  layout: KVLayout, block_ids: Sequence[int], native: bool = True) -> None:
+                  layout: KVLayout, block_ids: Sequence[int], native: bool = True,
+                  staged: StagedCopies | None = None) -> None:
     """Verify a LAYER frame and copy its blocks into pool blocks `block_ids` of its layer.
 
     On a CPU pool where pdserve's CPU kernels run (and `native`), kv_blocks.cpp hashes each
@@ -404,8 +452,16 @@ def receive_layer(kv_cache: torch.Tensor, header: LayerChunkHeader, payload: byt
     ChecksumError and is not written, nor is any block after it, while the blocks before it
     (verified) are. Otherwise decode_layer verifies them all, then write_layer copies them.
     Either way a bad frame raises before its bad block reaches the pool, and the caller frees
-    the transfer's reservation (decode_worker/receiver.py), so no unverified byte is used."""
+    the transfer's reservation (decode_worker/receiver.py), so no unverified byte is used.
+
+    With `staged` (a device pool's, pdserve/transfer/staging.py): decode_layer verifies the frame on
+    the host, its blocks are copied into staging slots, and each slot is copied into the pool on
+    staged's stream without waiting; the caller waits for that stream (an event recorded after the
+    transfer's last frame) before the blocks are used."""
     raw = _checked_payload(header, payload, layout)
+    if staged is not None:
+        _load_staged(staged, kv_cache, header, decode_layer(header, raw, layout), block_ids)
+        return
     packer = _kv_blocks(kv_cache[header.layer]) if native else None
     if packer is None:
         write_layer(kv_cache, header.layer, block_ids, decode_layer(header, raw, layout))
@@ -415,6 +471,29 @@ def receive_layer(kv_cache: torch.Tensor, header: LayerChunkHeader, payload: byt
     bad = packer.verify_write_layer(raw, list(header.checksums), kv_cache[header.layer], list(block_ids))
     if bad >= 0:
         raise _checksum_error(header, bad)
+
+
+def _load_staged(staged: StagedCopies, kv_cache: torch.Tensor, header: LayerChunkHeader,
+                 blocks: torch.Tensor, block_ids: Sequence[int]) -> None:
+    """Verified host blocks into pool blocks block_ids of the header's layer, through staged's ring:
+    as many blocks per slot as fit, each slot free again once its copy has run."""
+    _check_blocks(kv_cache, header.layer, block_ids, blocks)
+    per_slot = max(1, staged.ring.slot_bytes // max(1, blocks[0].numel() * blocks.element_size()))
+    for start in range(0, len(block_ids), per_slot):
+        part = blocks[start:start + per_slot]
+        with staged.slot(header.transfer_id) as slot:
+            host = slot.view(part.dtype, tuple(part.shape))
+            host.copy_(part)  # NOTE: from gRPC's pageable bytes into the pinned slot, on this thread
+            ids = list(block_ids[start:start + per_slot])
+            staged.stream.submit(partial(_load_from_host, kv_cache[header.layer], ids, host))
+            staged.ring.fence(slot, staged.record())
+
+
+@torch.inference_mode()  # legal on pools made inside inference mode and outside it
+def _load_from_host(pool: torch.Tensor, block_ids: list[int], host: torch.Tensor) -> None:
+    """Run on a stream: host blocks [n, 2, ...] into pool layer [2, num_blocks, ...] at block_ids."""
+    idx = torch.tensor(block_ids, dtype=torch.long).to(pool.device, non_blocking=True)
+    pool.index_copy_(1, idx, host.to(pool.device, non_blocking=True).transpose(0, 1))
 
 
 def decode_layer(header: LayerChunkHeader, payload: bytes | memoryview, layout: KVLayout) -> torch.Tensor:
@@ -464,12 +543,7 @@ def _check_against_layout(header: LayerChunkHeader, layout: KVLayout) -> None:
 def write_layer(kv_cache: torch.Tensor, layer: int, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
     """Copy `blocks` [n, 2, block_size, kv_heads, row] into pool blocks `block_ids` of `layer`."""
     pool = kv_cache[layer]  # [2, num_blocks, block_size, kv_heads, row]
-    expected = (len(block_ids), 2, *pool.shape[2:])
-    if tuple(blocks.shape) != expected or blocks.dtype != kv_cache.dtype:
-        raise ValueError(f"blocks are {list(blocks.shape)} {blocks.dtype}; pool layer {layer} needs "
-                         f"{list(expected)} {kv_cache.dtype}")
-    if len(set(block_ids)) != len(block_ids):
-        raise ValueError(f"block ids repeat: {list(block_ids)}")
+    _check_blocks(kv_cache, layer, block_ids, blocks)
     if pool.device.type != "cpu":
         ids = torch.as_tensor(block_ids, dtype=torch.long, device=pool.device)
         with torch.inference_mode():  # legal on pools made inside inference mode and outside it
@@ -479,7 +553,21 @@ def write_layer(kv_cache: torch.Tensor, layer: int, block_ids: Sequence[int], bl
     # threads, and on a small VM the OpenMP hand-off costs milliseconds per chunk (0.2 GB/s
     # measured on 2 vCPUs); numpy copies on the calling thread at memory speed.
     dst = pool.view(torch.uint8).numpy()  # shares the pool's memory; uint8 because of bfloat16
-    dst[:, list(block_ids)] = blocks.contiguous().view(torch.uint8).numpy().swapaxes(0, 1)
+    dst[:, list(block_ids)] = _host(blocks).contiguous().view(torch.uint8).numpy().swapaxes(0, 1)
+
+
+def _check_blocks(kv_cache: torch.Tensor, layer: int, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+    expected = (len(block_ids), 2, *kv_cache.shape[3:])
+    if tuple(blocks.shape) != expected or blocks.dtype != kv_cache.dtype:
+        raise ValueError(f"blocks are {list(blocks.shape)} {blocks.dtype}; pool layer {layer} needs "
+                         f"{list(expected)} {kv_cache.dtype}")
+    if len(set(block_ids)) != len(block_ids):
+        raise ValueError(f"block ids repeat: {list(block_ids)}")
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """t itself when it is in host memory (no copy), else a host copy: numpy() needs host memory."""
+    return t if t.device.type == "cpu" else t.cpu()
 
 
 def _pack(kind: FrameKind, **body: Any) -> bytes:

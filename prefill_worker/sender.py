@@ -27,6 +27,12 @@ Why the output stays exact whatever happens to the request meanwhile:
   request: the caller prefills elsewhere).
 - A Prefill call that ends early stop()s its transfer (the flag alone: gRPC's event thread must
   not wait for the engine's lock), and the engine loop releases the blocks at its next turn.
+
+A device pool (pdserve/transfer/staging.py; a CPU pool takes none of this): layer_done records an
+event on the compute stream for each layer; the sender thread has its transfer stream wait on it,
+gathers on the device and copies each frame into a pinned staging slot, waits for that copy's event
+only, then hashes and sends. The slot is released once the frame is consumed, or when the transfer
+ends either way (release_all). Neither thread holds the device: compute never waits for a transfer.
 """
 
 from __future__ import annotations
@@ -35,8 +41,10 @@ import queue
 import threading
 import uuid
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass
 
+from pdserve.engine.device_streams import Event
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.engine.sequence import Sequence
@@ -44,6 +52,7 @@ from pdserve.kvwire import KVLayout, TransferBegin, TransferEnd, encode_layer
 from pdserve.transfer.channel import Frame, KVChannel, PushResult, TransferState
 from pdserve.transfer.errors import FailureKind, TransferFailed
 from pdserve.transfer.frames import DEFAULT_MAX_CHUNK_BYTES
+from pdserve.transfer.staging import StagedCopies, staging_for_pool
 from pdserve.units import ceil_div
 
 
@@ -52,6 +61,7 @@ class _LayerWork:
     layer: int
     block_ids: list[int]
     positions: list[int]
+    ready: Event | None = None  # the layer's compute, on a device pool
 
 
 _END = object()
@@ -60,8 +70,8 @@ _WAKE = object()  # abort() puts this so a sender waiting on the queue looks at 
 
 class OutgoingTransfer:
     def __init__(self, engine: LLMEngine, layout: KVLayout, begin: TransferBegin, channel: KVChannel,
-                 timeout_s: float, max_chunk_bytes: int) -> None:
-        self.engine, self.layout, self.begin = engine, layout, begin
+                 timeout_s: float, max_chunk_bytes: int, staged: StagedCopies | None = None) -> None:
+        self.engine, self.layout, self.begin, self.staged = engine, layout, begin, staged
         self.timeout_s, self.max_chunk_bytes = timeout_s, max_chunk_bytes
         self.state = TransferState.PENDING
         self.bytes_sent = 0
@@ -84,8 +94,9 @@ class OutgoingTransfer:
         self.state = TransferState.TRANSFERRING
         self._thread.start()
 
-    def offer(self, layer: int, chunk: ScheduledChunk) -> None:
-        """Called on the compute thread once `layer` of `chunk` is written to the pool."""
+    def offer(self, layer: int, chunk: ScheduledChunk, ready: Event | None = None) -> None:
+        """Called on the compute thread once `layer` of `chunk` is written to the pool (on a device
+        pool: enqueued; `ready` completes when it is written)."""
         bs = self.layout.block_size
         n = self.begin.num_tokens
         complete = ceil_div(n, bs) if chunk.end >= n else chunk.end // bs
@@ -101,7 +112,7 @@ class OutgoingTransfer:
             self._pinned += block_ids
         self._next_position[layer] = complete
         self._total_blocks += len(positions)
-        self._queue.put(_LayerWork(layer, block_ids, positions))
+        self._queue.put(_LayerWork(layer, block_ids, positions, ready))
 
     def close(self) -> None:
         """Prefill finished: every block has been offered; send END (unless aborted first)."""
@@ -154,6 +165,9 @@ class OutgoingTransfer:
         except Exception as e:  # a transport bug must still end the transfer cleanly
             self._error = TransferFailed(FailureKind.INTERNAL, f"{type(e).__name__}: {e}")
             self.state = TransferState.FAILED
+        finally:
+            if self.staged is not None:  # an aborted stream's slots (a slot whose copy runs stays busy)
+                self.staged.ring.release_all(self.begin.transfer_id)
 
     def _frames(self) -> Iterator[Frame]:
         yield self.begin.encode(), b""
@@ -170,14 +184,16 @@ class OutgoingTransfer:
     def _layer_frames(self, work: _LayerWork) -> Iterator[Frame]:
         """One LAYER frame per chunk of blocks, gathered lazily, each gather after an abort check."""
         frames = encode_layer(self.engine.kv_cache, work.layer, work.block_ids, work.positions,
-                              self.begin.transfer_id, self.max_chunk_bytes)
-        while True:
-            self._raise_if_aborted()
-            frame = next(frames, None)
-            if frame is None:
-                return
-            self.bytes_sent += len(frame[1])
-            yield frame
+                              self.begin.transfer_id, self.max_chunk_bytes, staged=self.staged,
+                              after=work.ready)
+        with closing(frames):  # NOTE: an abort closes it at once, so it releases its staging slot
+            while True:
+                self._raise_if_aborted()
+                frame = next(frames, None)
+                if frame is None:
+                    return
+                self.bytes_sent += len(frame[1])
+                yield frame
 
     def _raise_if_aborted(self) -> None:
         if self._aborted is not None:
@@ -189,8 +205,11 @@ class LayerwiseSender:
     and aborts a transfer whose request is preempted."""
 
     def __init__(self, engine: LLMEngine, layout: KVLayout,
-                 max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> None:
+                 max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, staged: StagedCopies | None = None) -> None:
+        """staged: the transfers' staging (pdserve/transfer/staging.py); by default a device pool's
+        own, none for a CPU pool."""
         self.engine, self.layout, self.max_chunk_bytes = engine, layout, max_chunk_bytes
+        self.staged = staged or staging_for_pool(engine.kv_cache, max(max_chunk_bytes, layout.block_bytes))
         self._transfers: dict[str, OutgoingTransfer] = {}
         self._lock = threading.Lock()
 
@@ -200,7 +219,8 @@ class LayerwiseSender:
         begin = TransferBegin(uuid.uuid4().hex, request_id, self.layout, tuple(prompt_token_ids),
                               len(prompt_token_ids), decode_cached_blocks,
                               tuple(range(decode_cached_blocks, total)), cache_salt=cache_salt)
-        transfer = OutgoingTransfer(self.engine, self.layout, begin, channel, timeout_s, self.max_chunk_bytes)
+        transfer = OutgoingTransfer(self.engine, self.layout, begin, channel, timeout_s, self.max_chunk_bytes,
+                                    self.staged)
         with self._lock:
             self._transfers[request_id] = transfer
         transfer.start()
@@ -223,10 +243,19 @@ class LayerwiseSender:
         with self._lock:
             if not self._transfers:
                 return
+            ready = self._compute_event()
             for chunk in chunks:
                 transfer = self._transfers.get(chunk.seq.request_id)
                 if transfer is not None:
-                    transfer.offer(layer, chunk)
+                    transfer.offer(layer, chunk, ready)
+
+    def _compute_event(self) -> Event | None:
+        """An event on the compute stream, after the layer just enqueued; None on a CPU pool."""
+        if self.staged is None:
+            return None
+        event = self.staged.streams.new_event()
+        event.record(self.staged.streams.current_stream())
+        return event
 
     def preempted(self, seq: Sequence) -> bool:
         """A request whose KV is being sent lost its blocks: abort the transfer, drop the request."""
