@@ -12,8 +12,10 @@ NOTE: the interpreter runs each program in Python, milliseconds apiece, so the s
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,6 +224,57 @@ def test_prefill_matches_reference(kv_dtype, start, tokens, heads, kv_heads, win
                "own_v": torch.randn(tokens, kv_heads, 16, generator=g)}
     ours = triton_attention.paged_prefill_attention(q, cache, tables[0], start, 0.25, window, **own)
     assert_close(ours, reference.paged_prefill_attention(q, cache, tables[0], start, 0.25, window, **own))
+
+
+# --- the GPU's compiler ----------------------------------------------------------------------------
+
+def compile_for_h100() -> None:
+    """The kernels through Triton's CUDA compiler down to an sm_90 binary, no GPU needed: what the
+    interpreter never checks (constexpr typing, tl.dot's shapes on tensor cores' terms, the bitcasts).
+    Run in a process of its own, without TRITON_INTERPRET (the decorator would make them interpreted)."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pdserve.engine import triton_kernels as kernels
+
+    def compile_one(kernel, pointers: dict[str, str], constexprs: dict) -> None:
+        scalars = {"scale": "fp32"}  # every other argument that is no pointer is an int32
+        signature = {name: "constexpr" if name in constexprs else {**scalars, **pointers}.get(name, "i32")
+                     for name in inspect.signature(kernel.fn).parameters}
+        triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                       target=GPUTarget("cuda", 90, 32))
+
+    floats = {name: "*fp32" for name in ("own_k_ptr", "own_v_ptr", "lut_ptr", "part_m_ptr", "part_l_ptr",
+                                          "part_acc_ptr")}
+    compile_one(kernels.decode_kernel,
+                {**floats, "q_ptr": "*bf16", "out_ptr": "*bf16", "cache_ptr": "*u8", "table_ptr": "*i32",
+                 "lens_ptr": "*i32"},
+                dict(BLOCK_SIZE=16, GROUP=3, GROUP_PAD=16, HEAD_DIM=64, BLOCK_D=64, BLOCK_N=64,
+                     FORMAT=2, HAS_OWN=False, SPLIT=True))
+    compile_one(kernels.decode_reduce_kernel, {**floats, "out_ptr": "*bf16"},
+                dict(HEAD_DIM=64, BLOCK_D=64, SPLITS_PAD=8))
+    compile_one(kernels.prefill_kernel,
+                {**floats, "q_ptr": "*fp32", "out_ptr": "*fp32", "cache_ptr": "*u8", "table_ptr": "*i64"},
+                dict(BLOCK_SIZE=16, GROUP=4, GROUP_PAD=4, HEAD_DIM=64, BLOCK_D=64, BLOCK_M=16, BLOCK_N=64,
+                     FORMAT=1, HAS_OWN=True))
+
+
+def test_kernels_compile_for_an_h100(tmp_path):
+    """fp8 decode with split-KV and its merge, int8 prefill with own rows, for bfloat16 and float32
+    queries: compiled for sm_90 by the ptxas Triton ships (skipped where it ships none)."""
+    import triton
+
+    if not list((Path(triton.__file__).parent / "backends" / "nvidia" / "bin").glob("ptxas")):
+        pytest.skip("this triton ships no ptxas")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # NOTE: a fresh cache, so it compiles here and now
+    code = "from tests.engine.test_triton_attention import compile_for_h100; compile_for_h100()"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
 
 
 # --- availability ----------------------------------------------------------------------------------
