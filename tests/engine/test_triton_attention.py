@@ -26,6 +26,7 @@ from pdserve.engine.kv_format import KV_FORMATS
 from pdserve.engine.model import _context_mask, causal_mask, sdpa_4d
 from pdserve.engine.own_rows import with_own_rows
 
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the subprocesses import pdserve and this module from it
 BLOCK_SIZE = 16
 LENGTHS = [1, 15, 16, 17, 250]  # a block's first row, its last but one, all of it, one over; many blocks
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -273,7 +274,7 @@ def test_kernels_compile_for_an_h100(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # NOTE: a fresh cache, so it compiles here and now
     code = "from tests.engine.test_triton_attention import compile_for_h100; compile_for_h100()"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                            env=env)
+                            env=env, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
 
 
@@ -285,7 +286,7 @@ def test_imports_and_says_why_without_triton():
             "from pdserve.engine import triton_attention\n"
             "print(triton_attention.unavailable())")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            check=True)
+                            check=True, cwd=REPO_ROOT)
     assert "triton is not installed" in result.stdout
 
 
