@@ -52,6 +52,11 @@ def unavailable() -> str | None:
     return None
 
 
+def interpreted() -> bool:
+    """Whether the kernels run in Triton's interpreter (on the CPU, for tests) rather than on a GPU."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 @cache
 def _kernels() -> ModuleType:
     from pdserve.engine import triton_kernels
