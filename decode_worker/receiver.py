@@ -42,7 +42,7 @@ from pdserve.kvwire import (
 from pdserve.transfer.channel import TransferState
 from pdserve.transfer.errors import FailureKind, TransferFailed
 from pdserve.transfer.frames import DEFAULT_MAX_CHUNK_BYTES
-from pdserve.transfer.staging import StagedCopies, staging_for_pool
+from pdserve.transfer.staging import StagedCopies, StagingTimeout, staging_for_pool
 from pdserve.units import ceil_div
 
 
@@ -188,6 +188,8 @@ class _LayerWriter:
             raise TransferFailed(FailureKind.DATA_LOSS, str(e)) from e
         except WireError as e:
             raise TransferFailed(FailureKind.INVALID_ARGUMENT, str(e)) from e
+        except StagingTimeout as e:  # the load stream is not keeping up: this worker is busy, retry later
+            raise TransferFailed(FailureKind.RESOURCE_EXHAUSTED, str(e)) from e
         self.missing -= keys
         self.written += len(keys)
         self.nbytes += len(payload)

@@ -19,11 +19,12 @@ from pdserve.engine.hashing import hash_blocks
 from pdserve.engine.sequence import SamplingParams
 from pdserve.kvwire import ChecksumError, KVLayout, TransferEnd, decode_header, encode_layer, receive_layer
 from pdserve.transfer.channel import Frame, PushResult
-from pdserve.transfer.staging import SlotState, StagedCopies
+from pdserve.transfer.errors import FailureKind, TransferFailed
+from pdserve.transfer.staging import SlotState, StagedCopies, StagingRing, StagingSlot, StagingTimeout
 from prefill_worker.sender import LayerwiseSender
 from tests.conftest import assert_no_leaks, make_engine
 from tests.test_kvwire import bits, make_pool
-from tests.transfer.test_staging_ring import LONG_S, Gate
+from tests.transfer.test_staging_ring import BRIEF_S, LONG_S, Gate
 
 DTYPES = ["float32", "bfloat16", "int8"]
 SEND_IDS, POSITIONS = [7, 2, 19, 4, 11], [0, 1, 2, 3, 4]
@@ -220,3 +221,41 @@ def test_the_receiver_parks_only_once_its_loads_have_landed(tiny_loaded):
     tokens, parked_before_loads = transfer_and_decode(tiny_loaded, hold_loads=True)
     assert parked_before_loads is False, "the KV was parked (committed to the prefix cache) before it landed"
     assert len(tokens) == GREEDY.max_tokens
+
+
+class OpensGateOnTimeout(StagingRing):
+    """A ring that, when an acquire times out, lets the held load stream go on."""
+
+    def __init__(self, gate: Gate, *args) -> None:
+        super().__init__(*args)
+        self.gate = gate
+
+    def acquire(self, owner: str, timeout_s: float = LONG_S) -> StagingSlot:
+        try:
+            return super().acquire(owner, timeout_s)
+        except StagingTimeout:
+            self.gate.open()
+            raise
+
+
+def test_a_receiver_out_of_staging_slots_fails_busy_and_frees_its_blocks_after_its_loads(tiny_loaded):
+    prefill, decode = make_engine(tiny_loaded, num_blocks=16), make_engine(tiny_loaded, num_blocks=16)
+    layout = KVLayout.of_cache(prefill.kv_cache, prefill.fingerprint)
+    streams, gate = CpuStreams(), Gate()
+    one_slot = OpensGateOnTimeout(gate, streams, 1, layout.block_bytes)
+    load = StagedCopies(streams, streams.new_stream(), one_slot, acquire_timeout_s=BRIEF_S)
+    gate.hold(load.stream)  # the first frame's load holds the only slot until the second times out
+    receiver = KVReceiver(decode, layout, staged=load)
+    sender = LayerwiseSender(prefill, layout, max_chunk_bytes=layout.block_bytes)
+    transfer = sender.start("r", PROMPT, 0, InProcessChannel(receiver), timeout_s=30)
+    prefill.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=1), request_id="r", detokenize=False)
+    run_to_end(prefill, sender)
+    transfer.close()
+    with pytest.raises(TransferFailed, match="KV staging slots") as failed:
+        transfer.wait()
+    assert failed.value.kind is FailureKind.RESOURCE_EXHAUSTED
+    assert receiver.outcomes[FailureKind.RESOURCE_EXHAUSTED.value] == 1
+    sender.finish("r")
+    assert load.ring.states() == [SlotState.FREE] and not decode.handoff.is_parked("r")
+    load.stream.close()
+    assert_no_leaks(prefill), assert_no_leaks(decode)
