@@ -139,7 +139,9 @@ class StagingRing:
                 self._drain(handle._slot)
 
     def release_all(self, owner: str) -> int:
-        """Release every slot owner holds (an aborted transfer); returns how many it held."""
+        """Release every slot owner holds (an aborted transfer); returns how many it held.
+        NOTE: call it on the holder's own thread (the sender's does, as its stream ends): a slot released
+        between a copy's submit and its fence could be handed out before that copy ran."""
         with self._changed:
             held = [s for s in self._slots if s.state is SlotState.HELD and s.owner == owner]
             for slot in held:
