@@ -35,15 +35,17 @@ class Budget:
 
 
 def budget_of(spec: Any) -> Budget:
-    from pdserve.engine.config import kv_bytes_per_token
+    from pdserve.engine.config import CPU_KV_CACHE_GIB, kv_bytes_per_token
     from pdserve.engine.weights import default_model_path
     from pdserve.plan import read_kv_shape, read_weight_plan
 
     path = spec.engine.model_path or default_model_path()
-    shape, cache = read_kv_shape(path), spec.engine.cache
+    # NOTE: CPU workers: dtype and kv_dtype resolved as their engines resolve them (auto: float32)
+    shape, cache = read_kv_shape(path), spec.engine.resolved("cpu")[0].cache
     block_bytes = cache.block_size * kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim,
                                                         cache.kv_dtype)
-    blocks = cache.num_blocks or max(1, int(cache.kv_cache_gib * 2**30) // block_bytes)  # resolve_num_blocks
+    gib = cache.kv_cache_gib if cache.kv_cache_gib is not None else CPU_KV_CACHE_GIB
+    blocks = cache.num_blocks or max(1, int(gib * 2**30) // block_bytes)  # resolve_num_blocks on a CPU
     return Budget(read_weight_plan(path).bytes_resident, blocks * block_bytes)
 
 

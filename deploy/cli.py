@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING
 
 from pdserve import __version__
 from pdserve.client_security import add_client_security_arguments, given_flags
-from pdserve.engine.config import KV_DTYPES, CacheConfig, SchedulerConfig
+from pdserve.engine.config import (
+    CPU_KV_CACHE_GIB,
+    KV_DTYPE_SETTINGS,
+    MODEL_DTYPES,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+)
 from pdserve.engine.sampling_defaults import SMOLLM2_MODEL_CARD
 from pdserve.units import human_bytes
 
@@ -77,9 +84,13 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
                    help="number of key/value heads (config.json: num_key_value_heads; "
                         "fewer than attention heads under grouped-query attention)")
     p.add_argument("--head-dim", type=int, help="dimension of one attention head, e.g. 128")
-    p.add_argument("--dtype", choices=KV_DTYPES, default=CacheConfig().kv_dtype,
+    p.add_argument("--dtype", choices=KV_DTYPE_SETTINGS, default=CacheConfig().kv_dtype,
                    help="element type of the KV cache; int8 and fp8 count their scales (default: "
-                        "%(default)s, the engine's default)")
+                        "%(default)s, the engine's default: the model's dtype, so bfloat16 with "
+                        "--gpu-memory-gib and float32 without)")
+    p.add_argument("--model-dtype", choices=MODEL_DTYPES, default=EngineConfig().dtype,
+                   help="the weights' dtype, the engine's --dtype (default: %(default)s: bfloat16 on a GPU, "
+                        "--gpu-memory-gib, else float32 as on the CPU)")
     p.add_argument("--tokens", type=int, required=True, help="tokens per sequence (prompt + output)")
     p.add_argument("--sequences", type=int, default=1,
                    help="sequences held at once (default: %(default)s)")
@@ -90,15 +101,32 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
                         "tokens it holds")
     p.add_argument("--disk-gib", type=float,
                    help="a disk KV tier of this many GiB (--disk-cache-gib); adds the tokens it holds")
+    p.add_argument("--gpu-memory-gib", type=float, metavar="GIB",
+                   help="plan for a worker on a GPU of this much memory (with --model): the pool it sizes "
+                        "itself by --gpu-memory-utilization, what is left after the weights and an "
+                        "activation reserve, in blocks; the dtypes' auto is then a GPU's (bfloat16)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig().gpu_memory_utilization,
+                   metavar="FRACTION", help="with --gpu-memory-gib: the share of the GPU a worker may use "
+                                            "(default: %(default)s, the engine's)")
+    p.add_argument("--block-size", type=int, default=CacheConfig().block_size,
+                   help="with --gpu-memory-gib: tokens per KV block (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(handler=_run_plan)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from pdserve.plan import plan_for_model, plan_kv
+    from pdserve.engine.config import resolve_kv_dtype, resolve_model_dtype
+    from pdserve.plan import plan_for_model, plan_gpu_pool, plan_kv
 
     shape_flags = {"--layers": args.layers, "--kv-heads": args.kv_heads, "--head-dim": args.head_dim}
-    family = None
+    family = gpu = None
+    # NOTE: the engine's resolution (pdserve/engine/config.py): a GPU plan is cuda's, the rest the CPU's
+    device = "cuda" if args.gpu_memory_gib is not None else "cpu"
+    model_dtype = resolve_model_dtype(args.model_dtype, device)
+    kv_dtype = resolve_kv_dtype(args.dtype, model_dtype.value)
+    args.dtype = kv_dtype.value
+    if args.gpu_memory_gib is not None and args.model is None:
+        raise ValueError("--gpu-memory-gib needs --model: the pool is what the weights and activations leave")
     if args.model is not None:
         given = [flag for flag, value in shape_flags.items() if value is not None]
         if given:
@@ -109,7 +137,13 @@ def _run_plan(args: argparse.Namespace) -> int:
         path = resolve_model_path(args.model)
         plan = plan_for_model(path, args.dtype, args.tokens, args.sequences, args.memory_gib,
                               args.host_gib, args.disk_gib)
-        family = family_plan(read_model_config(path), args.dtype, args.tokens)
+        config = read_model_config(path)
+        family = family_plan(config, args.dtype, args.tokens)
+        if args.gpu_memory_gib is not None:
+            scheduler = SchedulerConfig()
+            gpu = plan_gpu_pool(config, plan.weights, args.dtype, model_dtype.value, args.gpu_memory_gib,
+                                args.gpu_memory_utilization, args.block_size,
+                                scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
     else:
         missing = [flag for flag, value in shape_flags.items() if value is None]
         if missing:
@@ -119,13 +153,14 @@ def _run_plan(args: argparse.Namespace) -> int:
                        args.tokens, args.sequences, args.memory_gib, args.host_gib, args.disk_gib)
 
     if args.json:
-        print(json.dumps(plan.as_dict() | (family.as_dict() if family is not None else {})))
+        extra = (family.as_dict() if family is not None else {}) | (gpu.as_dict() if gpu is not None else {})
+        print(json.dumps(plan.as_dict() | extra))
         return 0
     for line in family.describe() if family is not None else ():
         print(line)
     s = plan.shape
     print(f"KV cache: {s.num_layers} layers x {s.num_kv_heads} KV heads x head_dim {s.head_dim}, "
-          f"{plan.dtype}")
+          f"{plan.dtype}; {model_dtype.describe()}, {kv_dtype.describe()}")
     scales = f"{plan.scale_bytes_per_token:,} B of them scales" if plan.scale_bytes_per_token else ""
     rows = [
         ("per token", plan.bytes_per_token, scales),
@@ -142,8 +177,10 @@ def _run_plan(args: argparse.Namespace) -> int:
                            ("disk", plan.disk_gib, plan.disk_tokens_that_fit)):
         if gib is not None:
             print(f"  {tier} tier of {gib:g} GiB: {fit:,} tokens of evicted prefixes, loaded back on a hit")
-    if plan.weights is not None:
+    if plan.weights is not None and gpu is None:
         print(f"weights: {plan.weights.describe()}")
+    if gpu is not None:
+        print(f"GPU pool: {gpu.describe()}")
     return 0
 
 
@@ -190,11 +227,12 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
                    help="stop when the output contains TEXT; repeat for several stop strings")
     p.add_argument("--block-size", type=int, default=cache.block_size,
                    help="tokens per KV cache block for --local (default: %(default)s)")
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=cache.kv_dtype,
-                   help="KV cache element type for --local; int8 and fp8 quantize K/V per token and KV "
-                        "head (default: %(default)s)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPE_SETTINGS, default=cache.kv_dtype,
+                   help="KV cache element type for --local; auto = the model's dtype; int8 and fp8 quantize "
+                        "K/V per token and KV head (default: %(default)s)")
     p.add_argument("--num-blocks", type=int,
-                   help=f"KV cache blocks for --local (default: as many as {cache.kv_cache_gib:g} GiB holds)")
+                   help=f"KV cache blocks for --local (default: as many as {CPU_KV_CACHE_GIB:g} GiB holds on "
+                        "the CPU; on CUDA what 0.9 of the GPU leaves)")
     p.add_argument("--max-batched-tokens", type=int, default=sched.max_num_batched_tokens,
                    help="token budget per engine step, which sets the prefill chunk size "
                         "(default: %(default)s)")

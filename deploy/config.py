@@ -86,12 +86,13 @@ class ClusterSpec:
         renamed_from=("placement", "--placement"),
         help="how Ray places the worker actors: spread = on different Ray nodes where their resources "
              "allow; pack = Ray's default, filling a node first")
-    # NOTE: None decides at start: 1 when the cluster has a GPU for every worker, else 0 (CPU). An
-    # autoscaling cluster has no GPU node yet at start, so its config says 1 explicitly.
+    # NOTE: one worker = one GPU: its engine runs on one device. None decides at start
+    # (workers_gpus): 1 when the Ray cluster has GPUs, 0 (CPU) when it has none. An autoscaling
+    # cluster has no GPU node yet at start, so its config says 1 explicitly.
     gpus_per_worker: float | None = setting(
         None, flag="--gpus-per-worker", key="gpus_per_worker", metavar="N",
-        help="GPUs each worker actor asks Ray for; 0 = run on CPU (default: 1 when the Ray cluster has a "
-             "GPU for every worker at start, else 0)")
+        help="GPUs each worker actor asks Ray for: 1 = one GPU each, its engine on cuda; 0 = run on CPU "
+             "(default: 1 when the Ray cluster has a GPU for every worker at start, 0 when it has none)")
     # Router replicas over the same Redis index and registry; router i serves on port + i (and
     # http_port + i, metrics_port + i where those are set): router 0 in the launcher, the others as
     # Ray actors (router/actor.py).
@@ -177,8 +178,9 @@ class ClusterSpec:
         if self.cache_isolation == "token" and self.api_token_file is None:
             raise ValueError(f"{field_label('cache_isolation')} token keeps each API token's cache apart, so "
                              f"it needs {field_label('api_token_file')}")
-        if self.gpus_per_worker is not None and self.gpus_per_worker < 0:
-            raise FieldError("gpus_per_worker", "must be >= 0", self.gpus_per_worker)
+        if self.gpus_per_worker is not None and self.gpus_per_worker not in (0, 1):
+            raise FieldError("gpus_per_worker", "must be 0 (CPU) or 1: one worker = one GPU, its engine on "
+                             "one device (run more workers for more GPUs)", self.gpus_per_worker)
         for role in ("prefill", "decode"):
             _check_resources(role, getattr(self, f"{role}_resources"))
         if self.max_restarts < -1:
@@ -232,6 +234,23 @@ class ClusterSpec:
     @property
     def scheduling_strategy(self) -> str:
         return ACTOR_PLACEMENTS[self.actor_placement]
+
+
+def workers_gpus(requested: float | None, cluster_gpus: float, workers: int) -> int:
+    """Each worker's GPUs (0 or 1): gpus_per_worker where set; else 1 where the Ray cluster
+    (ray.cluster_resources()["GPU"]) has a GPU for every worker, 0 where it has none. A cluster with
+    GPUs for some workers only is refused: its workers would wait for GPUs that never come, or run
+    on CPUs beside idle GPUs."""
+    if requested is not None:
+        return int(requested)
+    if cluster_gpus <= 0:
+        return 0
+    if cluster_gpus < workers:
+        raise ValueError(f"the Ray cluster has {cluster_gpus:g} GPUs for {workers} workers, and each worker "
+                         "takes one GPU: run at most that many workers (prefill.count + decode.count), or "
+                         "set gpus_per_worker (--gpus-per-worker) 0 to run them on CPUs, or 1 to wait for "
+                         "GPU nodes (an autoscaler)")
+    return 1
 
 
 @functools.cache

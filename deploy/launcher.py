@@ -34,7 +34,7 @@ from dataclasses import replace
 
 import redis
 
-from deploy.config import ClusterSpec
+from deploy.config import ClusterSpec, workers_gpus
 from deploy.redis_server import RedisServer, ensure_redis
 from pdserve.engine.config import cpu_threads_per_worker
 from pdserve.engine.sampling_defaults import SamplingDefaults
@@ -208,9 +208,7 @@ class LocalCluster:
 
         roles = ["prefill"] * self.spec.num_prefill + ["decode"] * self.spec.num_decode
         self._warn_unplaceable(roles)
-        gpus = self.spec.gpus_per_worker
-        if gpus is None:
-            gpus = 1 if ray.cluster_resources().get("GPU", 0) >= len(roles) else 0
+        gpus = workers_gpus(self.spec.gpus_per_worker, ray.cluster_resources().get("GPU", 0), len(roles))
         threads = None if gpus else self.spec.engine.num_threads or cpu_threads_per_worker(len(roles))
         counts = {"prefill": 0, "decode": 0}
         for role in roles:
@@ -223,9 +221,10 @@ class LocalCluster:
                 num_cpus=0 if gpus else 1, num_gpus=gpus,
                 resources=self.spec.actor_resources.get(role, {}),
                 scheduling_strategy=self.spec.scheduling_strategy,
-            ).remote(self._worker_spec(role, worker_id, threads))
+            ).remote(self._worker_spec(role, worker_id, threads, "cuda" if gpus else "cpu"))
+        dtypes = ", ".join(c.describe() for c in self.spec.engine.resolved("cuda" if gpus else "cpu")[1])
         self.say(f"workers  {self.spec.num_prefill} prefill + {self.spec.num_decode} decode "
-                 f"({f'{gpus:g} GPU each' if gpus else f'CPU, {threads} torch threads each'}; "
+                 f"({'1 GPU each, cuda' if gpus else f'CPU, {threads} torch threads each'}; {dtypes}; "
                  f"actor placement {self.spec.actor_placement}{self._resources_note()}); "
                  "loading the model...")
         deadline = self.spec.startup_timeout_s
@@ -262,9 +261,11 @@ class LocalCluster:
 
         return ray.remote(PrefillWorker if role == "prefill" else DecodeWorker)
 
-    def _worker_spec(self, role: str, worker_id: str, threads: int | None) -> WorkerSpec:
+    def _worker_spec(self, role: str, worker_id: str, threads: int | None, device: str = "cpu") -> WorkerSpec:
+        """device: cuda for a worker of one GPU (Ray's num_gpus=1 gives it that one), else cpu."""
         s = self.spec
-        engine = replace(s.engine, cache=s.engine.cache.for_worker(worker_id), num_threads=threads)
+        engine = replace(s.engine, cache=s.engine.cache.for_worker(worker_id), num_threads=threads,
+                         device=device)
         return WorkerSpec(role=role, worker_id=worker_id, redis_url=self.redis_url, engine=engine,
                           host=s.host, namespace=s.namespace,
                           tls=s.tls, cluster_secret=self.security.cluster_secret, audit=s.audit,

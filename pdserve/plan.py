@@ -16,6 +16,16 @@ With a model, the plan also counts the weights a worker keeps beside its KV cach
                                       embedding is kept once, in the lm_head's native panels)
                    + vocab x hidden x 4 where a tied model runs linear_kernel matmul or onednn
                                      (they keep the embedding table beside their copy of the head)
+
+and, given a GPU's memory (--gpu-memory-gib), the pool a worker on it sizes for itself when neither
+cache.num_blocks nor cache.kv_cache_gib is set (pdserve/engine/config.py gpu_pool_blocks, vLLM's rule):
+
+    pool bytes = GPU bytes x gpu_memory_utilization - weight bytes - activation reserve
+    weight bytes = (parameters + a tied model's embedding table) x the dtype's bytes (torch's matmul)
+    blocks = pool bytes // (KV bytes per token x block size)
+
+A worker reads its GPU's free memory once its weights are loaded, so its CUDA context (and any other
+process on the GPU) comes off its pool too; the plan cannot see those.
 """
 
 from __future__ import annotations
@@ -26,7 +36,14 @@ from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
-from pdserve.engine.config import KV_DTYPE_TABLE, KV_DTYPES, kv_bytes_per_token
+from pdserve.engine.config import (
+    KV_DTYPE_TABLE,
+    KV_DTYPES,
+    ModelConfig,
+    activation_reserve_bytes,
+    gpu_pool_blocks,
+    kv_bytes_per_token,
+)
 from pdserve.units import GIB, human_bytes
 
 
@@ -98,11 +115,69 @@ class WeightPlan:
         """On the default kernels (auto: native where the CPU and the extension run it)."""
         return 4 * self.parameters
 
+    def bytes_in(self, dtype: str) -> int:
+        """In dtype on torch's kernels (a GPU's): each parameter, and a tied model's table beside its head."""
+        element = KV_DTYPE_TABLE[dtype].element_bytes
+        return (4 * self.parameters + self.tied_table_bytes) // 4 * element
+
     def describe(self) -> str:
         table = human_bytes(self.tied_table_bytes, 2)
         tied = f"; tied, so linear_kernel matmul or onednn keep {table} more" if self.tied_table_bytes else ""
         return (f"{self.bytes_resident:,} B ({human_bytes(self.bytes_resident, 2)}) per worker, float32, "
                 f"each once{tied}")
+
+
+@dataclass(frozen=True)
+class GpuPoolPlan:
+    """The pool of a worker on a GPU of gpu_memory_gib, by the module docstring's rule."""
+
+    gpu_memory_gib: float
+    utilization: float
+    model_dtype: str
+    weight_bytes: int  # in model_dtype, on torch's kernels
+    reserve_bytes: int  # activation_reserve_bytes at the scheduler's defaults
+    block_size: int
+    block_bytes: int
+    num_blocks: int
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def as_dict(self) -> dict[str, object]:
+        return {"model_dtype": self.model_dtype, "gpu_memory_gib": self.gpu_memory_gib,
+                "gpu_memory_utilization": self.utilization, "gpu_weight_bytes": self.weight_bytes,
+                "gpu_activation_reserve_bytes": self.reserve_bytes, "block_size": self.block_size,
+                "gpu_num_blocks": self.num_blocks, "gpu_tokens": self.num_blocks * self.block_size}
+
+    def describe(self) -> str:
+        gib = lambda n: human_bytes(n, 2)  # noqa: E731
+        usable = gib(int(self.gpu_memory_gib * GIB * self.utilization))
+        return (f"on a GPU of {self.gpu_memory_gib:g} GiB at gpu_memory_utilization {self.utilization:g}: "
+                f"{usable} - {gib(self.weight_bytes)} weights ({self.model_dtype}) - "
+                f"{gib(self.reserve_bytes)} activation reserve -> {self.num_blocks:,} "
+                f"blocks of {self.block_size} tokens ({self.num_blocks * self.block_size:,} tokens, "
+                f"{gib(self.pool_bytes)}), less what the CUDA context takes")
+
+
+def plan_gpu_pool(config: ModelConfig, weights: WeightPlan, kv_dtype: str, model_dtype: str,
+                  gpu_memory_gib: float, utilization: float, block_size: int, max_batched_tokens: int,
+                  max_num_seqs: int) -> GpuPoolPlan:
+    """The GPU rule for a model: its weights loaded on an otherwise empty GPU of gpu_memory_gib."""
+    if not (gpu_memory_gib > 0 and math.isfinite(gpu_memory_gib)):
+        raise ValueError(f"gpu_memory_gib (--gpu-memory-gib) must be a finite number > 0, "
+                         f"got {gpu_memory_gib}")
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization (--gpu-memory-utilization) must be in (0, 1], "
+                         f"got {utilization}")
+    _require_positive_int("block_size", "--block-size", block_size)
+    total = math.floor(gpu_memory_gib * GIB)
+    weight_bytes = weights.bytes_in(model_dtype)
+    reserve = activation_reserve_bytes(config, max_batched_tokens, max_num_seqs, model_dtype)
+    block_bytes = config.kv_bytes_per_token(kv_dtype) * block_size
+    blocks = gpu_pool_blocks(total - weight_bytes, total, utilization, block_bytes, reserve)
+    return GpuPoolPlan(gpu_memory_gib, utilization, model_dtype, weight_bytes, reserve, block_size,
+                       block_bytes, blocks)
 
 
 def _require_positive_int(name: str, flag: str, value: object) -> None:

@@ -51,8 +51,9 @@ def test_every_key_lands_on_its_field(tmp_path):
         prefill: {count: 2, resources: {prefill: 1}}
         decode: {count: 3, resources: {decode: 0.5, big_memory: 1}}
         actor_placement: spread
-        gpus_per_worker: 0.5
+        gpus_per_worker: 1
         torch_threads: 1
+        dtype: float16
         cache: {block_size: 32, kv_dtype: bfloat16, kv_cache_gib: 4, num_blocks: 1000}
         scheduler: {max_batched_tokens: 4096}
         router: {port: 0, metrics_port: null, routing: least_load, min_remote_prefill_tokens: 8,
@@ -69,11 +70,11 @@ def test_every_key_lands_on_its_field(tmp_path):
     """)
     assert load_config(path) == ClusterSpec(
         engine=EngineConfig(
-            model_path="/models/llama.gguf", num_threads=1,
+            model_path="/models/llama.gguf", num_threads=1, dtype="float16",
             cache=CacheConfig(block_size=32, kv_dtype="bfloat16", kv_cache_gib=4, num_blocks=1000),
             scheduler=SchedulerConfig(max_num_batched_tokens=4096)),
         host="0.0.0.0", num_prefill=2, num_decode=3,
-        actor_placement="spread", gpus_per_worker=0.5,
+        actor_placement="spread", gpus_per_worker=1,
         prefill_resources={"prefill": 1.0}, decode_resources={"decode": 0.5, "big_memory": 1.0},
         port=0, metrics_port=None,
         placement=PlacementConfig(routing="least_load", min_remote_prefill_tokens=8,
@@ -104,8 +105,9 @@ def test_a_relative_model_path_is_relative_to_the_file(tmp_path):
     ("prefil: {count: 1}", "unknown key 'prefil' (did you mean 'prefill'?)"),
     ("router: {prot: 1}", "unknown key 'router.prot' (did you mean 'router.port'?)"),
     ("cache: {blocks: 8}", "unknown key 'cache.blocks' (did you mean 'cache.num_blocks'?)"),
-    ("gpus: 4", "unknown key 'gpus' (known keys: model, cache, scheduler, torch_threads, linear_kernel, "
-                "attention_kernel, pointwise_kernel, host, prefill, decode, actor_placement, "
+    ("gpus: 4", "unknown key 'gpus' (known keys: model, cache, scheduler, dtype, torch_threads, "
+                "linear_kernel, attention_kernel, pointwise_kernel, host, prefill, decode, "
+                "actor_placement, "
                 "gpus_per_worker, router, redis_url, ray_address, namespace, max_restarts, worker_env, tls, "
                 "auth, audit, default_temperature, default_top_p, default_top_k)"),
     ("tls: {certificate: a.pem}", "unknown key 'tls.certificate' (did you mean 'tls.cert'?)"),
@@ -120,7 +122,7 @@ def test_an_unknown_key_is_named_with_the_file_and_a_suggestion(tmp_path, text, 
 @pytest.mark.parametrize(("text", "message"), [
     ("cache: {block_size: sixteen}", "'cache.block_size' must be an integer, got 'sixteen' (str)"),
     ("router: {port: yes}", "'router.port' must be an integer, got True (bool)"),
-    ("cache: {kv_cache_gib: lots}", "'cache.kv_cache_gib' must be a number, got 'lots' (str)"),
+    ("cache: {kv_cache_gib: lots}", "'cache.kv_cache_gib' must be a number or null, got 'lots' (str)"),
     ("cache: {num_blocks: 1.5}", "'cache.num_blocks' must be an integer or null, got 1.5 (float)"),
     ("model: 7", "'model' must be a string or null, got 7 (int)"),
     ("prefill: {resources: [prefill]}", "'prefill.resources' must be a mapping, got ['prefill'] (list)"),
@@ -132,8 +134,9 @@ def test_an_unknown_key_is_named_with_the_file_and_a_suggestion(tmp_path, text, 
                       "max_tokens_limit, max_message_bytes, "
                       "max_concurrent_streams, cache_isolation, prefill_deadline_fraction, "
                       "prefill_timeout_s, migration_limit, got 50051"),
-    ("- model: x", "expected a mapping of keys (model, cache, scheduler, torch_threads, linear_kernel, "
-                   "attention_kernel, pointwise_kernel, host, prefill, decode, actor_placement, "
+    ("- model: x", "expected a mapping of keys (model, cache, scheduler, dtype, torch_threads, "
+                   "linear_kernel, attention_kernel, pointwise_kernel, host, prefill, decode, "
+                   "actor_placement, "
                    "gpus_per_worker, router, redis_url, ray_address, namespace, max_restarts, worker_env, "
                    "tls, auth, audit, default_temperature, default_top_p, default_top_k), got list"),
     ("tls: {require_client_cert: 1}", "'tls.require_client_cert' must be true or false, got 1 (int)"),
@@ -154,14 +157,25 @@ def test_a_wrong_type_is_named_with_the_file(tmp_path, text, message):
                                    "round_robin, got 'fastest'"),
     ("actor_placement: scatter",
      "actor_placement (--actor-placement) must be one of pack, spread, got 'scatter'"),
-    ("cache: {kv_dtype: int4}", "cache.kv_dtype (--kv-dtype) must be one of float32, float16, bfloat16, "
-                                "int8, fp8, got 'int4'"),
+    ("cache: {kv_dtype: int4}", "cache.kv_dtype (--kv-dtype) must be one of auto, float32, float16, "
+                                "bfloat16, int8, fp8, got 'int4'"),
+    ("dtype: float64", "dtype (--dtype) must be one of auto, float32, bfloat16, float16, got 'float64'"),
+    ("cache: {gpu_memory_utilization: 1.5}",
+     "cache.gpu_memory_utilization (--gpu-memory-utilization) must be in (0, 1], got 1.5"),
+    ("{dtype: bfloat16, linear_kernel: native}",
+     "linear_kernel (--linear-kernel) must not be native with dtype bfloat16 (it reads float32 only): use "
+     "auto or torch's, or dtype float32, got 'native'"),
     ("router: {metrics_port: 70000}",
      "router.metrics_port (--metrics-port) must be in [0, 65535], got 70000"),
     ("decode: {resources: {decode: -1}}", "decode.resources.decode must be >= 0, got -1.0"),
     ("prefill: {resources: {GPU: 1}}", "prefill.resources.GPU: Ray takes GPU as an argument of its own, "
                                        "not a custom resource; use gpus_per_worker for GPUs"),
-    ("gpus_per_worker: -1", "gpus_per_worker (--gpus-per-worker) must be >= 0, got -1"),
+    ("gpus_per_worker: -1", "gpus_per_worker (--gpus-per-worker) must be 0 (CPU) or 1: one worker = one GPU, "
+                            "its engine on one device (run more workers for more GPUs), got -1"),
+    ("gpus_per_worker: 0.5", "gpus_per_worker (--gpus-per-worker) must be 0 (CPU) or 1: one worker = one "
+                             "GPU, its engine on one device (run more workers for more GPUs), got 0.5"),
+    ("gpus_per_worker: 2", "gpus_per_worker (--gpus-per-worker) must be 0 (CPU) or 1: one worker = one GPU, "
+                           "its engine on one device (run more workers for more GPUs), got 2"),
     ("torch_threads: 0", "torch_threads (--torch-threads) must be >= 1, got 0"),
     ("linear_kernel: mkl",
      f"linear_kernel (--linear-kernel) must be one of {', '.join(LINEAR_KERNELS)}, got 'mkl'"),

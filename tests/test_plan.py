@@ -227,7 +227,7 @@ def test_generate_parses_its_flags():
     assert args.stop == ["a", "b"]
     # unset sampling flags stay None: the model's defaults apply (pdserve/engine/sampling_defaults.py)
     assert args.temperature == 0.0 and args.top_k is None and args.top_p is None and args.max_tokens == 128
-    assert (args.block_size, args.kv_dtype) == (16, "float32")
+    assert (args.block_size, args.kv_dtype) == (16, "auto")  # the model's dtype, resolved by the engine
 
 
 def test_plan_counts_what_the_host_and_disk_tiers_hold():

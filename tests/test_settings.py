@@ -78,12 +78,14 @@ EVERY_FLAG_SET = """
     prefill: {count: 2, max_chunk_bytes: 1048576}
     decode: {count: 3}
     actor_placement: spread
-    gpus_per_worker: 0.5
+    gpus_per_worker: 1
     torch_threads: 3
+    dtype: bfloat16
     linear_kernel: matmul
     attention_kernel: sdpa
     pointwise_kernel: torch
     cache: {block_size: 32, kv_dtype: bfloat16, kv_cache_gib: 2.5, num_blocks: 1000, host_cache_gib: 1,
+            gpu_memory_utilization: 0.8,
             disk_cache_dir: /var/kv, disk_cache_gib: 8}
     scheduler: {max_batched_tokens: 4096, max_num_seqs: 8}
     router: {count: 2, port: 50061, metrics_port: null, http_port: 0, served_model_name: llama,

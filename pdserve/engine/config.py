@@ -40,6 +40,82 @@ KV_DTYPE_TABLE = {"float32": KVDtype(4, "float32"), "float16": KVDtype(2, "float
                   "bfloat16": KVDtype(2, "bfloat16"), "int8": KVDtype(1, "int8-hadamard-affine-own-row", 4),
                   "fp8": KVDtype(1, "fp8", 4)}
 KV_DTYPES = tuple(KV_DTYPE_TABLE)
+# auto: the KV cache takes the model's dtype (vLLM's "auto"), resolved before anything reads it
+KV_DTYPE_SETTINGS = ("auto", *KV_DTYPES)
+# The weights' and activations' dtype; auto: bfloat16 on CUDA, float32 elsewhere (resolve_model_dtype)
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+CPU_KV_CACHE_GIB = 1.0  # the pool of a CPU worker given neither cache.num_blocks nor cache.kv_cache_gib
+# NOTE: what the GPU rule leaves beside a step's activations for cuBLAS's workspace, the allocator's
+# fragments and the kernels' scratch: none of them is allocated yet when free memory is read.
+ACTIVATION_SLACK_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """A dtype setting as resolved: what the engine runs and why (auto's device, or set)."""
+
+    setting: str  # dtype or kv_dtype
+    value: str  # never auto
+    reason: str
+
+    def describe(self) -> str:
+        return f"{self.setting} {self.value} ({self.reason})"
+
+
+def resolve_model_dtype(requested: str, device_type: str) -> DtypeChoice:
+    """EngineConfig.dtype on a device: auto is bfloat16 on CUDA (vLLM's default for a bfloat16 or
+    float32 checkpoint) and float32 on the CPU (pdserve's native kernels read float32)."""
+    if requested != "auto":
+        return DtypeChoice("dtype", requested, f"set: dtype {requested}")
+    return DtypeChoice("dtype", "bfloat16" if device_type == "cuda" else "float32", f"auto: {device_type}")
+
+
+def resolve_kv_dtype(requested: str, model_dtype: str) -> DtypeChoice:
+    """CacheConfig.kv_dtype given the model's resolved dtype: auto is the model's."""
+    if requested != "auto":
+        return DtypeChoice("kv_dtype", requested, f"set: kv_dtype {requested}")
+    return DtypeChoice("kv_dtype", model_dtype, "auto: the model's dtype")
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """A GPU's memory as torch.cuda.mem_get_info reads it once the weights are loaded."""
+
+    free_bytes: int
+    total_bytes: int
+
+
+def gpu_pool_blocks(free_bytes: int, total_bytes: int, utilization: float, block_bytes: int,
+                    reserve_bytes: int) -> int:
+    """KV blocks a GPU holds under vLLM's rule: this worker may use utilization x total bytes; what
+    is in use already (its weights, its CUDA context, any other process) and the activation reserve
+    come out of that, and the rest is the pool.
+
+        pool bytes = total x utilization - (total - free) - reserve;  blocks = pool bytes // block bytes
+    """
+    pool_bytes = int(total_bytes * utilization) - (total_bytes - free_bytes) - reserve_bytes
+    if pool_bytes < block_bytes:
+        used, reserve = (total_bytes - free_bytes) / 2**30, reserve_bytes / 2**30
+        raise ValueError(
+            f"no GPU memory left for the KV cache: {utilization:g} x {total_bytes / 2**30:.2f} GiB, less "
+            f"{used:.2f} GiB in use (weights, CUDA context, other processes) and a {reserve:.2f} GiB "
+            f"activation reserve, leaves {max(pool_bytes, 0) / 2**20:.0f} MiB, under one block "
+            f"({block_bytes:,} B); raise cache.gpu_memory_utilization (--gpu-memory-utilization) or set "
+            "cache.num_blocks")
+    return pool_bytes // block_bytes
+
+
+def activation_reserve_bytes(model: ModelConfig, max_batched_tokens: int, max_num_seqs: int,
+                             dtype: str) -> int:
+    """What one step's activations may hold at once, kept out of a GPU pool: per batched token the
+    hidden state, residual and norm (3 x hidden), the q/k/v product, and gate/up with its activation
+    (3 x intermediate), in the model's dtype; per sequence its logits row in the dtype and in float32;
+    and ACTIVATION_SLACK_BYTES."""
+    element = KV_DTYPE_TABLE[dtype].element_bytes
+    per_token = 3 * model.hidden_size + (model.num_heads + 2 * model.num_kv_heads) * model.head_dim \
+        + 3 * model.intermediate_size
+    logits = max_num_seqs * model.vocab_size * (element + 4)
+    return max_batched_tokens * per_token * element + logits + ACTIVATION_SLACK_BYTES
 
 
 @dataclass(frozen=True)
@@ -113,7 +189,8 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dty
     """KV bytes = 2 (K and V) x layers x kv_heads x (head_dim x bytes per element + scale bytes),
     per token; the scale is 0 bytes for float32/float16/bfloat16 and 4 for int8 and fp8."""
     if kv_dtype not in KV_DTYPE_TABLE:
-        raise ValueError(f"kv dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+        resolve = " (auto is the model's dtype, resolved first)" if kv_dtype == "auto" else ""
+        raise ValueError(f"kv dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}{resolve}")
     return 2 * num_layers * num_kv_heads * KV_DTYPE_TABLE[kv_dtype].row_bytes(head_dim)
 
 
@@ -124,15 +201,24 @@ class CacheConfig:
 
     block_size: int = user_setting(16, flag="--block-size", key="cache.block_size",
                               help="tokens per KV block; the same on every worker")
-    kv_dtype: str = user_setting("float32", flag="--kv-dtype", key="cache.kv_dtype", choices=KV_DTYPES,
-                            help="KV cache element type: int8 and fp8 quantize K/V per token and KV head "
-                                 "with a float32 scale, about 3.8x float32's tokens")
+    kv_dtype: str = user_setting("auto", flag="--kv-dtype", key="cache.kv_dtype", choices=KV_DTYPE_SETTINGS,
+                            help="KV cache element type: auto = the model's dtype (bfloat16 on CUDA, float32 "
+                                 "on the CPU); int8 and fp8 quantize K/V per token and KV head with a "
+                                 "float32 scale, about 3.8x float32's tokens")
     num_blocks: int | None = user_setting(
         None, flag="--num-blocks", key="cache.num_blocks", metavar="N",
-        help="KV blocks per worker (default: as many as cache.kv_cache_gib holds)")
-    kv_cache_gib: float = user_setting(
-        1.0, flag="--kv-cache-gib", key="cache.kv_cache_gib", metavar="GIB",
-        help="KV cache memory per worker in GiB, when cache.num_blocks is not given")
+        help="KV blocks per worker (default: as many as cache.kv_cache_gib holds, or on CUDA "
+             "cache.gpu_memory_utilization leaves)")
+    # None: CPU_KV_CACHE_GIB on the CPU; on CUDA the pool takes what gpu_memory_utilization leaves
+    kv_cache_gib: float | None = user_setting(
+        None, flag="--kv-cache-gib", key="cache.kv_cache_gib", metavar="GIB",
+        help=f"KV cache memory per worker in GiB, when cache.num_blocks is not given (default: "
+             f"{CPU_KV_CACHE_GIB:g} on the CPU; on CUDA what cache.gpu_memory_utilization leaves)")
+    gpu_memory_utilization: float = user_setting(
+        0.9, flag="--gpu-memory-utilization", key="cache.gpu_memory_utilization", metavar="FRACTION",
+        help="fraction of a GPU's memory a worker may use, as vLLM's: its pool is that share of the total, "
+             "less what is in use once the weights are loaded and an activation reserve; used on CUDA when "
+             "neither cache.num_blocks nor cache.kv_cache_gib is given")
     enable_prefix_caching: bool = not_a_setting(True, why="the router's prefix index counts on every worker "
                                                           "caching; engine tests turn it off")
     # the host-memory tier; 0: none (an evicted block is gone)
@@ -154,12 +240,14 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise FieldError("block_size", "must be >= 1", self.block_size)
-        if self.kv_dtype not in KV_DTYPES:
-            raise FieldError("kv_dtype", f"must be one of {', '.join(KV_DTYPES)}", self.kv_dtype)
+        if self.kv_dtype not in KV_DTYPE_SETTINGS:
+            raise FieldError("kv_dtype", f"must be one of {', '.join(KV_DTYPE_SETTINGS)}", self.kv_dtype)
         if self.num_blocks is not None and self.num_blocks < 1:
             raise FieldError("num_blocks", "must be >= 1", self.num_blocks)
-        if self.kv_cache_gib <= 0:
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise FieldError("kv_cache_gib", "must be > 0", self.kv_cache_gib)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise FieldError("gpu_memory_utilization", "must be in (0, 1]", self.gpu_memory_utilization)
         if not self.host_cache_gib >= 0:
             raise FieldError("host_cache_gib", "must be >= 0 (0: no host tier)", self.host_cache_gib)
         if self.host_num_blocks is not None and self.host_num_blocks < 0:
@@ -177,10 +265,17 @@ class CacheConfig:
             return self
         return replace(self, disk_cache_dir=os.path.join(self.disk_cache_dir, worker_id))
 
-    def resolve_num_blocks(self, model: ModelConfig) -> int:
+    def resolve_num_blocks(self, model: ModelConfig, gpu: DeviceMemory | None = None,
+                           reserve_bytes: int = 0) -> int:
+        """The pool's blocks: num_blocks; else kv_cache_gib's; else, on a GPU (gpu: its memory once the
+        weights are loaded), gpu_pool_blocks's rule; else CPU_KV_CACHE_GIB's."""
         if self.num_blocks is not None:
             return self.num_blocks
-        return max(1, int(self.kv_cache_gib * 2**30) // self.block_bytes(model))
+        if self.kv_cache_gib is None and gpu is not None:
+            return gpu_pool_blocks(gpu.free_bytes, gpu.total_bytes, self.gpu_memory_utilization,
+                                   self.block_bytes(model), reserve_bytes)
+        gib = self.kv_cache_gib if self.kv_cache_gib is not None else CPU_KV_CACHE_GIB
+        return max(1, int(gib * 2**30) // self.block_bytes(model))
 
     def block_bytes(self, model: ModelConfig) -> int:
         return model.kv_bytes_per_token(self.kv_dtype) * self.block_size
@@ -217,6 +312,8 @@ class SchedulerConfig:
 LINEAR_KERNELS = ("auto", "matmul", "onednn", "native")
 ATTENTION_KERNELS = ("auto", "sdpa", "native")
 POINTWISE_KERNELS = ("auto", "torch", "native")
+# The kernels that read float32 only: native's (pdserve/engine/cpu_kernels.py) and oneDNN's packed weights
+FLOAT32_ONLY_KERNELS = ("native", "onednn")
 KERNEL_ALIASES = {"avx2": "native"}  # the native kernels' name before they ran AVX-512 too
 
 
@@ -248,6 +345,12 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str | None = not_a_setting(None, why="cuda where the worker has a GPU (gpus_per_worker), else "
                                                  "cpu")  # None: cuda when present, else cpu
+    # The weights' and activations' dtype (pdserve/engine/model.py): norms, softmax and RoPE's tables are
+    # computed in float32 inside and cast back, logits come out float32, as transformers runs a model.
+    dtype: str = user_setting(
+        "auto", flag="--dtype", key="dtype", choices=MODEL_DTYPES,
+        help="the model's weights and activations: auto = bfloat16 on CUDA, float32 on the CPU (the native "
+             "kernels read float32 only: with another dtype on the CPU auto picks torch's)")
     # NOTE: one declaration of a worker's torch threads. None means torch's default to an engine alone;
     # `pdserve up` resolves it before a worker starts, to the machine's cores divided among its workers
     # (deploy/launcher.py), since only the launcher knows how many share the machine.
@@ -297,7 +400,29 @@ class EngineConfig:
             if value not in known:
                 raise FieldError(setting, f"must be one of {', '.join(known)}", getattr(self, setting))
             object.__setattr__(self, setting, value)  # NOTE: frozen; the one place an alias becomes its name
-        if self.attention_kernel == "native" and self.cache.kv_dtype != "float32":
+        if self.dtype not in MODEL_DTYPES:
+            raise FieldError("dtype", f"must be one of {', '.join(MODEL_DTYPES)}", self.dtype)
+        self._check_float32_kernels()
+        # NOTE: auto is checked once resolved: resolved() builds a config of concrete dtypes, checked here
+        if self.attention_kernel == "native" and self.cache.kv_dtype not in ("float32", "auto"):
             raise FieldError("attention_kernel", f"must be sdpa or auto with kv_dtype {self.cache.kv_dtype} "
                              "(native reads float32 K/V rows only: use kv_dtype float32 for it)",
                              self.attention_kernel)
+
+    def _check_float32_kernels(self) -> None:
+        """An explicit native kernel (or onednn) reads float32 only: refused with a concrete other dtype."""
+        if self.dtype in ("auto", "float32"):
+            return
+        for setting in ("linear_kernel", "attention_kernel", "pointwise_kernel"):
+            if getattr(self, setting) in FLOAT32_ONLY_KERNELS:
+                raise FieldError(setting, f"must not be {getattr(self, setting)} with dtype {self.dtype} (it "
+                                 "reads float32 only): use auto or torch's, or dtype float32",
+                                 getattr(self, setting))
+
+    def resolved(self, device_type: str) -> tuple[EngineConfig, tuple[DtypeChoice, DtypeChoice]]:
+        """This config with dtype and cache.kv_dtype resolved for a device (auto: resolve_model_dtype,
+        resolve_kv_dtype) and checked again, and each choice with its reason."""
+        dtype = resolve_model_dtype(self.dtype, device_type)
+        kv_dtype = resolve_kv_dtype(self.cache.kv_dtype, dtype.value)
+        config = replace(self, dtype=dtype.value, cache=replace(self.cache, kv_dtype=kv_dtype.value))
+        return config, (dtype, kv_dtype)

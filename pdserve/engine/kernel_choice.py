@@ -1,19 +1,22 @@
 """Which kernels an engine runs: EngineConfig's `auto` (or an explicit setting) resolved once, at build.
 
-    find_support(device, kv_dtype) -> KernelSupport        what this machine offers (probes torch and
+    find_support(device, kv_dtype, dtype) -> KernelSupport  what this machine offers (probes torch and
                                                             the extension: the one impure part)
     choose_kernels(linear, attention, pointwise, support) -> KernelChoices   pure: each choice and why
 
 auto picks pdserve's native kernels (pdserve/engine/cpu_kernels.py) where the device is a CPU with
-AVX2 and the extension is built, and for attention where the KV dtype is one the native kernel reads
-(float32); else torch's: matmul, sdpa, torch (a CUDA device always gets those). An explicit setting
-is kept as set: the engine fails at build where it cannot run (pdserve/engine/linear.py and the
-other select_ functions say why), so a user who asked for a kernel never silently gets another.
+AVX2, the extension is built and the model's dtype is float32 (what they read), and for attention
+where the KV dtype is one the native kernel reads (float32); else torch's: matmul, sdpa, torch (a
+CUDA device always gets those). An explicit setting is kept as set: the engine fails at build where
+it cannot run (pdserve/engine/linear.py and the other select_ functions say why), so a user who
+asked for a kernel never silently gets another.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from pdserve.engine.config import DtypeChoice
 
 NATIVE_ATTENTION_KV_DTYPES = ("float32",)  # the K/V rows decode_attention.cpp and prefill_attention.cpp read
 TORCH_KERNELS = {"linear": "matmul", "attention": "sdpa", "pointwise": "torch"}
@@ -28,6 +31,7 @@ class KernelSupport:
     cpu_capability: str  # torch.backends.cpu.get_cpu_capability(): AVX512, AVX2, DEFAULT, ...
     extension_unavailable: str | None  # why pdserve's CPU kernels cannot be built or run; None: built
     kv_dtype: str  # CacheConfig.kv_dtype
+    dtype: str = "float32"  # EngineConfig.dtype, resolved: the native kernels read float32 only
 
 
 @dataclass(frozen=True)
@@ -45,13 +49,15 @@ class KernelChoices:
     linear: KernelChoice
     attention: KernelChoice
     pointwise: KernelChoice
+    # the resolved dtype and kv_dtype with their reasons (EngineConfig.resolved), for describe()
+    dtypes: tuple[DtypeChoice, ...] = ()
 
     def all(self) -> tuple[KernelChoice, KernelChoice, KernelChoice]:
         return self.linear, self.attention, self.pointwise
 
     def describe(self) -> str:
-        """One line for a log: each setting's kernel and why."""
-        return "; ".join(choice.describe() for choice in self.all())
+        """One line for a log: the dtypes, then each setting's kernel, and why."""
+        return "; ".join(choice.describe() for choice in (*self.dtypes, *self.all()))
 
 
 def choose_kernels(linear: str, attention: str, pointwise: str, support: KernelSupport) -> KernelChoices:
@@ -74,6 +80,8 @@ def _native_or_why_not(support: KernelSupport) -> tuple[str, str | None]:
         return native, f"auto: the device is {support.device_type}, the native kernels run on CPUs only"
     if support.extension_unavailable is not None:
         return native, f"auto: extension not built: {support.extension_unavailable}"
+    if support.dtype != "float32":
+        return native, f"auto: dtype {support.dtype}: the native kernels read float32 only"
     return native, None
 
 
@@ -85,7 +93,7 @@ def _choose(setting: str, requested: str, native_reason: str, torch_reason: str 
     return KernelChoice(setting, TORCH_KERNELS[setting], torch_reason)
 
 
-def find_support(device_type: str, kv_dtype: str) -> KernelSupport:
+def find_support(device_type: str, kv_dtype: str, dtype: str = "float32") -> KernelSupport:
     """This machine's answers: torch's CPU capability, and whether the extension builds (it is built
     here on first use where `make setup` did not: a minute or two once, cached after)."""
     import torch
@@ -93,4 +101,5 @@ def find_support(device_type: str, kv_dtype: str) -> KernelSupport:
     from pdserve.engine import cpu_kernels
 
     unavailable = cpu_kernels.unavailable() if device_type == "cpu" else None
-    return KernelSupport(device_type, torch.backends.cpu.get_cpu_capability(), unavailable, kv_dtype)
+    return KernelSupport(device_type, torch.backends.cpu.get_cpu_capability(), unavailable, kv_dtype,
+                         dtype=dtype)

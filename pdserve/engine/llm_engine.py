@@ -46,19 +46,20 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 
 from pdserve.engine.block_pool import BlockPool, Discarded, TierUsage
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import DeviceMemory, EngineConfig, activation_reserve_bytes
 from pdserve.engine.cpu_allocator import release_freed_memory, retain_freed_memory
 from pdserve.engine.events import KVEventPublisher, NullPublisher
 from pdserve.engine.handoff import KVHandoff, Reservation
 from pdserve.engine.hashing import BlockHash, engine_salt
 from pdserve.engine.host_tier import build_lower_tier
 from pdserve.engine.kernel_choice import choose_kernels, find_support
+from pdserve.engine.kv_format import TORCH_DTYPES
 from pdserve.engine.linear import select_linear
 from pdserve.engine.model import DecoderModel, select_attention
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
@@ -125,30 +126,51 @@ def select_device(requested: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def gpu_memory(device: torch.device) -> DeviceMemory | None:
+    """A CUDA device's free and total bytes as the pool is sized (CacheConfig.resolve_num_blocks), with
+    the weights loaded; None on the CPU. NOTE: empty_cache first: the loader's copies the model freed
+    are still held by torch's caching allocator, and mem_get_info counts them as used."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceMemory(free, total)
+
+
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig,
                  publisher: KVEventPublisher | None = None) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        self.device = select_device(config.device)
+        # NOTE: dtype and kv_dtype's auto resolved once, here, before anything reads them: self.config
+        # holds the concrete dtypes every reader sees (the salt, the kernels, the pool and its size, the
+        # KV wire layout, the registry and the audit).
+        config, dtypes = config.resolved(self.device.type)
         self.config = config
         self.model_config = loaded.config
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.fingerprint = loaded.fingerprint
         self.sampling_defaults = loaded.sampling_defaults  # what `pdserve generate --local` leaves unset
-        self.device = select_device(config.device)
         if self.device.type == "cpu" and config.retain_freed_memory:
             retain_freed_memory()  # NOTE: prefill's large temporaries stop faulting their pages in each step
         # NOTE: auto resolved once, here; self.kernels says what runs and why (the worker logs it and
         # reports it in its Status).
-        self.kernels = choose_kernels(config.linear_kernel, config.attention_kernel, config.pointwise_kernel,
-                                      find_support(self.device.type, config.cache.kv_dtype))
+        self.kernels = replace(
+            choose_kernels(config.linear_kernel, config.attention_kernel, config.pointwise_kernel,
+                           find_support(self.device.type, config.cache.kv_dtype, config.dtype)),
+            dtypes=dtypes)
         self.model = DecoderModel(loaded.config, loaded.state_dict, self.device,
                                 select_linear(self.device, self.kernels.linear.kernel),
                                 select_attention(self.device, self.kernels.attention.kernel),
-                                select_pointwise(self.device, self.kernels.pointwise.kernel))
+                                select_pointwise(self.device, self.kernels.pointwise.kernel),
+                                dtype=TORCH_DTYPES[config.dtype])
         cache = config.cache
         self.block_size = cache.block_size
-        num_blocks = cache.resolve_num_blocks(loaded.config)
+        num_blocks = cache.resolve_num_blocks(
+            loaded.config, gpu_memory(self.device),
+            activation_reserve_bytes(loaded.config, config.scheduler.max_num_batched_tokens,
+                                     config.scheduler.max_num_seqs, config.dtype))
         self.salt = engine_salt(loaded.fingerprint, cache.block_size, cache.kv_dtype,
                                 architecture=loaded.config.architecture)
         self.kv_cache = allocate_kv_cache(self.model, num_blocks, cache.block_size, cache.kv_dtype)

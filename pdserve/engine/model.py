@@ -25,7 +25,10 @@ does; every block stays in the pool, so a window changes the math but not yet th
 KV cache layout: kv[layer, 0|1, block, offset, kv_head, row], so the K (or V)
 rows of one block of one layer are contiguous bytes, which is what the KV wire
 codec sends. A row is head_dim values in float32/float16/bfloat16, or head_dim
-int8/fp8 codes and their scale (pdserve/engine/kv_format.py); compute is float32.
+int8/fp8 codes and their scale (pdserve/engine/kv_format.py). Compute runs in the model's
+dtype (EngineConfig.dtype: float32 on the CPU, bfloat16 on CUDA by default), norms and RoPE's
+tables in float32 inside, as transformers does; attention in attention_dtype (the model's over cast
+rows, float32 over quantized ones), every loaded row cast to it; logits come out float32.
 Every path writes rows with the pool's format and attends over what it reads
 back, a fresh prefill included, so no path sees other K/V values than another;
 the one exception is the same on every path: an int8 query attends its own
@@ -48,7 +51,7 @@ from pdserve.engine import cpu_kernels
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.cpu_kernels import PagedDecodeAttention, PagedPrefillAttention
 from pdserve.engine.families import FAMILIES
-from pdserve.engine.kv_format import KV_FORMATS, KVFormat, format_of
+from pdserve.engine.kv_format import KV_FORMATS, CastFormat, KVFormat, format_of
 from pdserve.engine.linear import Linear, MatmulLinear, NativeLinear, PanelWeight, PreparedWeight
 from pdserve.engine.own_rows import OwnRows, attend_with_own_rows, own_rows_at, with_own_rows
 from pdserve.engine.pointwise import Rotation, TorchPointwise
@@ -124,12 +127,15 @@ def inverse_frequencies(config: ModelConfig, theta: float, scaled: bool) -> torc
 
 
 class RotaryEmbedding:
-    def __init__(self, inv_freq: torch.Tensor, max_positions: int, device: torch.device):
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, device: torch.device,
+                 dtype: torch.dtype = torch.float32):
+        """The cos and sin tables, computed in float32 and cast to the model's dtype, as transformers
+        casts them before rotating q and k."""
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(device)
-        self.sin = emb.sin().to(device)
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
 
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin rows for positions, shaped [T, 1, head_dim]: looked up once per step."""
@@ -192,6 +198,13 @@ def select_attention(device: torch.device, kernel: str = "sdpa") -> PagedAttenti
     return PagedAttention(cpu_kernels.paged_decode_attention(), cpu_kernels.paged_prefill_attention())
 
 
+def attention_dtype(fmt: KVFormat, dtype: torch.dtype) -> torch.dtype:
+    """What q and the K/V rows attend in: the model's dtype over a pool of cast rows, and float32 over
+    a quantized one (its scales, its rotation and int8's own rows are float32). Every path casts
+    the rows it loads to it, and reference_logits does too, so they attend the same values."""
+    return dtype if isinstance(fmt, CastFormat) else torch.float32
+
+
 def owned(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of a loaded tensor that the model keeps as it is. NOTE: a loader's tensor can live in
     a private mapping of the weights file (safetensors maps it), and keeping any one of them keeps
@@ -228,10 +241,11 @@ class DecoderModel:
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor],
                  device: torch.device, linear: Linear | None = None,
                  paged_attention: PagedAttention | None = None,
-                 pointwise: TorchPointwise | None = None) -> None:
+                 pointwise: TorchPointwise | None = None, dtype: torch.dtype = torch.float32) -> None:
         self.config = config
         self.family = FAMILIES[config.architecture]
         self.device = device
+        self.dtype = dtype  # of the weights and activations (EngineConfig.dtype, resolved)
         self.linear = linear or MatmulLinear()
         self.pointwise = pointwise or TorchPointwise()
         self.paged_attention = paged_attention  # None: SDPA over gathered K/V
@@ -240,22 +254,22 @@ class DecoderModel:
         self.kv_size = c.num_kv_heads * c.head_dim
         self.scale = c.attention_scale
         self.windows = [c.window_of(i) for i in range(c.num_layers)]
-        sd = {k: v.to(device=device, dtype=torch.float32) for k, v in state_dict.items()}
+        sd = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
         # NOTE: every matmul weight is stored as self.linear wants it (pdserve/engine/linear.py), and
         # only so: nothing here keeps the weights as loaded, so they are freed with the loaded model.
         embed = sd["model.embed_tokens.weight"]
         self.lm_head = self.linear.prepare(embed if c.tie_word_embeddings else sd["lm_head.weight"])
         self.embed = EmbeddingTable.of(embed, self.lm_head if c.tie_word_embeddings else None)
         # Gemma 3 scales its embeddings by sqrt(hidden), rounded to the weights' dtype as transformers does
-        self.embed_scale = (torch.tensor(c.hidden_size ** 0.5, dtype=torch.float32, device=device)
+        self.embed_scale = (torch.tensor(c.hidden_size ** 0.5, dtype=dtype, device=device)
                             if self.family.scale_embeddings else None)
         self.final_norm = self._norm(sd["model.norm.weight"])
         self.layers = [self._layer_weights(sd, i) for i in range(c.num_layers)]
         self.rope = RotaryEmbedding(inverse_frequencies(c, c.rope_theta, scaled=True),
-                                    c.max_position_embeddings, device)
+                                    c.max_position_embeddings, device, dtype)
         # the sliding layers' own table (Gemma 3's local theta), else the one above
         self.local_rope = (RotaryEmbedding(inverse_frequencies(c, c.rope_local_theta, scaled=False),
-                                           c.max_position_embeddings, device)
+                                           c.max_position_embeddings, device, dtype)
                            if c.rope_local_theta is not None and c.sliding_layers else None)
 
     def _norm(self, weight: torch.Tensor) -> torch.Tensor:
@@ -323,7 +337,7 @@ class DecoderModel:
             if on_layer_done is not None:
                 on_layer_done(i)
         h = norm.rms_norm(residual[logit_rows] + h[logit_rows], self.final_norm, eps)
-        return self.linear(h, self.lm_head)
+        return self.linear(h, self.lm_head).float()  # NOTE: no copy in float32
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.embed.rows(ids)
@@ -357,6 +371,8 @@ class DecoderModel:
     def _attention(self, x, rot, w, layer_cache: torch.Tensor, fmt: KVFormat, meta: AttentionMetadata,
                    decode_groups: list[DecodeGroup], window: int | None = None):
         q, k, v = self._qkv(x, rot, w)
+        at = attention_dtype(fmt, x.dtype)
+        q, k, v = q.to(at), k.to(at), v.to(at)  # NOTE: no copies where at is x's dtype (float32's path)
         # NOTE: attention runs in the rows' basis (int8: Hadamard-rotated; kv_format.py), so the
         # queries and fresh K/V rotate once and the output rotates back once, never a cached row.
         q, k, v = fmt.rotate(q), fmt.rotate(k), fmt.rotate(v)
@@ -366,11 +382,11 @@ class DecoderModel:
         layer_cache[0, meta.slot_blocks, meta.slot_offsets] = k_rows
         layer_cache[1, meta.slot_blocks, meta.slot_offsets] = v_rows
         own = (k, v) if fmt.own_row_in_float32 else None
-        k, v = fmt.load_rotated(k_rows), fmt.load_rotated(v_rows)
+        k, v = fmt.load_rotated(k_rows).to(at), fmt.load_rotated(v_rows).to(at)
         nd = meta.num_decode
         if not meta.prefills:  # a decode-only step: no output to assemble
             out = self._decode_attention(q, layer_cache, fmt, meta, decode_groups, own, window)
-            return self.linear(fmt.unrotate(out).reshape(-1, self.q_size), w["o"])
+            return self.linear(fmt.unrotate(out).reshape(-1, self.q_size).to(x.dtype), w["o"])
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode_attention(q[:nd], layer_cache, fmt, meta, decode_groups,
@@ -379,7 +395,7 @@ class DecoderModel:
             rows = slice(seg.q_start, seg.q_start + seg.q_len)
             out[rows] = self._prefill_attention(q[rows], k[rows], v[rows], seg, layer_cache, fmt,
                                                 own_rows_at(own, rows), window)
-        return self.linear(fmt.unrotate(out).reshape(-1, self.q_size), w["o"])
+        return self.linear(fmt.unrotate(out).reshape(-1, self.q_size).to(x.dtype), w["o"])
 
     @staticmethod
     def _decode_groups(meta: AttentionMetadata, block_size: int,
@@ -428,7 +444,7 @@ class DecoderModel:
         # costs milliseconds per layer on 2 busy threads (docs/benchmarks.md, profile).
         kv = layer_cache.index_select(1, group.block_tables.view(-1))  # [2, b*blocks, bs, kvh, row]
         kv = kv.view(2, b, -1, self.config.num_kv_heads, layer_cache.shape[-1]).transpose(2, 3)
-        kv = fmt.load_rotated(kv)  # [2, b, kvh, blocks * bs, D], a copy
+        kv = fmt.load_rotated(kv).to(q.dtype)  # [2, b, kvh, blocks * bs, D], a copy
         if own is not None:  # each row's own K/V replace their stored copy, at its own position
             rows = torch.arange(b, device=q.device)
             kv[0][rows, :, group.own_positions] = own[0]
@@ -449,7 +465,8 @@ class DecoderModel:
         if seg.start == 0:
             keys, values = k, v
         else:
-            kv = fmt.load_rotated(layer_cache.index_select(1, seg.block_table).flatten(1, 2)[:, :ctx])
+            rows = layer_cache.index_select(1, seg.block_table).flatten(1, 2)[:, :ctx]
+            kv = fmt.load_rotated(rows).to(q.dtype)
             keys, values = kv[0], kv[1]
         if own is not None and q.device.type == "cpu" and window is None:
             return attend_with_own_rows(q, keys, values, own, seg.start, self.scale)
@@ -466,7 +483,8 @@ class DecoderModel:
         K/V go through kv_dtype's round trip as a cache of that dtype stores them (nothing for
         float32), each query's own row stays float32 where the format says so, and attention runs in
         the rows' basis as the paged forward's does, so it is the reference of an engine with that
-        cache."""
+        cache. It runs in the model's dtype and attends in attention_dtype, as the forward does; float32
+        logits."""
         fmt = KV_FORMATS[kv_dtype]
         ids = torch.tensor(token_ids, device=self.device)
         rotations = self._rotations(torch.arange(len(token_ids), device=self.device))
@@ -475,16 +493,18 @@ class DecoderModel:
         for w, rot, window in zip(self.layers, rotations, self.windows, strict=True):
             x = norm.rms_norm(h, w["ln1"], eps)
             q, k, v = self._qkv(x, rot, w)
-            q, k, v = fmt.rotate(q), fmt.rotate(k), fmt.rotate(v)
+            at = attention_dtype(fmt, x.dtype)
+            q, k, v = fmt.rotate(q.to(at)), fmt.rotate(k.to(at)), fmt.rotate(v.to(at))
             own = (k, v) if fmt.own_row_in_float32 else None
-            k, v = fmt.load_rotated(fmt.store_rotated(k)), fmt.load_rotated(fmt.store_rotated(v))
+            k, v = (fmt.load_rotated(fmt.store_rotated(k)).to(at),
+                    fmt.load_rotated(fmt.store_rotated(v)).to(at))
             if own is not None:
                 attn = sdpa_4d(q, *with_own_rows(k, v, own, 0, window), False, self.scale)
             elif window is not None:
                 attn = sdpa_4d(q, k, v, causal_mask(0, len(token_ids), window, q.device), False, self.scale)
             else:
                 attn = sdpa_4d(q, k, v, None, True, self.scale)
-            attn = self.linear(fmt.unrotate(attn).reshape(-1, self.q_size), w["o"])
+            attn = self.linear(fmt.unrotate(attn).reshape(-1, self.q_size).to(x.dtype), w["o"])
             h = h + (norm.rms_norm(attn, w["post_attention"], eps) if "post_attention" in w else attn)
             h = h + self._mlp(norm.rms_norm(h, w["ln2"], eps), w)
-        return self.linear(norm.rms_norm(h, self.final_norm, eps), self.lm_head)
+        return self.linear(norm.rms_norm(h, self.final_norm, eps), self.lm_head).float()

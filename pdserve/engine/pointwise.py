@@ -41,6 +41,9 @@ class TorchPointwise:
     name = "torch"
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype != torch.float32:  # NOTE: as transformers: normed in float32, cast back, then scaled
+            wide = x.float()
+            return weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
         variance = x.pow(2).mean(-1, keepdim=True)
         return weight * (x * torch.rsqrt(variance + eps))
 

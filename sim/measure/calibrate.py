@@ -57,7 +57,7 @@ def calibrate(threads: int, quick: bool = False, progress: bool = True) -> CostM
     if sharing is not None:
         step = replace(step, shared_machine_slowdown=sharing["slowdown"])
     model = engine.model_config
-    cache = config.cache
+    cache = engine.config.cache  # NOTE: the engine's, its kv_dtype resolved (auto: the model's dtype)
     hw = Hardware(
         model.kv_bytes_per_token(cache.kv_dtype),
         model.num_layers,

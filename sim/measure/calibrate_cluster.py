@@ -85,10 +85,12 @@ def calibrate_in_cluster(threads: int, topologies: tuple[str, ...] = tuple(TOPOL
 
 
 def _hardware(num_blocks: int) -> Hardware:
-    from pdserve.engine.config import CacheConfig, SchedulerConfig
+    from pdserve.engine.config import EngineConfig, SchedulerConfig
     from pdserve.engine.weights import load_model
 
-    config, cache, batching = load_model(progress=False).config, CacheConfig(), SchedulerConfig()
+    # NOTE: the CPU workers' cache, kv_dtype resolved as their engines resolve it (auto: float32)
+    config, cache, batching = load_model(progress=False).config, EngineConfig().resolved("cpu")[0].cache, \
+        SchedulerConfig()
     return Hardware(config.kv_bytes_per_token(cache.kv_dtype), config.num_layers, num_blocks,
                     cache.block_size, batching.max_num_batched_tokens, batching.max_num_seqs,
                     workers_per_machine=2)
