@@ -106,7 +106,7 @@ def test_a_relative_model_path_is_relative_to_the_file(tmp_path):
     ("router: {prot: 1}", "unknown key 'router.prot' (did you mean 'router.port'?)"),
     ("cache: {blocks: 8}", "unknown key 'cache.blocks' (did you mean 'cache.num_blocks'?)"),
     ("gpus: 4", "unknown key 'gpus' (known keys: model, cache, scheduler, dtype, torch_threads, "
-                "linear_kernel, attention_kernel, pointwise_kernel, host, prefill, decode, "
+                "linear_kernel, attention_kernel, pointwise_kernel, enforce_eager, host, prefill, decode, "
                 "actor_placement, "
                 "gpus_per_worker, router, redis_url, ray_address, namespace, max_restarts, worker_env, tls, "
                 "auth, audit, default_temperature, default_top_p, default_top_k)"),
@@ -135,7 +135,7 @@ def test_an_unknown_key_is_named_with_the_file_and_a_suggestion(tmp_path, text, 
                       "max_concurrent_streams, cache_isolation, prefill_deadline_fraction, "
                       "prefill_timeout_s, migration_limit, got 50051"),
     ("- model: x", "expected a mapping of keys (model, cache, scheduler, dtype, torch_threads, "
-                   "linear_kernel, attention_kernel, pointwise_kernel, host, prefill, decode, "
+                   "linear_kernel, attention_kernel, pointwise_kernel, enforce_eager, host, prefill, decode, "
                    "actor_placement, "
                    "gpus_per_worker, router, redis_url, ray_address, namespace, max_restarts, worker_env, "
                    "tls, auth, audit, default_temperature, default_top_p, default_top_k), got list"),

@@ -84,6 +84,7 @@ EVERY_FLAG_SET = """
     linear_kernel: matmul
     attention_kernel: sdpa
     pointwise_kernel: torch
+    enforce_eager: true
     cache: {block_size: 32, kv_dtype: bfloat16, kv_cache_gib: 2.5, num_blocks: 1000, host_cache_gib: 1,
             gpu_memory_utilization: 0.8,
             disk_cache_dir: /var/kv, disk_cache_gib: 8}

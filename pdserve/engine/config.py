@@ -310,7 +310,8 @@ class SchedulerConfig:
 # support it, else torch's (pdserve/engine/kernel_choice.py); native is pdserve's own kernels (AVX2,
 # and AVX-512 where the CPU has it; pdserve/engine/cpu_kernels.py).
 LINEAR_KERNELS = ("auto", "matmul", "onednn", "native")
-ATTENTION_KERNELS = ("auto", "sdpa", "native")
+ATTENTION_KERNELS = ("auto", "sdpa", "native", "triton")
+DECODE_STEPS = ("auto", "static", "dynamic")
 POINTWISE_KERNELS = ("auto", "torch", "native")
 # The kernels that read float32 only: native's (pdserve/engine/cpu_kernels.py) and oneDNN's packed weights
 FLOAT32_ONLY_KERNELS = ("native", "onednn")
@@ -376,7 +377,8 @@ class EngineConfig:
             "every worker's attention: auto = native where the CPU, the built extension and the KV dtype "
             "support it, else sdpa; sdpa = torch's, over each sequence's blocks gathered into a dense "
             "copy; native = pdserve's paged kernels, reading the rows where they lie in the pool (float32"
-            ' KV cache only)'))
+            " KV cache only); triton = pdserve's Triton paged kernels, every KV dtype (auto on CUDA; on "
+            "the CPU only under TRITON_INTERPRET=1, for tests)"))
     # RMSNorm, the residual add, RoPE and SiLU·up (pdserve/engine/pointwise.py): torch is torch's ops
     # (bit-equal to transformers); native is pdserve's fused kernels, one pass each (norm and SiLU
     # within a few ulp of torch's).
@@ -386,6 +388,15 @@ class EngineConfig:
             "every worker's RMSNorm, residual add, RoPE and SiLU-up: auto = native where the CPU and the "
             "built extension support it, else torch; torch = torch's ops, as transformers runs them; "
             "native = pdserve's fused kernels, one pass over the rows each"))
+    # The decode step (pdserve/engine/static_decode.py): static pads a pure-decode batch to a bucket of fixed
+    # shapes (what a CUDA graph captures), dynamic builds each step's tensors at its own size.
+    decode_step: str = not_a_setting("auto", why="auto: static on CUDA, dynamic on the CPU (padding costs "
+                                                 "the CPU and there is no graph to replay); tests and "
+                                                 "bench.gpu_check set static to run it on the CPU")
+    enforce_eager: bool = user_setting(
+        False, flag="--enforce-eager", key="enforce_eager",
+        help="never capture CUDA graphs: on CUDA a pure-decode step is otherwise captured once per batch "
+             "bucket and replayed (less launch overhead); eager runs the same static step op by op")
     # On the CPU, keep freed memory in the process (pdserve/engine/cpu_allocator.py): a step's large
     # temporaries reuse mapped pages instead of faulting fresh ones in. Process-wide once set.
     retain_freed_memory: bool = not_a_setting(True, why="the allocator's behaviour, process-wide; "
@@ -400,6 +411,8 @@ class EngineConfig:
             if value not in known:
                 raise FieldError(setting, f"must be one of {', '.join(known)}", getattr(self, setting))
             object.__setattr__(self, setting, value)  # NOTE: frozen; the one place an alias becomes its name
+        if self.decode_step not in DECODE_STEPS:
+            raise FieldError("decode_step", f"must be one of {', '.join(DECODE_STEPS)}", self.decode_step)
         if self.dtype not in MODEL_DTYPES:
             raise FieldError("dtype", f"must be one of {', '.join(MODEL_DTYPES)}", self.dtype)
         self._check_float32_kernels()

@@ -6,10 +6,13 @@
 
 auto picks pdserve's native kernels (pdserve/engine/cpu_kernels.py) where the device is a CPU with
 AVX2, the extension is built and the model's dtype is float32 (what they read), and for attention
-where the KV dtype is one the native kernel reads (float32); else torch's: matmul, sdpa, torch (a
-CUDA device always gets those). An explicit setting is kept as set: the engine fails at build where
-it cannot run (pdserve/engine/linear.py and the other select_ functions say why), so a user who
-asked for a kernel never silently gets another.
+where the KV dtype is one the native kernel reads (float32); else torch's: matmul, sdpa, torch. On a
+CUDA device attention is pdserve's Triton paged kernels (pdserve/engine/triton_attention.py, every KV
+dtype) where Triton is installed, else sdpa; the products and pointwise work are torch's there. The
+CPU never picks triton by itself: it runs there only under Triton's interpreter, which is for tests.
+An explicit setting is kept as set: the engine fails at build where it cannot run
+(pdserve/engine/linear.py and the other select_ functions say why), so a user who asked for a kernel
+never silently gets another.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class KernelSupport:
     cpu_capability: str  # torch.backends.cpu.get_cpu_capability(): AVX512, AVX2, DEFAULT, ...
     extension_unavailable: str | None  # why pdserve's CPU kernels cannot be built or run; None: built
     kv_dtype: str  # CacheConfig.kv_dtype
+    triton_unavailable: str | None = "not probed"  # why Triton's kernels cannot run here; None: they can
     dtype: str = "float32"  # EngineConfig.dtype, resolved: the native kernels read float32 only
 
 
@@ -67,9 +71,18 @@ def choose_kernels(linear: str, attention: str, pointwise: str, support: KernelS
     if torch_reason is None and support.kv_dtype not in NATIVE_ATTENTION_KV_DTYPES:
         attention_torch_reason = (f"auto: kv_dtype {support.kv_dtype}: the native attention reads "
                                   f"{', '.join(NATIVE_ATTENTION_KV_DTYPES)} K/V rows only")
-    return KernelChoices(_choose("linear", linear, native_reason, torch_reason),
-                         _choose("attention", attention, native_reason, attention_torch_reason),
+    attention_choice = _choose("attention", attention, native_reason, attention_torch_reason)
+    if attention == "auto" and support.device_type == "cuda":
+        attention_choice = _cuda_attention(support)
+    return KernelChoices(_choose("linear", linear, native_reason, torch_reason), attention_choice,
                          _choose("pointwise", pointwise, native_reason, torch_reason))
+
+
+def _cuda_attention(support: KernelSupport) -> KernelChoice:
+    if support.triton_unavailable is None:
+        return KernelChoice("attention", "triton", "auto: cuda, Triton's paged kernels")
+    return KernelChoice("attention", "sdpa",
+                        f"auto: cuda, but Triton cannot run: {support.triton_unavailable}")
 
 
 def _native_or_why_not(support: KernelSupport) -> tuple[str, str | None]:
@@ -98,8 +111,9 @@ def find_support(device_type: str, kv_dtype: str, dtype: str = "float32") -> Ker
     here on first use where `make setup` did not: a minute or two once, cached after)."""
     import torch
 
-    from pdserve.engine import cpu_kernels
+    from pdserve.engine import cpu_kernels, triton_attention
 
     unavailable = cpu_kernels.unavailable() if device_type == "cpu" else None
+    triton_unavailable = triton_attention.unavailable() if device_type == "cuda" else "not a CUDA device"
     return KernelSupport(device_type, torch.backends.cpu.get_cpu_capability(), unavailable, kv_dtype,
-                         dtype=dtype)
+                         triton_unavailable, dtype)

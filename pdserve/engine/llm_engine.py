@@ -62,14 +62,16 @@ from pdserve.engine.kernel_choice import choose_kernels, find_support
 from pdserve.engine.kv_format import TORCH_DTYPES
 from pdserve.engine.linear import select_linear
 from pdserve.engine.model import DecoderModel, select_attention
-from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
+from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache, null_block_of
 from pdserve.engine.pointwise import select_pointwise
 from pdserve.engine.sampler import sample, token_logprobs, uniform
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler, StepShape
 from pdserve.engine.sequence import SamplingParams, Sequence, SequenceStatus, TokenLogprob, Usage
+from pdserve.engine.static_decode import StaticDecode
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.validation import EngineLimits, InvalidRequestError, check_cache_salt
 from pdserve.engine.weights import LoadedModel, load_model
+from pdserve.units import ceil_div
 
 
 class StepObserver(Protocol):
@@ -176,7 +178,8 @@ class LLMEngine:
         self.kv_cache = allocate_kv_cache(self.model, num_blocks, cache.block_size, cache.kv_dtype)
         lower = build_lower_tier(self.kv_cache, cache, loaded.config, self.salt)
         self.pool = BlockPool(num_blocks, cache.block_size, lower)
-        self.runner = ModelRunner(self.model, self.kv_cache, cache.block_size)
+        self.runner = ModelRunner(self.model, self.kv_cache, cache.block_size,
+                                  self._static_decode(num_blocks, loaded.config.max_position_embeddings))
         self.scheduler = Scheduler(config.scheduler, self.pool, self.salt, cache.enable_prefix_caching)
         self.publisher = publisher or NullPublisher()
         self.max_model_len = min(loaded.config.max_position_embeddings, num_blocks * cache.block_size)
@@ -188,6 +191,21 @@ class LLMEngine:
         self.lock = threading.RLock()
         self.handoff = KVHandoff(self.pool, self.salt, self.limits, self.lock, self._sequences,
                                  self._publish_events)
+
+    def _static_decode(self, num_blocks: int, max_positions: int) -> StaticDecode | None:
+        """The static decode step where EngineConfig.decode_step resolves to it (auto: on CUDA, where the
+        attention is a paged kernel), captured as CUDA graphs unless enforce_eager; else None."""
+        step = self.config.decode_step
+        if step == "auto":
+            paged = self.model.paged_attention is not None
+            step = "static" if self.device.type == "cuda" and paged else "dynamic"
+        if step == "dynamic":
+            return None
+        block_size = self.config.cache.block_size
+        max_blocks = ceil_div(min(max_positions, num_blocks * block_size), block_size)
+        graphs = self.device.type == "cuda" and not self.config.enforce_eager
+        return StaticDecode(self.model, self.kv_cache, block_size, null_block_of(self.kv_cache),
+                            self.config.scheduler.max_num_seqs, max_blocks, graphs)
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True,

@@ -10,11 +10,12 @@ decode tokens and prefill chunks of several sequences:
 
     hidden [T, d] --(per layer)--> q,k,v --RoPE--> write k,v at slot_mapping
         attention: decode tokens  -> pdserve's paged kernel over their block tables
-                                     (attention_kernel native), or SDPA over gathered
-                                     groups of similar length (sdpa)
+                                     (attention_kernel native on the CPU, triton on
+                                     CUDA), or SDPA over gathered groups of similar
+                                     length (sdpa)
                    prefill chunks -> pdserve's paged flash kernel over the chunk's
-                                     block table (native), or one causal SDPA per
-                                     chunk (sdpa: fresh K/V when the chunk starts
+                                     block table (native, triton), or one causal SDPA
+                                     per chunk (sdpa: fresh K/V when the chunk starts
                                      at 0, else gathered and masked)
     --> norm --> lm_head on the sampled rows only
 
@@ -176,11 +177,15 @@ def causal_mask(start: int, q_len: int, window: int | None, device: torch.device
 
 @dataclass(frozen=True)
 class PagedAttention:
-    """pdserve's own attention over the paged pool (attention_kernel native): it reads each K/V row
-    where it lies, through the block tables, for decode rows and prefill chunks alike."""
+    """pdserve's own attention over the paged pool (attention_kernel native or triton): it reads each
+    K/V row where it lies, through the block tables, for decode rows and prefill chunks alike.
+
+    reads_own_rows: the kernels take a query's own K/V in float32 (own_k=, own_v=), so they serve the
+    formats that attend them so (int8); native reads float32 pools only, which have none."""
 
     decode: PagedDecodeAttention  # one query per sequence
     prefill: PagedPrefillAttention  # one chunk of one sequence, causal
+    reads_own_rows: bool = False
 
 
 def select_attention(device: torch.device, kernel: str = "sdpa") -> PagedAttention | None:
@@ -188,14 +193,28 @@ def select_attention(device: torch.device, kernel: str = "sdpa") -> PagedAttenti
     (the model's own)."""
     if kernel == "sdpa":
         return None
+    if kernel == "triton":
+        return _triton_attention(device)
     if kernel != "native":
-        raise ValueError(f"attention kernel {kernel!r}: use sdpa or native")
+        raise ValueError(f"attention kernel {kernel!r}: use sdpa, native or triton")
     if device.type != "cpu":
         raise ValueError(f"attention_kernel 'native' runs on the CPU only, not on {device}; use sdpa or auto")
     if cpu_kernels.unavailable():
         raise ValueError(f"attention_kernel 'native' is not available: {cpu_kernels.unavailable()}; "
                          "use sdpa or auto")
     return PagedAttention(cpu_kernels.paged_decode_attention(), cpu_kernels.paged_prefill_attention())
+
+
+def _triton_attention(device: torch.device) -> PagedAttention:
+    from pdserve.engine import triton_attention
+
+    reason = triton_attention.unavailable()
+    if device.type != "cuda" and reason is None and not triton_attention.interpreted():
+        reason = f"the device is {device}: Triton's kernels run on CUDA (on the CPU under TRITON_INTERPRET=1)"
+    if reason is not None:
+        raise ValueError(f"attention_kernel 'triton' cannot run: {reason}; use sdpa or auto")
+    return PagedAttention(triton_attention.paged_decode_attention, triton_attention.paged_prefill_attention,
+                          reads_own_rows=True)
 
 
 def attention_dtype(fmt: KVFormat, dtype: torch.dtype) -> torch.dtype:
@@ -428,7 +447,8 @@ class DecoderModel:
         pools only, which have no own rows)."""
         if self.paged_attention is not None:
             return self.paged_attention.decode(q.contiguous(), layer_cache, meta.decode_block_tables,
-                                               meta.decode_context_lens, self.scale, window or 0)
+                                               meta.decode_context_lens, self.scale, window or 0,
+                                               **self._own_rows_arguments(own))
         if groups[0].rows is None:
             return self._group_attention(q, layer_cache, fmt, groups[0], own)
         out = torch.empty_like(q)
@@ -436,6 +456,14 @@ class DecoderModel:
             out[group.rows] = self._group_attention(q[group.rows], layer_cache, fmt, group,
                                                     own_rows_at(own, group.rows))
         return out
+
+    def _own_rows_arguments(self, own: OwnRows | None) -> dict[str, torch.Tensor]:
+        """The paged kernel's own-row arguments: none for a format without own rows."""
+        if own is None:
+            return {}
+        assert self.paged_attention is not None and self.paged_attention.reads_own_rows, \
+            "the paged kernel reads no own rows (native serves float32 pools only)"
+        return {"own_k": own[0], "own_v": own[1]}
 
     def _group_attention(self, q: torch.Tensor, layer_cache: torch.Tensor, fmt: KVFormat,
                          group: DecodeGroup, own: OwnRows | None = None) -> torch.Tensor:
@@ -460,7 +488,7 @@ class DecoderModel:
         float32, where the format attends them so."""
         if self.paged_attention is not None:
             return self.paged_attention.prefill(q.contiguous(), layer_cache, seg.block_table, seg.start,
-                                                self.scale, window or 0)
+                                                self.scale, window or 0, **self._own_rows_arguments(own))
         ctx = seg.start + seg.q_len
         if seg.start == 0:
             keys, values = k, v

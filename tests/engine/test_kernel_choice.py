@@ -47,10 +47,27 @@ def test_auto_falls_back_to_torchs_kernels_where_the_extension_is_not_built():
                                         "(torch reports DEFAULT)")
 
 
-def test_auto_on_cuda_runs_torchs_kernels():
-    choices = choose_kernels("auto", "auto", "auto", KernelSupport("cuda", "AVX512", None, "float32"))
-    assert kinds(choices) == ("matmul", "sdpa", "torch")
+def test_auto_on_cuda_runs_triton_attention_and_torchs_other_kernels():
+    for kv_dtype in ("bfloat16", "int8"):
+        support = KernelSupport("cuda", "AVX512", None, kv_dtype, None)
+        choices = choose_kernels("auto", "auto", "auto", support)
+        assert kinds(choices) == ("matmul", "triton", "torch")
+        assert choices.attention.reason == "auto: cuda, Triton's paged kernels"
     assert choices.linear.reason == "auto: the device is cuda, the native kernels run on CPUs only"
+
+
+def test_auto_on_cuda_without_triton_falls_back_to_sdpa_and_says_why():
+    support = KernelSupport("cuda", "AVX512", None, "bfloat16", "triton is not installed")
+    choices = choose_kernels("auto", "auto", "auto", support)
+    assert kinds(choices) == ("matmul", "sdpa", "torch")
+    assert choices.attention.reason == "auto: cuda, but Triton cannot run: triton is not installed"
+
+
+def test_the_cpu_never_picks_triton_by_itself():
+    choices = choose_kernels("auto", "auto", "auto", KernelSupport("cpu", "AVX512", None, "int8", None))
+    assert choices.attention.kernel == "sdpa"
+    assert choose_kernels("auto", "triton", "auto", AVX512_BUILT).attention.describe() == (
+        "attention triton (set: attention_kernel triton)")
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "float16", "bfloat16"])
