@@ -210,6 +210,9 @@ class LocalCluster:
         self._warn_unplaceable(roles)
         gpus = workers_gpus(self.spec.gpus_per_worker, ray.cluster_resources().get("GPU", 0), len(roles))
         threads = None if gpus else self.spec.engine.num_threads or cpu_threads_per_worker(len(roles))
+        # NOTE: resolved here as each worker's engine will resolve them, so that a kernel the dtype cannot
+        # run (native with bfloat16 on the GPUs) is refused before any actor starts
+        dtypes = ", ".join(c.describe() for c in self.spec.engine.resolved("cuda" if gpus else "cpu")[1])
         counts = {"prefill": 0, "decode": 0}
         for role in roles:
             worker_id = f"{role}-{counts[role]}"
@@ -222,7 +225,6 @@ class LocalCluster:
                 resources=self.spec.actor_resources.get(role, {}),
                 scheduling_strategy=self.spec.scheduling_strategy,
             ).remote(self._worker_spec(role, worker_id, threads, "cuda" if gpus else "cpu"))
-        dtypes = ", ".join(c.describe() for c in self.spec.engine.resolved("cuda" if gpus else "cpu")[1])
         self.say(f"workers  {self.spec.num_prefill} prefill + {self.spec.num_decode} decode "
                  f"({'1 GPU each, cuda' if gpus else f'CPU, {threads} torch threads each'}; {dtypes}; "
                  f"actor placement {self.spec.actor_placement}{self._resources_note()}); "
