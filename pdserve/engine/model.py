@@ -294,7 +294,11 @@ class DecoderModel:
     def _norm(self, weight: torch.Tensor) -> torch.Tensor:
         """A norm's scale as the model multiplies by it: the family's offset + w (Gemma: 1 + w,
         the sum transformers computes at each call, computed once here)."""
-        return owned(weight) if not self.family.norm_offset else self.family.norm_offset + weight
+        if not self.family.norm_offset:
+            return owned(weight)
+        # NOTE: float32 whatever the model's dtype: Gemma scales the normed row in float32 and rounds after
+        # (transformers' Gemma3RMSNorm), TorchPointwise.rms_norm's order for a float32 scale
+        return self.family.norm_offset + weight.float()
 
     def _layer_weights(self, sd: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
         p = f"model.layers.{i}."

@@ -41,9 +41,12 @@ class TorchPointwise:
     name = "torch"
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if x.dtype != torch.float32:  # NOTE: as transformers: normed in float32, cast back, then scaled
+        if x.dtype != torch.float32:  # NOTE: as transformers: normed in float32, then rounded back
             wide = x.float()
-            return weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+            normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+            if weight.dtype == torch.float32:  # Gemma's order: scaled in float32, then rounded
+                return (normed * weight).to(x.dtype)
+            return weight * normed.to(x.dtype)  # Llama's: rounded, then scaled
         variance = x.pow(2).mean(-1, keepdim=True)
         return weight * (x * torch.rsqrt(variance + eps))
 
