@@ -20,10 +20,12 @@ and by transformers. Stages, in order (sizes: SIZES below, GPU and dry-run side 
                   apart: device-to-host, gRPC wire (host to host), host-to-device, GB/s
   llama_1b        a Llama-3.2-1B-shaped random model: decode and prefill as above
 
-DIR/gpu_check.json is rewritten whole after every stage, so a stage that kills the process leaves
+DIR/gpu_check.json is rewritten whole after every stage (DIR/gpu_check.log keeps this process's
+stderr, DIR/kv_push_*_worker.log the worker processes'), so a stage that kills the process leaves
 the ones before it; a stage that raises is recorded (status failed, traceback tail) and the next
-one runs. Each stage: {name, status ok|failed|skipped, seconds, ...its results, error}. Progress
-lines go to stderr.
+one runs; within a stage, a part that raises (one engine, one decode variant) leaves the other parts
+their results. Each stage: {name, status ok|failed|skipped, seconds, ...its results, error}.
+Progress lines go to stderr.
 
 --dry-run runs every stage's code on tiny shapes on the CPU (TRITON_INTERPRET=1, set before
 anything imports Triton), under 2 minutes on 2 cores (tests/test_gpu_check.py): its figures mean
@@ -56,6 +58,7 @@ from bench.common import bench_parser, progress  # noqa: E402
 from bench.gpu_check_model import ModelShape, Skip  # noqa: E402
 
 RESULT_FILE = "gpu_check.json"
+LOG_FILE = "gpu_check.log"  # this process's stderr (progress, warnings, tracebacks), beside the JSON
 ERROR_TAIL_CHARS = 4000
 
 
@@ -148,6 +151,7 @@ class Context:
     device: str
     dry_run: bool
     scratch: Path
+    out: Path  # --out: the JSON, and the logs of the processes a stage starts
     card: dict[str, Any] = field(default_factory=dict)
     models: dict[str, Path] = field(default_factory=dict)
 
@@ -188,6 +192,25 @@ def run_stage(stage: Stage, ctx: Context) -> dict[str, Any]:
     return record
 
 
+class Tee:
+    """stderr written to the terminal and to a file under --out, so the folder that comes back from a
+    GPU machine holds the whole story."""
+
+    def __init__(self, stream: Any, path: Path) -> None:
+        self.stream, self.file = stream, open(path, "a", buffering=1)  # noqa: SIM115 -- closed in run()
+
+    def write(self, text: str) -> int:
+        self.file.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.file.flush()
+        self.stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
 def write_result(path: Path, result: dict[str, Any]) -> None:
     """The whole result, written beside and renamed over the last one: a reader never sees half."""
     partial = path.with_suffix(".json.partial")
@@ -205,11 +228,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="gpu_check-", dir=args.scratch))
-    ctx = Context(sizes, device, args.dry_run, scratch)
+    ctx = Context(sizes, device, args.dry_run, scratch, out)
     result: dict[str, Any] = {"check": "gpu_check", "dry_run": args.dry_run, "device": device,
                               "argv": sys.argv[1:], "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                               "sizes": asdict(sizes), "stages": []}
     started = time.perf_counter()
+    sys.stderr = tee = Tee(sys.stderr, out / LOG_FILE)
     try:
         for stage in all_stages():
             if stage.name not in args.stages:
@@ -219,6 +243,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             write_result(out / RESULT_FILE, result)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        sys.stderr = tee.stream
+        tee.file.close()
     result["wall_s"] = time.perf_counter() - started
     write_result(out / RESULT_FILE, result)
     return result

@@ -36,9 +36,12 @@ Two parts, one stage:
 from __future__ import annotations
 
 import argparse
+import select
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,17 +51,40 @@ from bench.gpu_check_model import build_engine, device_timed, engine_config, fre
 
 BLOCK_IDS_SEED = 1
 CHUNK_BYTES = 2 << 20
-RPC_TIMEOUT_S = 300.0
+RPC_TIMEOUT_S = 120.0
+WORKER_START_S = 180.0  # a worker imports torch, loads the model, builds its engine (CUDA graphs) first
 
 
 def kv_push(ctx) -> dict[str, Any]:
-    from bench.gpu_check_stages import load, model_folder, model_settings, prompts
+    from bench.gpu_check_stages import attempt, failed_parts, last_line, model_settings
+
+    s = ctx.sizes
+    settings = model_settings(ctx.device)
+    failures = []
+    result, error = attempt(lambda: through_workers(ctx, settings))
+    if error:
+        failures.append(f"workers: {last_line(error)}")
+        result = {"workers_error": error}
+    elif not result["tokens_equal"]:
+        failures.append(f"the decode worker's tokens differ from one engine's at index "
+                        f"{result['first_divergence']} (used the transferred KV: "
+                        f"{result['used_transferred_kv']})")
+    free_device_memory(ctx.device)
+    result["phases"], error = attempt(lambda: phases(ctx.device, settings["kv_dtype"], s.wire_mib,
+                                                     s.wire_reps))
+    if error:
+        failures.append(f"phases: {last_line(error)}")
+        result["phases"] = {"error": error}
+    return result | {"kv_dtype": settings["kv_dtype"], "dtype": settings["dtype"]} | failed_parts(failures)
+
+
+def through_workers(ctx, settings: dict[str, str]) -> dict[str, Any]:
+    from bench.gpu_check_stages import load, model_folder, prompts
 
     s = ctx.sizes
     folder = model_folder(ctx, "smollm2_135m", s.smol)
-    settings = model_settings(ctx.device)
     blocks = 4 * -(-(s.push_prompt_tokens + s.push_new_tokens) // s.block_size) + 16
-    workers = [WorkerProcess.spawn(role, folder, ctx.device, blocks, s.block_size, settings)
+    workers = [WorkerProcess.spawn(role, folder, ctx.device, blocks, s.block_size, settings, ctx.out)
                for role in ("prefill", "decode")]
     try:
         loaded = load(ctx, "smollm2_135m", s.smol)
@@ -67,19 +93,13 @@ def kv_push(ctx) -> dict[str, Any]:
         del loaded
         free_device_memory(ctx.device)
         for w in workers:
-            w.wait_ready()
-        result = push_through_workers(workers[0].address, workers[1].address, prompt, warm,
+            w.wait_ready(WORKER_START_S)
+        pushed = push_through_workers(workers[0].address, workers[1].address, prompt, warm,
                                       s.push_new_tokens, reference)
+        return pushed | {"worker_logs": [w.log.name for w in workers]}
     finally:
         for w in workers:
             w.stop()
-    result["phases"] = phases(ctx.device, settings["kv_dtype"], s.wire_mib, s.wire_reps)
-    result["kv_dtype"], result["dtype"] = settings["kv_dtype"], settings["dtype"]
-    if not result["tokens_equal"]:
-        result["status"] = "failed"
-        result["error"] = (f"the decode worker's tokens differ from one engine's at index "
-                           f"{result['first_divergence']}")
-    return result
 
 
 def greedy(n: int):
@@ -212,20 +232,36 @@ def _gbps(nbytes: int, fn, device: torch.device, reps: int) -> float:
 # --- the worker processes ----------------------------------------------------------------------
 @dataclass
 class WorkerProcess:
+    """A worker child: its first stdout line says where it serves; its stderr goes to a log under
+    --out, which comes back with the JSON (a worker that dies says why there)."""
+
     proc: Any
     role: str
+    log: Path
     address: str = ""
 
     @classmethod
     def spawn(cls, role: str, folder, device: str, num_blocks: int, block_size: int,
-              settings: dict[str, str]) -> WorkerProcess:
-        argv = ["bench.gpu_check_push", "--serve", role, "--model", str(folder), "--device", device,
+              settings: dict[str, str], out: Path) -> WorkerProcess:
+        argv = ["-m", "bench.gpu_check_push", "--serve", role, "--model", str(folder), "--device", device,
                 "--num-blocks", str(num_blocks), "--block-size", str(block_size),
                 "--kv-dtype", settings["kv_dtype"], "--dtype", settings["dtype"]]
-        return cls(common.serving_child(argv), role)
+        log = out / f"kv_push_{role}_worker.log"
+        with open(log, "w") as stderr:
+            proc = subprocess.Popen([sys.executable, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=stderr, text=True)
+        return cls(proc, role, log)
 
-    def wait_ready(self) -> None:
-        self.address, _ = common.child_report(self.proc, "address", f"{self.role} worker process")
+    def wait_ready(self, timeout_s: float) -> None:
+        """The worker's address; RuntimeError with its log's tail if it exits or is silent for timeout_s."""
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        line = self.proc.stdout.readline().split() if ready else []
+        if len(line) != 3 or line[0] != "address":
+            self.proc.kill()
+            tail = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
+            raise RuntimeError(f"the {self.role} worker did not report its address within {timeout_s:.0f} s "
+                               f"(exit {self.proc.wait()}); its log ends:\n{tail}")
+        self.address = line[1]
 
     def stop(self) -> None:
         common.stop_child(self.proc, timeout_s=20)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import platform
 import random
+import traceback
 from dataclasses import asdict
 from typing import Any
 
@@ -45,6 +46,7 @@ from bench.gpu_check_model import (
     write_random_model,
 )
 
+ERROR_TAIL_CHARS = 3000
 TIE_MARGIN = 1e-4  # tests/conftest.py MIN_GREEDY_MARGIN: a hundred times what batching moves a logit by
 # NOTE: the kernel and the reference read the same stored rows, so only the order of the sums and
 # the kernel's own roundings differ: float32 rows allow for a TF32 dot where Triton takes one,
@@ -227,18 +229,26 @@ def exactness(ctx) -> dict[str, Any]:
     blocks = len(batch) * (-(-(max(s.exact_prompt_tokens) + s.exact_new_tokens) // s.block_size)) + 8
     greedy = SamplingParams(temperature=0.0, max_tokens=s.exact_new_tokens, ignore_eos=True)
     ours: dict[str, tuple[list[list[int]], dict[str, Any], list[str]]] = {}
+    result: dict[str, Any] = {"tie_margin": TIE_MARGIN, "tf32": False, "engines": {}}
+    failures = []
     for name, settings in exactness_engines(device):
-        engine, missing = build_engine(loaded, device, num_blocks=blocks, block_size=s.block_size,
-                                       dtype="float32", kv_dtype="float32", **settings)
-        tokens = [r.token_ids for r in engine.generate(batch, greedy, detokenize=False)]
-        ours[name] = (tokens, engine_facts(engine), missing)
-        del engine
+        def run(settings=settings):
+            engine, missing = build_engine(loaded, device, num_blocks=blocks, block_size=s.block_size,
+                                           dtype="float32", kv_dtype="float32", **settings)
+            tokens = [r.token_ids for r in engine.generate(batch, greedy, detokenize=False)]
+            return tokens, engine_facts(engine), missing
+
+        done, error = attempt(run)
         free_device_memory(device)
+        if error:
+            result["engines"][name] = {"error": error}
+            failures.append(f"exactness {name}: {last_line(error)}")
+        else:
+            ours[name] = done
     hf = hf_model(model_folder(ctx, "smollm2_135m", s.smol), device)
     theirs = [hf_greedy(hf, prompt, s.exact_new_tokens, device) for prompt in batch]
     del hf
     free_device_memory(device)
-    result: dict[str, Any] = {"tie_margin": TIE_MARGIN, "tf32": False, "engines": {}}
     bad = []
     for name, (tokens, facts, missing) in ours.items():
         per_prompt = [compare(prompt, mine, *hf_side) for prompt, mine, hf_side in zip(batch, tokens, theirs,
@@ -249,10 +259,9 @@ def exactness(ctx) -> dict[str, Any]:
             "identical": sum(p["verdict"] == "identical" for p in per_prompt),
             "parted_at_ties": sum(p["verdict"] == "tie" for p in per_prompt)}
     if bad:
-        result["status"] = "failed"
-        result["error"] = (f"{len(bad)} (engine, prompt) pair(s) differ from transformers at a clear margin; "
-                           f"first: {bad[0]}")
-    return result
+        failures.append(f"{len(bad)} (engine, prompt) pair(s) differ from transformers at a clear margin; "
+                        f"first: {bad[0]}")
+    return result | failed_parts(failures)
 
 
 def exactness_engines(device: str) -> list[tuple[str, dict[str, Any]]]:
@@ -334,52 +343,80 @@ def model_settings(device: str) -> dict[str, Any]:
 
 def decode_rates(ctx, loaded, batches: tuple[int, ...], prompt_tokens: int,
                  new_tokens: int) -> dict[str, Any]:
+    """Each variant's rows; a variant that raises is recorded under decode_engines and the others
+    still run (graph capture failing must not hide the eager figures)."""
+    settings = model_settings(ctx.device)
+    bandwidth = card_figures(ctx)["copy_gbps"] * 1e9
+    rows, engines, failures = [], {}, []
+    for name, step_settings, note in variants(ctx.device):
+        done, error = attempt(lambda n=name, k=step_settings, t=note: decode_variant(
+            ctx, loaded, n, k, t, batches, prompt_tokens, new_tokens, bandwidth))
+        free_device_memory(ctx.device)
+        if error:
+            engines[name] = {"error": error}
+            failures.append(f"decode {name}: {last_line(error)}")
+            continue
+        engines[name], variant_rows = done
+        rows += variant_rows
+    result = {"decode": rows, "decode_engines": engines, "bandwidth_gbps": bandwidth / 1e9,
+              "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, **settings}
+    return result | failed_parts(failures)
+
+
+def decode_variant(ctx, loaded, name: str, step_settings: dict[str, Any], note: str | None,
+                   batches: tuple[int, ...], prompt_tokens: int, new_tokens: int,
+                   bandwidth: float) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     from pdserve.engine.sequence import SamplingParams
 
-    device, block_size = ctx.device, ctx.sizes.block_size
-    bandwidth = card_figures(ctx)["copy_gbps"] * 1e9
-    counts = parameter_counts(loaded)
-    settings = model_settings(device)
+    device, block_size, settings = ctx.device, ctx.sizes.block_size, model_settings(ctx.device)
     per_seq = -(-(prompt_tokens + new_tokens) // block_size)
-    rows, engines = [], {}
-    for name, step_settings, note in variants(device):
-        build_s, (engine, missing) = device_timed(lambda k=step_settings: build_engine(
-            loaded, device, num_blocks=max(batches) * per_seq + 16, block_size=block_size,
-            kv_dtype=settings["kv_dtype"], max_seqs=max(batches), max_batched_tokens=max(2048, prompt_tokens),
-            dtype=settings["dtype"], **k), device)
-        if {"enforce_eager", "decode_step"} & set(missing) and name != "eager_dynamic":
-            engines[name] = {"skipped": "EngineConfig has no " + ", ".join(missing)}
-            del engine
-            free_device_memory(device)
-            continue
-        facts = engine_facts(engine) | {"build_s": build_s}
-        weight_bytes = (counts["layer_matmul"] + counts["lm_head"]) * weight_element_bytes(engine)
-        for batch in batches:
-            progress(f"gpu_check: decode {name}, batch {batch}")
-            greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-            run_batch(engine, prompts((prompt_tokens,) * batch, loaded.config.vocab_size, seed=7),
-                      SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))  # warm-up, captures
-            steps = run_batch(engine, prompts((prompt_tokens,) * batch, loaded.config.vocab_size, seed=8),
-                              greedy)
-            decode_steps = [t for t, shape in steps if shape is not None and not shape.prefill
-                            and shape.decode_seqs == batch]
-            if not decode_steps:
-                raise RuntimeError(f"batch {batch}: no step decoded all {batch} sequences together")
-            context = median([shape.decode_context for _, shape in steps
-                              if shape is not None and not shape.prefill and shape.decode_seqs == batch])
-            kv_bytes = context * loaded.config.kv_bytes_per_token(settings["kv_dtype"])
-            step_s = median(decode_steps)
-            bound = batch * bandwidth / (weight_bytes + kv_bytes)
-            rows.append({"variant": name, "batch": batch, "tokens_per_s": batch / step_s,
-                         "step_ms": step_s * 1e3,
-                         "bound_tokens_per_s": bound, "fraction_of_bandwidth_bound": batch / step_s / bound,
-                         "weight_bytes": weight_bytes, "kv_bytes_read": kv_bytes, "steps": len(decode_steps),
-                         **({"note": note} if note else {})})
-        engines[name] = facts | {"settings_missing": missing}
-        del engine
-        free_device_memory(device)
-    return {"decode": rows, "decode_engines": engines, "bandwidth_gbps": bandwidth / 1e9,
-            "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, **settings}
+    build_s, (engine, missing) = device_timed(lambda: build_engine(
+        loaded, device, num_blocks=max(batches) * per_seq + 16, block_size=block_size,
+        kv_dtype=settings["kv_dtype"], max_seqs=max(batches), max_batched_tokens=max(2048, prompt_tokens),
+        dtype=settings["dtype"], **step_settings), device)
+    if {"enforce_eager", "decode_step"} & set(missing) and name != "eager_dynamic":
+        return {"skipped": "EngineConfig has no " + ", ".join(missing)}, []
+    counts = parameter_counts(loaded)
+    weight_bytes = (counts["layer_matmul"] + counts["lm_head"]) * weight_element_bytes(engine)
+    rows = []
+    for batch in batches:
+        progress(f"gpu_check: decode {name}, batch {batch}")
+        vocab = loaded.config.vocab_size
+        run_batch(engine, prompts((prompt_tokens,) * batch, vocab, seed=7),
+                  SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))  # warm-up
+        steps = run_batch(engine, prompts((prompt_tokens,) * batch, vocab, seed=8),
+                          SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+        full = [(t, shape) for t, shape in steps
+                if shape is not None and not shape.prefill and shape.decode_seqs == batch]
+        if not full:
+            raise RuntimeError(f"batch {batch}: no step decoded all {batch} sequences together")
+        kv_bytes = median([shape.decode_context for _, shape in full]) * loaded.config.kv_bytes_per_token(
+            settings["kv_dtype"])
+        step_s = median([t for t, _ in full])
+        bound = batch * bandwidth / (weight_bytes + kv_bytes)
+        rows.append({"variant": name, "batch": batch, "tokens_per_s": batch / step_s, "step_ms": step_s * 1e3,
+                     "bound_tokens_per_s": bound, "fraction_of_bandwidth_bound": batch / step_s / bound,
+                     "weight_bytes": weight_bytes, "kv_bytes_read": kv_bytes, "steps": len(full),
+                     **({"note": note} if note else {})})
+    return engine_facts(engine) | {"build_s": build_s, "settings_missing": missing}, rows
+
+
+def attempt(fn) -> tuple[Any, str | None]:
+    """(fn(), None), or (None, the traceback's tail) where fn raises: one part of a stage failing
+    leaves the stage's other parts their results."""
+    try:
+        return fn(), None
+    except Exception:  # noqa: BLE001 -- recorded in the stage's JSON, the stage goes on
+        return None, traceback.format_exc()[-ERROR_TAIL_CHARS:]
+
+
+def last_line(error: str) -> str:
+    return (error.strip().splitlines() or [""])[-1]
+
+
+def failed_parts(failures: list[str]) -> dict[str, Any]:
+    """What a stage whose parts failed adds to its result: status failed and each part's error."""
+    return {"status": "failed", "error": "; ".join(failures)} if failures else {}
 
 
 def run_batch(engine, batch: list[list[int]], sampling) -> list[tuple[float, Any]]:
@@ -446,10 +483,16 @@ def prefill(ctx) -> dict[str, Any]:
 def llama_1b(ctx) -> dict[str, Any]:
     s = ctx.sizes
     loaded = load(ctx, "llama_3_2_1b", s.llama)
-    result = {"params": parameter_counts(loaded)}
-    result |= decode_rates(ctx, loaded, s.llama_decode_batches, s.decode_prompt_tokens, s.llama_new_tokens)
-    result |= prefill_rates(ctx, loaded, s.llama_prefill_tokens, 1 if ctx.dry_run else 2)
-    return result
+    result: dict[str, Any] = {"params": parameter_counts(loaded)}
+    decoded = decode_rates(ctx, loaded, s.llama_decode_batches, s.decode_prompt_tokens, s.llama_new_tokens)
+    failures = [decoded.pop("error")] if decoded.pop("status", "ok") == "failed" else []
+    prefilled, error = attempt(lambda: prefill_rates(ctx, loaded, s.llama_prefill_tokens,
+                                                     1 if ctx.dry_run else 2))
+    free_device_memory(ctx.device)
+    if error:
+        failures.append(f"prefill: {last_line(error)}")
+        prefilled = {"prefill_error": error}
+    return result | decoded | prefilled | failed_parts(failures)
 
 
 __all__ = ["Skip", "card", "decode", "exactness", "llama_1b", "prefill", "triton_kernels"]

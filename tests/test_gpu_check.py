@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.gpu_check import RESULT_FILE, STAGE_NAMES
+from bench.gpu_check import LOG_FILE, RESULT_FILE, STAGE_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 DRY_RUN_BUDGET_S = 120.0
@@ -45,7 +45,9 @@ def test_dry_run_runs_every_stage_ok(tmp_path):
         graph = [r for (variant, _), r in rows.items() if variant == "graph"]
         assert graph and all(r["note"].startswith("not captured on cpu") for r in graph)
         assert all(r["tokens_per_s"] > 0 for r in rows.values())
+    assert "stage llama_1b ok" in (tmp_path / LOG_FILE).read_text()
     push = stages["kv_push"]
+    assert all((tmp_path / log).is_file() for log in push["worker_logs"])
     assert push["tokens_equal"] and push["used_transferred_kv"] and push["bytes_sent"] > 0
     assert all(push["phases"][k] > 0 for k in ("d2h_encode_gbps", "wire_gbps", "h2d_receive_gbps"))
 
