@@ -20,12 +20,13 @@ and by transformers. Stages, in order (sizes: SIZES below, GPU and dry-run side 
                   apart: device-to-host, gRPC wire (host to host), host-to-device, GB/s
   llama_1b        a Llama-3.2-1B-shaped random model: decode and prefill as above
 
-DIR/gpu_check.json is rewritten whole after every stage (DIR/gpu_check.log keeps this process's
-stderr, DIR/kv_push_*_worker.log the worker processes'), so a stage that kills the process leaves
-the ones before it; a stage that raises is recorded (status failed, traceback tail) and the next
-one runs; within a stage, a part that raises (one engine, one decode variant) leaves the other parts
-their results. Each stage: {name, status ok|failed|skipped, seconds, ...its results, error}.
-Progress lines go to stderr.
+DIR/gpu_check.json is rewritten whole before and after every stage (DIR/gpu_check.log keeps this
+process's stderr, DIR/kv_push_*_worker.log the worker processes'), so a stage that kills the process
+leaves the ones before it, and itself as "running". A stage still running after --stage-timeout ends
+the run, every thread's stack in the log. A stage that raises is recorded (status failed, traceback
+tail) and the next one runs; within a stage, a part that raises (one engine, one decode variant)
+leaves the other parts their results. Each stage: {name, status ok|failed|skipped, seconds, ...its
+results, error}. Progress lines go to stderr.
 
 --dry-run runs every stage's code on tiny shapes on the CPU (TRITON_INTERPRET=1, set before
 anything imports Triton), under 2 minutes on 2 cores (tests/test_gpu_check.py): its figures mean
@@ -44,6 +45,7 @@ if "--dry-run" in sys.argv[1:]:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import argparse  # noqa: E402
+import faulthandler  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
@@ -238,7 +240,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for stage in all_stages():
             if stage.name not in args.stages:
                 continue
-            result["stages"].append(run_stage(stage, ctx))
+            # NOTE: written before the stage runs, so a process that dies or hangs in it leaves "running"
+            result["stages"].append({"name": stage.name, "status": "running"})
+            write_result(out / RESULT_FILE, result)
+            faulthandler.dump_traceback_later(args.stage_timeout, exit=True, file=tee.file)
+            result["stages"][-1] = run_stage(stage, ctx)
+            faulthandler.cancel_dump_traceback_later()
             result["wall_s"] = time.perf_counter() - started
             write_result(out / RESULT_FILE, result)
     finally:
@@ -282,6 +289,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "cores)")
     p.add_argument("--device", default=None,
                    help="torch device of every stage (default: cuda; cpu with --dry-run)")
+    p.add_argument("--stage-timeout", type=float, default=300.0, metavar="S",
+                   help="a stage still running after S seconds ends the whole run: every thread's stack goes "
+                        f"to {LOG_FILE} and the stage stays 'running' in the JSON (default: %(default)s)")
     p.add_argument("--scratch", default=None, metavar="DIR",
                    help="where the random models are written and removed at the end (default: the system's "
                         "temporary folder; the Llama-1B-shaped one needs about 5 GB)")

@@ -62,3 +62,15 @@ def test_a_failed_stage_is_recorded_and_the_next_runs(tmp_path):
     stages = json.loads((tmp_path / RESULT_FILE).read_text())["stages"]
     assert [s["name"] for s in stages] == ["card", "prefill"]
     assert all(s["status"] == "failed" and "Traceback" in s["error"] for s in stages)
+
+
+def test_a_stage_past_its_timeout_ends_the_run_and_stays_running(tmp_path):
+    """A hung stage must not eat the machine's minutes: the run ends, the JSON keeps the stages before
+    it and names the one it hung in, and the log has the stacks."""
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry-run", "--stages",
+                           "card,triton_kernels", "--stage-timeout", "0.3", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=DRY_RUN_BUDGET_S)
+    assert done.returncode != 0
+    stages = json.loads((tmp_path / RESULT_FILE).read_text())["stages"]
+    assert [(s["name"], s["status"]) for s in stages] == [("card", "ok"), ("triton_kernels", "running")]
+    assert "most recent call first" in (tmp_path / LOG_FILE).read_text()
