@@ -25,6 +25,11 @@ from deploy.config import DEFAULT_WORKER_ENV
 # is read when torch loads; deploy/config.py says why it matters).
 for _name, _value in DEFAULT_WORKER_ENV.items():
     os.environ.setdefault(_name, _value)
+# NOTE: Triton's kernels run in its interpreter in tests (tests/engine/test_triton_attention.py), and
+# only a process that imports triton under TRITON_INTERPRET=1 can interpret: triton's own library
+# functions (tl.zeros, ...) are made interpreted or compiled when triton loads, and torch loads triton
+# as it starts where it is installed. So it is set here, before torch, for the whole session.
+os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 

@@ -34,14 +34,12 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 @pytest.fixture(scope="module", autouse=True)
 def triton_interpreter():
-    """TRITON_INTERPRET=1 for this module only. NOTE: set before triton is first imported (its jit
-    decorator reads it when triton_kernels is imported), and taken back after the module, so that no
-    other test runs with it."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "1")
-        pytest.importorskip("triton")
-        assert triton_attention.unavailable() is None
-        yield
+    """Triton's interpreter: tests/conftest.py sets TRITON_INTERPRET=1 for the whole session, before
+    torch (which loads triton where it is installed) and so before triton's library is made: a
+    process that imported triton without it cannot interpret."""
+    pytest.importorskip("triton")
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    assert triton_attention.unavailable() is None
 
 
 def make_cache(kv_dtype: str, num_blocks: int, kv_heads: int, head_dim: int, seed: int) -> torch.Tensor:
