@@ -123,6 +123,15 @@ def _own_strides(own: torch.Tensor | None) -> tuple[int, int, int]:
     return (0, 0, 0) if own is None else own.stride()
 
 
+def _has_own_rows(own_k: torch.Tensor | None, own_v: torch.Tensor | None, shape: tuple[int, ...]) -> bool:
+    """Whether own rows were given, both of the queries' shape [rows, KVH, D]."""
+    if own_k is None and own_v is None:
+        return False
+    if own_k is None or own_v is None or own_k.shape != shape or own_v.shape != shape:
+        raise ValueError(f"own_k and own_v must both be {shape}")
+    return True
+
+
 def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, window: int = 0, *,
                            own_k: torch.Tensor | None = None, own_v: torch.Tensor | None = None,
@@ -139,11 +148,7 @@ def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: t
     splits = kv_splits or default_kv_splits(batch, kv_heads, width)
     blocks_per_split = -(-width // splits)
     fmt_code, pool, table = _pool_and_table(cache)
-    has_own = own_k is not None
-    if has_own:
-        part_shape = (batch, kv_heads, head_dim)
-        if own_v is None or own_k.shape != part_shape or own_v.shape != part_shape:
-            raise ValueError(f"own_k and own_v must both be {part_shape}")
+    has_own = _has_own_rows(own_k, own_v, (batch, kv_heads, head_dim))
     if splits > 1:
         part_m = torch.empty(batch * heads * splits, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
@@ -179,11 +184,7 @@ def paged_prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_table: t
     if tokens == 0:
         return out
     fmt_code, pool, table = _pool_and_table(cache)
-    has_own = own_k is not None
-    if has_own:
-        part_shape = (tokens, kv_heads, head_dim)
-        if own_v is None or own_k.shape != part_shape or own_v.shape != part_shape:
-            raise ValueError(f"own_k and own_v must both be {part_shape}")
+    has_own = _has_own_rows(own_k, own_v, (tokens, kv_heads, head_dim))
     group_pad = _next_pow2(group)
     block_m = max(16, 64 // group_pad)  # query tokens a program: 64 rows up to 4 heads a KV head
     _kernels().prefill_kernel[(-(-tokens // block_m), kv_heads)](

@@ -182,6 +182,15 @@ def test_decode_context_zero_row_gives_zero_and_leaves_the_others(kv_splits):
     assert_close(ours, reference.paged_decode_attention(q, cache, tables, lens, 0.25, **own))
 
 
+def test_own_rows_come_in_pairs_of_the_queries_shape():
+    q, cache, tables, lens, own = decode_case("int8", [5, 17], 3, 1, 16, seed=4, own=True)
+    with pytest.raises(ValueError, match=r"own_k and own_v must both be \(2, 1, 16\)"):
+        triton_attention.paged_decode_attention(q, cache, tables, lens, 0.25, own_k=own["own_k"])
+    with pytest.raises(ValueError, match="own_k and own_v must both be"):
+        triton_attention.paged_decode_attention(q, cache, tables, lens, 0.25, own_k=own["own_k"][:1],
+                                                own_v=own["own_v"][:1])
+
+
 def _no_host_reads(*_args, **_kwargs):
     raise AssertionError("the decode wrapper read a tensor's value on the host")
 
