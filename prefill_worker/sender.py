@@ -52,7 +52,7 @@ from pdserve.kvwire import KVLayout, TransferBegin, TransferEnd, encode_layer
 from pdserve.transfer.channel import Frame, KVChannel, PushResult, TransferState
 from pdserve.transfer.errors import FailureKind, TransferFailed
 from pdserve.transfer.frames import DEFAULT_MAX_CHUNK_BYTES
-from pdserve.transfer.staging import StagedCopies, staging_for_pool
+from pdserve.transfer.staging import StagedCopies, StagingTimeout, staging_for_pool
 from pdserve.units import ceil_div
 
 
@@ -82,6 +82,7 @@ class OutgoingTransfer:
         self._result: PushResult | None = None
         self._error: TransferFailed | None = None
         self._aborted: TransferFailed | None = None
+        self._gave_up: TransferFailed | None = None  # why this end stopped the stream, where it did
         self._pinned: list[int] = []  # one entry per reference this transfer holds
         self._pin_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"kv-send-{begin.request_id}", daemon=True)
@@ -161,9 +162,10 @@ class OutgoingTransfer:
             self._result = self._channel.push(self._frames(), self.timeout_s)
             self.state = TransferState.DONE
         except TransferFailed as e:
-            self._error, self.state = e, TransferState.FAILED
+            # NOTE: where this end gave up, its own reason wins over how the channel saw the stream end
+            self._error, self.state = self._gave_up or e, TransferState.FAILED
         except Exception as e:  # a transport bug must still end the transfer cleanly
-            self._error = TransferFailed(FailureKind.INTERNAL, f"{type(e).__name__}: {e}")
+            self._error = self._gave_up or TransferFailed(FailureKind.INTERNAL, f"{type(e).__name__}: {e}")
             self.state = TransferState.FAILED
         finally:
             if self.staged is not None:  # an aborted stream's slots (a slot whose copy runs stays busy)
@@ -189,7 +191,11 @@ class OutgoingTransfer:
         with closing(frames):  # NOTE: an abort closes it at once, so it releases its staging slot
             while True:
                 self._raise_if_aborted()
-                frame = next(frames, None)
+                try:
+                    frame = next(frames, None)
+                except StagingTimeout as e:  # the device or the wire is not keeping up: busy, retry later
+                    self._gave_up = TransferFailed(FailureKind.RESOURCE_EXHAUSTED, f"the sender's {e}")
+                    raise self._gave_up from e
                 if frame is None:
                     return
                 self.bytes_sent += len(frame[1])

@@ -259,3 +259,27 @@ def test_a_receiver_out_of_staging_slots_fails_busy_and_frees_its_blocks_after_i
     assert load.ring.states() == [SlotState.FREE] and not decode.handoff.is_parked("r")
     load.stream.close()
     assert_no_leaks(prefill), assert_no_leaks(decode)
+
+
+def test_a_sender_out_of_staging_slots_fails_busy_and_frees_its_blocks(tiny_loaded):
+    """The sending side's ring held by another transfer for the whole acquire timeout: the push fails
+    RESOURCE_EXHAUSTED (busy, retry later), as the receiver's does, not INTERNAL."""
+    prefill, decode = make_engine(tiny_loaded, num_blocks=16), make_engine(tiny_loaded, num_blocks=16)
+    layout = KVLayout.of_cache(prefill.kv_cache, prefill.fingerprint)
+    streams = CpuStreams()
+    send = StagedCopies(streams, streams.new_stream(), StagingRing(streams, 1, layout.block_bytes),
+                        acquire_timeout_s=BRIEF_S)
+    held = send.ring.acquire("another transfer")
+    sender = LayerwiseSender(prefill, layout, max_chunk_bytes=layout.block_bytes, staged=send)
+    transfer = sender.start("r", PROMPT, 0, InProcessChannel(KVReceiver(decode, layout)), timeout_s=30)
+    prefill.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=1), request_id="r", detokenize=False)
+    run_to_end(prefill, sender)
+    transfer.close()
+    with pytest.raises(TransferFailed, match="staging") as failed:
+        transfer.wait()
+    assert failed.value.kind is FailureKind.RESOURCE_EXHAUSTED
+    sender.finish("r")
+    send.ring.release(held)
+    assert send.ring.states() == [SlotState.FREE] and not decode.handoff.is_parked("r")
+    send.stream.close()
+    assert_no_leaks(prefill), assert_no_leaks(decode)
