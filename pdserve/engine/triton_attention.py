@@ -84,16 +84,12 @@ def _format_code(dtype: torch.dtype) -> int:
     return 0  # triton_kernels.CAST
 
 
-_E4M3_TABLES: dict[torch.device, torch.Tensor] = {}
-
-
+@cache
 def _e4m3_table(device: torch.device) -> torch.Tensor:
-    """The float32 value of each e4m3fn byte. NOTE: built on the device (no host copy), so even a
-    first call inside a CUDA graph capture is legal."""
-    if device not in _E4M3_TABLES:
-        codes = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)
-        _E4M3_TABLES[device] = codes.view(torch.float8_e4m3fn).float()
-    return _E4M3_TABLES[device]
+    """The float32 value of each e4m3fn byte, once per device. NOTE: built on the device (no host copy),
+    so even a first call inside a CUDA graph capture is legal."""
+    codes = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)
+    return codes.view(torch.float8_e4m3fn).float()
 
 
 def _pool_and_table(cache: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
